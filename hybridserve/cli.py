@@ -1,0 +1,44 @@
+"""`hybridserve`: one command, one subcommand per role. Each subcommand lives with its service as a
+module exposing add_arguments(parser) and run(args) -> exit code; the module is imported only when
+its subcommand is built, so `hybridserve scheduler` never loads torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "scheduler": ("scheduler_svc.server", "serve the stateless Scheduler (step planner)"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridserve", description="Serving stack for hybrid LLMs.")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, summary) in COMMANDS.items():
+        command = sub.add_parser(name, help=summary, description=summary)
+        if only is None or only == name:
+            module = importlib.import_module(module_name)
+            module.add_arguments(command)
+            command.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    args = build_parser(only=chosen).parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

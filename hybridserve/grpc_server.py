@@ -1,0 +1,208 @@
+"""gRPC server plumbing shared by every service: one interceptor that maps domain errors to status
+codes, health and reflection on every server, port-0 binding, graceful shutdown."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from hybridserve import errors
+
+log = logging.getLogger("hybridserve.grpc")
+
+# Domain error -> status code. Anything else is a bug: INTERNAL with a log line and a traceback.
+STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    for kind, code in STATUS_OF:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class DomainErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Turns a domain error raised by a servicer into its status code and logs the rejection, so
+    servicers only convert, call and convert back."""
+
+    def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=_guard_unary(handler.unary_unary, method))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=_guard_stream(handler.unary_stream, method))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=_guard_unary(handler.stream_unary, method))
+        if handler.stream_stream is not None:
+            return handler._replace(stream_stream=_guard_stream(handler.stream_stream, method))
+        return handler
+
+
+class UndecodableRequest:
+    """Stands in for a request whose bytes did not parse, so the caller gets INVALID_ARGUMENT
+    (grpc's own deserializer failure would be INTERNAL)."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.type_name = type_name
+        self.error = error
+
+
+def _lenient_parser(message_class: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except (DecodeError, RuntimeWarning, ValueError) as exc:
+            return UndecodableRequest(message_class.DESCRIPTOR.full_name, str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def add_servicer(server: grpc.Server, service: ServiceDescriptor, servicer: Any) -> str:
+    """Registers `servicer` (an object with one method per RPC) for a service descriptor; returns
+    the full service name. Unlike the generated add_*_to_server, a request that does not parse
+    becomes INVALID_ARGUMENT."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in service.methods:
+        in_class = message_factory.GetMessageClass(method.input_type)
+        out_class = message_factory.GetMessageClass(method.output_type)
+        kind = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient_parser(in_class),
+            response_serializer=out_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    return service.full_name
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, UndecodableRequest):
+        raise errors.InvalidArgumentError(f"request is not a valid {request.type_name}: {request.error}")
+
+
+def _abort(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
+    if context.code() is not None:  # type: ignore[attr-defined]  # aborted on purpose: keep its status
+        raise exc
+    code = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in %s", method)
+        context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+    log.info("rejected %s: %s: %s", method, code.name, exc)
+    context.abort(code, str(exc))
+
+
+def _guard_unary(behaviour: Callable[..., Any], method: str) -> Callable[..., Any]:
+    def guarded(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            _check_decoded(request)
+            return behaviour(request, context)
+        except Exception as exc:
+            _abort(exc, context, method)
+
+    return guarded
+
+
+def _guard_stream(behaviour: Callable[..., Any], method: str) -> Callable[..., Any]:
+    def guarded(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            _check_decoded(request)
+            yield from behaviour(request, context)
+        except Exception as exc:
+            _abort(exc, context, method)
+
+    return guarded
+
+
+def create_server(
+    adders: Iterable[Callable[[grpc.Server], str]],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 32,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Builds a started-ready (not started) server with health and reflection.
+
+    Each adder registers one servicer and returns its full service name. Port 0 picks a free port;
+    the bound port is returned.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[DomainErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    names = [add(server) for add in adders]
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    bound = server.add_insecure_port(f"{_bracket(host)}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return server, bound, health_servicer
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def serve_until_signal(
+    server: grpc.Server,
+    health_servicer: health.HealthServicer,
+    grace_s: float = 5.0,
+    on_stop: Callable[[], None] | None = None,
+) -> None:
+    """Blocks until SIGTERM or SIGINT, then stops taking calls (health NOT_SERVING), lets calls in
+    flight finish within grace_s, runs on_stop and returns."""
+    stop = threading.Event()
+
+    def handle(signum: int, _frame: Any) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)
+    stop.wait()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace_s).wait()
+    if on_stop is not None:
+        on_stop()
+    log.info("stopped")
+
+
+def announce(host: str, port: int) -> None:
+    """The line operators and tests read to find a server started with --port 0."""
+    print(f"listening on {host}:{port}", flush=True)

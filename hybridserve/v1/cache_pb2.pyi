@@ -1,0 +1,61 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LookupRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "block_hashes")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_hit_blocks",)
+    NUM_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_hit_blocks: int
+    def __init__(self, num_hit_blocks: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "block_hash", "parent_hash", "block_size", "checkpoint", "checksum")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    block_hash: bytes
+    parent_hash: bytes
+    block_size: int
+    checkpoint: bytes
+    checksum: bytes
+    def __init__(self, model_fingerprint: _Optional[str] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., checkpoint: _Optional[bytes] = ..., checksum: _Optional[bytes] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    def __init__(self, stored: _Optional[bool] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "block_hash")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    block_hash: bytes
+    def __init__(self, model_fingerprint: _Optional[str] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+
+class FetchChunk(_message.Message):
+    __slots__ = ("data", "total_bytes", "checksum")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    total_bytes: int
+    checksum: bytes
+    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...

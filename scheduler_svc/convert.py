@@ -1,0 +1,146 @@
+"""Wire <-> domain conversion for the Scheduler service. Free functions; they validate what the
+wire allows but the domain does not (absent config, unknown enum values) and raise domain errors."""
+
+from __future__ import annotations
+
+from hybridserve.errors import InvalidArgumentError
+from hybridserve.v1 import scheduler_pb2 as pb
+from scheduler_svc.core import (
+    MambaCacheMode,
+    PlanStats,
+    RequestState,
+    SchedulerConfig,
+    Slice,
+    StepInput,
+    StepPlan,
+)
+
+
+def config_from_pb(msg: pb.SchedulerConfig) -> SchedulerConfig:
+    try:
+        mode = MambaCacheMode(msg.mamba_cache_mode)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"config.mamba_cache_mode = {msg.mamba_cache_mode} is unknown; use NONE (0) or ALIGN (1)"
+        ) from None
+    return SchedulerConfig(
+        max_num_batched_tokens=msg.max_num_batched_tokens,
+        max_num_seqs=msg.max_num_seqs,
+        long_prefill_token_threshold=msg.long_prefill_token_threshold,
+        max_num_prefill_tokens_per_step=msg.max_num_prefill_tokens_per_step,
+        block_size=msg.block_size,
+        mamba_block_size=msg.mamba_block_size,
+        mamba_cache_mode=mode,
+        kv_page_size=msg.kv_page_size,
+    )
+
+
+def config_to_pb(config: SchedulerConfig) -> pb.SchedulerConfig:
+    return pb.SchedulerConfig(
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        max_num_prefill_tokens_per_step=config.max_num_prefill_tokens_per_step,
+        block_size=config.block_size,
+        mamba_block_size=config.mamba_block_size,
+        mamba_cache_mode=int(config.mamba_cache_mode),  # type: ignore[arg-type]
+        kv_page_size=config.kv_page_size,
+    )
+
+
+def state_from_pb(msg: pb.RequestState) -> RequestState:
+    return RequestState(
+        request_id=msg.request_id,
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_computed_tokens=msg.num_computed_tokens,
+        num_output_tokens=msg.num_output_tokens,
+        max_tokens=msg.max_tokens,
+        priority=msg.priority,
+        arrival_time=msg.arrival_time,
+    )
+
+
+def state_to_pb(state: RequestState) -> pb.RequestState:
+    return pb.RequestState(
+        request_id=state.request_id,
+        num_prompt_tokens=state.num_prompt_tokens,
+        num_computed_tokens=state.num_computed_tokens,
+        num_output_tokens=state.num_output_tokens,
+        max_tokens=state.max_tokens,
+        priority=state.priority,
+        arrival_time=state.arrival_time,
+    )
+
+
+def step_from_pb(msg: pb.PlanStepRequest) -> StepInput:
+    if not msg.HasField("config"):
+        raise InvalidArgumentError("config is required: send the SchedulerConfig with every PlanStep")
+    return StepInput(
+        config=config_from_pb(msg.config),
+        running=tuple(state_from_pb(r) for r in msg.running),
+        waiting=tuple(state_from_pb(r) for r in msg.waiting),
+        step_index=msg.step_index,
+        num_free_kv_pages=msg.num_free_kv_pages,
+    )
+
+
+def step_to_pb(step: StepInput) -> pb.PlanStepRequest:
+    return pb.PlanStepRequest(
+        config=config_to_pb(step.config),
+        running=[state_to_pb(r) for r in step.running],
+        waiting=[state_to_pb(r) for r in step.waiting],
+        step_index=step.step_index,
+        num_free_kv_pages=step.num_free_kv_pages,
+    )
+
+
+def plan_to_pb(plan: StepPlan) -> pb.PlanStepResponse:
+    stats = plan.stats
+    return pb.PlanStepResponse(
+        slices=[
+            pb.Slice(
+                request_id=s.request_id,
+                num_tokens=s.num_tokens,
+                is_prefill=s.is_prefill,
+                ends_on_checkpoint=s.ends_on_checkpoint,
+            )
+            for s in plan.slices
+        ],
+        preempted_request_ids=list(plan.preempted_request_ids),
+        quantum=plan.quantum,
+        stats=pb.PlanStats(
+            num_decode_tokens=stats.num_decode_tokens,
+            num_prefill_tokens=stats.num_prefill_tokens,
+            prefill_budget_tokens=stats.prefill_budget_tokens,
+            num_pending_prefills=stats.num_pending_prefills,
+            stalled=stats.stalled,
+            micro_sliced=stats.micro_sliced,
+            num_kv_pages_allocated=stats.num_kv_pages_allocated,
+        ),
+    )
+
+
+def plan_from_pb(msg: pb.PlanStepResponse) -> StepPlan:
+    stats = msg.stats
+    return StepPlan(
+        slices=tuple(
+            Slice(
+                request_id=s.request_id,
+                num_tokens=s.num_tokens,
+                is_prefill=s.is_prefill,
+                ends_on_checkpoint=s.ends_on_checkpoint,
+            )
+            for s in msg.slices
+        ),
+        preempted_request_ids=tuple(msg.preempted_request_ids),
+        quantum=msg.quantum,
+        stats=PlanStats(
+            num_decode_tokens=stats.num_decode_tokens,
+            num_prefill_tokens=stats.num_prefill_tokens,
+            prefill_budget_tokens=stats.prefill_budget_tokens,
+            num_pending_prefills=stats.num_pending_prefills,
+            stalled=stats.stalled,
+            micro_sliced=stats.micro_sliced,
+            num_kv_pages_allocated=stats.num_kv_pages_allocated,
+        ),
+    )

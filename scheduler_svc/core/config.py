@@ -1,0 +1,114 @@
+"""The scheduler configuration and its validation.
+
+Derived values (the quantum, whether the sub-block exception holds) are properties, computed from
+the fields by the rules in `scheduler_svc.core.rules`; `validate()` raises InvalidArgumentError
+naming the field, the value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from hybridserve.errors import InvalidArgumentError
+from scheduler_svc.core import rules
+
+
+class MambaCacheMode(enum.IntEnum):
+    """How recurrent state is checkpointed (values match the wire enum)."""
+
+    NONE = 0  # no recurrent state to checkpoint: chunks may end anywhere
+    ALIGN = 1  # state is saved only where a step ends on a multiple of block_size
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int  # tokens (prefill + decode) one step may compute
+    max_num_seqs: int  # requests one step may run
+    long_prefill_token_threshold: int  # per-request cap on a prefill chunk, tokens; 0 = none
+    max_num_prefill_tokens_per_step: int  # micro-slicing budget of a mixed step, tokens; 0 = off
+    block_size: int  # checkpoint / prefix-cache grid, tokens
+    mamba_block_size: int  # recurrent block, tokens
+    mamba_cache_mode: MambaCacheMode
+    kv_page_size: int  # KV capacity unit, tokens
+
+    @property
+    def is_aligned(self) -> bool:
+        """Whether non-final prefill chunks must end on the block_size grid."""
+        return self.mamba_cache_mode == MambaCacheMode.ALIGN
+
+    @property
+    def sub_block_exception(self) -> bool:
+        """Whether a chunk may advance less than one block (see rules.holds_sub_block_exception)."""
+        return self.is_aligned and rules.holds_sub_block_exception(
+            self.block_size, self.max_num_batched_tokens, self.long_prefill_token_threshold
+        )
+
+    @property
+    def quantum(self) -> int:
+        """The allocation unit of micro-slicing, tokens (see rules.quantum_tokens)."""
+        return rules.quantum_tokens(self.is_aligned, self.sub_block_exception, self.block_size, self.mamba_block_size)
+
+    def validate(self) -> SchedulerConfig:
+        """Raises InvalidArgumentError on the first inconsistency; returns self when valid."""
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "kv_page_size"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        for name in ("long_prefill_token_threshold", "max_num_prefill_tokens_per_step"):
+            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0 (0 turns it off)")
+        _require(
+            self.block_size % self.kv_page_size == 0,
+            "kv_page_size",
+            self.kv_page_size,
+            f"must divide block_size ({self.block_size}) so that cache blocks are whole KV pages",
+        )
+        if self.is_aligned:
+            _require(
+                self.mamba_block_size > 0,
+                "mamba_block_size",
+                self.mamba_block_size,
+                "must be > 0 when mamba_cache_mode is ALIGN",
+            )
+            _require(
+                self.block_size % self.mamba_block_size == 0,
+                "block_size",
+                self.block_size,
+                f"must be a multiple of mamba_block_size ({self.mamba_block_size}) when mamba_cache_mode is ALIGN",
+            )
+        elif self.mamba_block_size < 0:
+            _require(False, "mamba_block_size", self.mamba_block_size, "must be >= 0")
+        budget, quantum = self.max_num_prefill_tokens_per_step, self.quantum
+        _require(
+            budget % quantum == 0,
+            "max_num_prefill_tokens_per_step",
+            budget,
+            f"must be a multiple of the prefill quantum {quantum} (lcm of mamba_block_size and block_size"
+            f" while chunks must end on the block grid); use {_nearest_multiples(budget, quantum)}",
+        )
+        return self
+
+    def warnings(self) -> list[str]:
+        """Valid but probably unintended settings, one sentence each."""
+        found: list[str] = []
+        if self.is_aligned and not self.sub_block_exception and self.max_num_batched_tokens < 2 * self.quantum:
+            found.append(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} is below two quanta"
+                f" ({2 * self.quantum}): once decodes run, prefills get less than one quantum and wait for"
+                " the decodes to finish"
+            )
+        if 0 < self.max_num_batched_tokens < self.max_num_prefill_tokens_per_step:
+            found.append(
+                f"max_num_prefill_tokens_per_step {self.max_num_prefill_tokens_per_step} exceeds"
+                f" max_num_batched_tokens {self.max_num_batched_tokens}; the smaller one applies"
+            )
+        return found
+
+
+def _require(ok: bool, field: str, value: int, why: str) -> None:
+    if not ok:
+        raise InvalidArgumentError(f"config.{field} = {value} {why}")
+
+
+def _nearest_multiples(value: int, quantum: int) -> str:
+    lower = value // quantum * quantum
+    upper = lower + quantum
+    return f"{lower} or {upper}" if lower > 0 else str(upper)

@@ -1,0 +1,32 @@
+"""What the planner returns: the step plan, frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    request_id: str
+    num_tokens: int  # computes [num_computed_tokens, num_computed_tokens + num_tokens)
+    is_prefill: bool
+    ends_on_checkpoint: bool  # the end is on the block grid in ALIGN mode: save the Mamba state
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStats:
+    num_decode_tokens: int  # tokens of decode slices
+    num_prefill_tokens: int  # tokens of prefill slices
+    prefill_budget_tokens: int  # tokens prefills could use after decodes and the micro budget
+    num_pending_prefills: int  # running prefills plus waiting requests
+    stalled: bool  # prefills pending, budget >= one quantum, none scheduled
+    micro_sliced: bool  # the prefill budget was split in quanta (mixed step, budget set)
+    num_kv_pages_allocated: int  # pages the plan takes from the free pool
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    slices: tuple[Slice, ...]  # decodes first, then prefills; one per request at most
+    preempted_request_ids: tuple[str, ...]  # running requests to free, in preemption order
+    quantum: int  # allocation unit of micro-slicing, tokens
+    stats: PlanStats

@@ -1,0 +1,243 @@
+"""Plans one engine step from the worker's full scheduling state. Pure and deterministic.
+
+Algorithm (DESIGN §2):
+1. Decodes first. Running decodes, in queue order (priority, then arrival), get one token each
+   while the token and sequence budgets last. A decode that needs a KV page when none is free
+   preempts the lowest-priority, latest-arrived running request (itself last) until the page fits.
+   Prefills never take a page or a token from a running decode.
+2. The prefill budget is what the decodes left; in a step that carries decodes with micro-slicing
+   on, at most max_num_prefill_tokens_per_step (the step is "micro-sliced").
+3. Micro-sliced: the budget is split among running prefills in whole quanta (rules.split_quanta);
+   each share is capped by the prompt left, the long-prefill threshold and the free pages, then
+   aligned (rules.align_chunk). Budget a share could not use is offered again, in quanta, in
+   rotation order (work conserving). Otherwise running prefills take the budget first come first
+   served, as plain chunked prefill does.
+4. Waiting requests are admitted in queue order with what is left (whole quanta when micro-sliced),
+   within max_num_seqs, and not in a step that preempted.
+5. Stall breaker: if running prefills are pending and none could start for lack of pages that other
+   running prefills hold, the latest of those is preempted and the prefills are planned again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from scheduler_svc.core import rules
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.plan import PlanStats, Slice, StepPlan
+from scheduler_svc.core.state import RequestState, StepInput
+from scheduler_svc.core.validation import validate_step
+
+
+@dataclass(slots=True)
+class _Ledger:
+    """What is left to hand out in this step."""
+
+    tokens_left: int  # of max_num_batched_tokens
+    seqs_left: int  # slices left of max_num_seqs
+    seats_left: int  # running places left of max_num_seqs (for admissions)
+    free_pages: int  # KV pages
+
+
+@dataclass(slots=True)
+class _Grant:
+    """One request's slice while the plan is being built."""
+
+    request: RequestState
+    num_tokens: int = 0  # tokens granted so far
+    num_pages: int = 0  # new pages those tokens take
+
+
+def plan_step(step: StepInput) -> StepPlan:
+    """Returns the plan of one step. Raises InvalidArgumentError on inconsistent input."""
+    validate_step(step)
+    config = step.config
+    quantum = config.quantum
+    running = sorted(step.running, key=lambda r: r.queue_key)  # stable: worker order breaks ties
+    ledger = _Ledger(
+        tokens_left=config.max_num_batched_tokens,
+        seqs_left=config.max_num_seqs,
+        seats_left=config.max_num_seqs - len(running),
+        free_pages=step.num_free_kv_pages,
+    )
+    preempted: list[RequestState] = []
+    decodes = _schedule_decodes(running, config, ledger, preempted)
+    micro_sliced = bool(decodes) and config.max_num_prefill_tokens_per_step > 0
+    budget = ledger.tokens_left
+    if micro_sliced:
+        budget = min(budget, config.max_num_prefill_tokens_per_step)
+    prefills_running = [r for r in running if r.is_prefill and r not in preempted]
+    unit = rules.progress_unit(quantum, micro_sliced, config.sub_block_exception)
+    while True:
+        trial = replace(ledger)
+        waiting = [] if preempted else sorted(step.waiting, key=lambda r: r.queue_key)
+        prefills = _schedule_prefills(
+            prefills_running, waiting, config, trial, budget, quantum if micro_sliced else 0, step.step_index
+        )
+        if prefills or not _is_stuck_on_pages(prefills_running, config, trial, budget, unit):
+            break
+        victim = prefills_running.pop()  # lowest priority, latest arrival
+        preempted.append(victim)
+        ledger.free_pages += rules.pages_for_tokens(victim.num_computed_tokens, config.kv_page_size)
+        ledger.seats_left += 1
+    grants = decodes + prefills
+    return StepPlan(
+        slices=tuple(_to_slice(g, config) for g in grants),
+        preempted_request_ids=tuple(r.request_id for r in preempted),
+        quantum=quantum,
+        stats=_stats(decodes, prefills, prefills_running, step, budget, micro_sliced, unit),
+    )
+
+
+def _schedule_decodes(
+    running: list[RequestState], config: SchedulerConfig, ledger: _Ledger, preempted: list[RequestState]
+) -> list[_Grant]:
+    """One token per running decode, preempting from the back of the queue when pages run out."""
+    granted: dict[str, _Grant] = {}
+    active = list(running)  # not preempted, queue order
+    for request in running:
+        if request.is_prefill or request not in active:
+            continue
+        if ledger.tokens_left < 1 or ledger.seqs_left < 1:
+            break
+        need = rules.new_pages_needed(request.num_computed_tokens, 1, config.kv_page_size)
+        while need > ledger.free_pages:
+            victim = active.pop()
+            preempted.append(victim)
+            ledger.free_pages += rules.pages_for_tokens(victim.num_computed_tokens, config.kv_page_size)
+            ledger.seats_left += 1
+            undone = granted.pop(victim.request_id, None)
+            if undone is not None:
+                ledger.free_pages += undone.num_pages
+                ledger.tokens_left += undone.num_tokens
+                ledger.seqs_left += 1
+            if victim is request:
+                break
+        if request not in active:
+            break  # it preempted itself: nothing behind it is left either
+        ledger.free_pages -= need
+        ledger.tokens_left -= 1
+        ledger.seqs_left -= 1
+        granted[request.request_id] = _Grant(request, num_tokens=1, num_pages=need)
+    return list(granted.values())
+
+
+def _schedule_prefills(
+    running: list[RequestState],
+    waiting: list[RequestState],
+    config: SchedulerConfig,
+    ledger: _Ledger,
+    budget: int,
+    micro_quantum: int,
+    step_index: int,
+) -> list[_Grant]:
+    """Grants of running prefills, then admissions of waiting requests, within `budget` tokens.
+    micro_quantum > 0 splits the budget in quanta of that size (a micro-sliced step)."""
+    grants = [_Grant(r) for r in running]
+    unit = max(micro_quantum, 1)  # granularity in which leftover budget is offered
+    if micro_quantum:
+        num_quanta = budget // micro_quantum
+        shares = rules.split_quanta(num_quanta, len(grants), step_index)
+        order = rules.rotation_order(len(grants), num_quanta, step_index)
+        for index in order:
+            budget -= _grow(grants[index], shares[index] * micro_quantum, config, ledger)
+        taken = budget
+        while taken and budget >= unit:  # work conserving: re-offer what alignment left unused
+            taken = 0
+            for index in order:
+                took = _grow(grants[index], budget // unit * unit, config, ledger)
+                budget -= took
+                taken += took
+    else:
+        for grant in grants:
+            budget -= _grow(grant, budget, config, ledger)
+    for request in waiting:
+        offer = budget // unit * unit
+        if offer <= 0 or ledger.seats_left <= 0:
+            break
+        grant = _Grant(request)
+        while offer > 0 and (took := _grow(grant, offer, config, ledger)):  # re-offer what alignment left
+            budget -= took
+            offer = budget // unit * unit
+        if grant.num_tokens:
+            ledger.seats_left -= 1
+            grants.append(grant)
+    return [g for g in grants if g.num_tokens > 0]
+
+
+def _grow(grant: _Grant, offer: int, config: SchedulerConfig, ledger: _Ledger) -> int:
+    """Adds up to `offer` tokens to a prefill grant within every cap; returns the tokens taken."""
+    request = grant.request
+    if offer <= 0 or (grant.num_tokens == 0 and ledger.seqs_left <= 0):
+        return 0
+    total = min(grant.num_tokens + offer, request.num_prefill_tokens_left, ledger.tokens_left + grant.num_tokens)
+    if config.long_prefill_token_threshold > 0:
+        total = min(total, config.long_prefill_token_threshold)
+    pages_available = ledger.free_pages + grant.num_pages
+    total = min(total, rules.max_tokens_for_pages(request.num_computed_tokens, pages_available, config.kv_page_size))
+    if config.is_aligned:
+        total = rules.align_chunk(
+            request.num_computed_tokens,
+            total,
+            request.num_prompt_tokens,
+            config.block_size,
+            config.sub_block_exception,
+        )
+    if total <= grant.num_tokens:
+        return 0
+    pages = rules.new_pages_needed(request.num_computed_tokens, total, config.kv_page_size)
+    took = total - grant.num_tokens
+    if grant.num_tokens == 0:
+        ledger.seqs_left -= 1
+    ledger.free_pages -= pages - grant.num_pages
+    ledger.tokens_left -= took
+    grant.num_tokens, grant.num_pages = total, pages
+    return took
+
+
+def _is_stuck_on_pages(
+    running_prefills: list[RequestState], config: SchedulerConfig, ledger: _Ledger, budget: int, quantum: int
+) -> bool:
+    """True when the head running prefill could start with the pages that the running prefills
+    behind it hold, but not with the free pages: the case where prefills would wait on each other
+    forever."""
+    if len(running_prefills) < 2 or budget < quantum or ledger.seqs_left < 1:
+        return False
+    head = running_prefills[0]
+    probe = _Grant(head)
+    unlimited = replace(ledger, free_pages=1 << 62, tokens_left=budget)
+    if _grow(probe, min(budget, quantum), config, unlimited) == 0:
+        return False
+    held_behind = sum(rules.pages_for_tokens(r.num_computed_tokens, config.kv_page_size) for r in running_prefills[1:])
+    return ledger.free_pages < probe.num_pages <= ledger.free_pages + held_behind
+
+
+def _to_slice(grant: _Grant, config: SchedulerConfig) -> Slice:
+    end = grant.request.num_computed_tokens + grant.num_tokens
+    return Slice(
+        request_id=grant.request.request_id,
+        num_tokens=grant.num_tokens,
+        is_prefill=grant.request.is_prefill,
+        ends_on_checkpoint=config.is_aligned and end % config.block_size == 0,
+    )
+
+
+def _stats(
+    decodes: list[_Grant],
+    prefills: list[_Grant],
+    running_prefills: list[RequestState],
+    step: StepInput,
+    budget: int,
+    micro_sliced: bool,
+    unit: int,
+) -> PlanStats:
+    num_pending = len(running_prefills) + len(step.waiting)
+    return PlanStats(
+        num_decode_tokens=sum(g.num_tokens for g in decodes),
+        num_prefill_tokens=sum(g.num_tokens for g in prefills),
+        prefill_budget_tokens=budget,
+        num_pending_prefills=num_pending,
+        stalled=num_pending > 0 and budget >= unit and not prefills,
+        micro_sliced=micro_sliced,
+        num_kv_pages_allocated=sum(g.num_pages for g in decodes + prefills),
+    )

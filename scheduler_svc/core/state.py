@@ -1,0 +1,42 @@
+"""What the planner is told each step: the worker's full scheduling state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.core.config import SchedulerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RequestState:
+    request_id: str
+    num_prompt_tokens: int  # tokens known before generation (preempted: incl. generated ones)
+    num_computed_tokens: int  # tokens whose KV and state exist: [0, num_computed_tokens)
+    num_output_tokens: int  # tokens generated so far; the newest is not computed yet
+    max_tokens: int  # generation limit, tokens
+    priority: int  # smaller is served first
+    arrival_time: float  # ties in priority go to the earlier arrival
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def num_prefill_tokens_left(self) -> int:
+        """Prompt tokens still to compute: [num_computed_tokens, num_prompt_tokens)."""
+        return max(self.num_prompt_tokens - self.num_computed_tokens, 0)
+
+    @property
+    def queue_key(self) -> tuple[int, float]:
+        """Service order: priority first, then arrival. A preempted request keeps its arrival time
+        and so its place."""
+        return (self.priority, self.arrival_time)
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    config: SchedulerConfig
+    running: tuple[RequestState, ...]  # hold pages and state slots, in the worker's order
+    waiting: tuple[RequestState, ...]  # not admitted yet, any order
+    step_index: int  # engine step counter; rotates micro-slice remainders
+    num_free_kv_pages: int  # pages free in the worker's pool now

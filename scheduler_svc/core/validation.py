@@ -1,0 +1,63 @@
+"""Input checks of one planning step. Each failure names the request, the field and the value."""
+
+from __future__ import annotations
+
+from hybridserve.errors import InvalidArgumentError
+from scheduler_svc.core.state import RequestState, StepInput
+
+
+def validate_step(step: StepInput) -> None:
+    """Raises InvalidArgumentError on the first inconsistency in the config or the request states."""
+    config = step.config.validate()
+    if step.step_index < 0:
+        raise InvalidArgumentError(f"step_index = {step.step_index} must be >= 0")
+    if step.num_free_kv_pages < 0:
+        raise InvalidArgumentError(f"num_free_kv_pages = {step.num_free_kv_pages} must be >= 0")
+    if len(step.running) > config.max_num_seqs:
+        raise InvalidArgumentError(
+            f"{len(step.running)} running requests exceed config.max_num_seqs = {config.max_num_seqs}"
+        )
+    seen: set[str] = set()
+    for queue, requests in (("running", step.running), ("waiting", step.waiting)):
+        for index, request in enumerate(requests):
+            where = f"{queue}[{index}] (request_id {request.request_id!r})"
+            if not request.request_id:
+                raise InvalidArgumentError(f"{queue}[{index}].request_id must not be empty")
+            if request.request_id in seen:
+                raise InvalidArgumentError(f"{where}: duplicate request_id; ids must be unique in one step")
+            seen.add(request.request_id)
+            _validate_request(request, where, is_waiting=queue == "waiting")
+
+
+def _validate_request(request: RequestState, where: str, is_waiting: bool) -> None:
+    prompt, computed, output = (
+        request.num_prompt_tokens,
+        request.num_computed_tokens,
+        request.num_output_tokens,
+    )
+    if prompt < 1:
+        raise InvalidArgumentError(f"{where}: num_prompt_tokens = {prompt} must be >= 1")
+    if computed < 0 or output < 0:
+        raise InvalidArgumentError(
+            f"{where}: num_computed_tokens = {computed} and num_output_tokens = {output} must be >= 0"
+        )
+    if request.max_tokens < max(output, 1):
+        raise InvalidArgumentError(
+            f"{where}: max_tokens = {request.max_tokens} must be >= 1 and >= num_output_tokens ({output})"
+        )
+    if computed < prompt and output != 0:
+        raise InvalidArgumentError(
+            f"{where}: num_output_tokens = {output} while prefilling (num_computed_tokens {computed} <"
+            f" num_prompt_tokens {prompt}); a recomputing request folds its outputs into the prompt"
+        )
+    if computed >= prompt and computed != prompt + output - 1:
+        raise InvalidArgumentError(
+            f"{where}: num_computed_tokens = {computed} is beyond what a decode can be at; once the prompt"
+            f" ({prompt} tokens) is computed it must equal num_prompt_tokens + num_output_tokens - 1"
+            f" = {prompt + output - 1}"
+        )
+    if is_waiting and computed >= prompt:
+        raise InvalidArgumentError(
+            f"{where}: a waiting request must have prompt tokens left to compute (num_computed_tokens"
+            f" = {computed} >= num_prompt_tokens = {prompt})"
+        )

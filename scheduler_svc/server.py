@@ -1,0 +1,58 @@
+"""`hybridserve scheduler`: serves the stateless Scheduler service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import grpc
+from grpc_health.v1 import health
+
+from hybridserve import grpc_server
+from hybridserve.cliutil import env_default
+from scheduler_svc import service
+
+log = logging.getLogger("hybridserve.scheduler")
+
+
+def create_server(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 32,
+    max_message_bytes: int = grpc_server.DEFAULT_MAX_MESSAGE_BYTES,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """The Scheduler service with health and reflection, bound but not started."""
+    return grpc_server.create_server(
+        [service.add_to_server],
+        host=host,
+        port=port,
+        max_workers=max_workers,
+        max_message_bytes=max_message_bytes,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=env_default("SCHEDULER_HOST", "127.0.0.1"), help="bind address")
+    parser.add_argument(
+        "--port", type=int, default=env_default("SCHEDULER_PORT", 50051, int), help="0 picks a free port"
+    )
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        default=env_default("SCHEDULER_MAX_WORKERS", 32, int),
+        help="threads serving calls",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=env_default("SCHEDULER_MAX_MESSAGE_BYTES", grpc_server.DEFAULT_MAX_MESSAGE_BYTES, int),
+        help="largest request accepted (bigger ones get RESOURCE_EXHAUSTED)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    server, port, health_servicer = create_server(args.host, args.port, args.max_workers, args.max_message_bytes)
+    server.start()
+    grpc_server.announce(args.host, port)
+    grpc_server.serve_until_signal(server, health_servicer)
+    return 0

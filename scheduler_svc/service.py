@@ -1,0 +1,32 @@
+"""The Scheduler gRPC servicer: converts in, calls the pure planner, converts out. Errors raised by
+the core are mapped to status codes by hybridserve.grpc_server.DomainErrorInterceptor."""
+
+from __future__ import annotations
+
+import grpc
+
+from hybridserve import grpc_server
+from hybridserve.v1 import scheduler_pb2 as pb
+from hybridserve.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc import convert
+from scheduler_svc.core import plan_step
+
+
+class SchedulerServicer(pb_grpc.SchedulerServicer):
+    def PlanStep(self, request: pb.PlanStepRequest, context: grpc.ServicerContext) -> pb.PlanStepResponse:
+        return convert.plan_to_pb(plan_step(convert.step_from_pb(request)))
+
+    def ValidateConfig(self, request: pb.SchedulerConfig, context: grpc.ServicerContext) -> pb.ValidateConfigResponse:
+        config = convert.config_from_pb(request).validate()
+        return pb.ValidateConfigResponse(
+            quantum=config.quantum,
+            sub_block_exception=config.sub_block_exception,
+            warnings=config.warnings(),
+        )
+
+    def Echo(self, request: pb.EchoRequest, context: grpc.ServicerContext) -> pb.EchoRequest:
+        return request
+
+
+def add_to_server(server: grpc.Server) -> str:
+    return grpc_server.add_servicer(server, pb.DESCRIPTOR.services_by_name["Scheduler"], SchedulerServicer())

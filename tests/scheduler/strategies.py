@@ -1,0 +1,59 @@
+"""Hypothesis strategies for valid scheduler configs and request sets."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from scheduler_svc.core import MambaCacheMode, RequestState, SchedulerConfig, StepInput
+
+
+@st.composite
+def configs(draw: st.DrawFn, max_block: int = 512) -> SchedulerConfig:
+    mode = draw(st.sampled_from([MambaCacheMode.ALIGN, MambaCacheMode.NONE]))
+    mamba_block = draw(st.sampled_from([16, 32, 64, 128]))
+    block = mamba_block * draw(st.sampled_from([1, 2, 4, 8]))
+    block = min(block, max_block)
+    page = draw(st.sampled_from([p for p in (1, 2, 4, 8, 16) if block % p == 0]))
+    base = SchedulerConfig(
+        max_num_batched_tokens=draw(st.integers(1, 4 * block)),
+        max_num_seqs=draw(st.integers(1, 12)),
+        long_prefill_token_threshold=draw(st.one_of(st.just(0), st.integers(1, 4 * block))),
+        max_num_prefill_tokens_per_step=0,
+        block_size=block,
+        mamba_block_size=mamba_block,
+        mamba_cache_mode=mode,
+        kv_page_size=page,
+    )
+    micro = draw(st.one_of(st.just(0), st.integers(1, 6).map(lambda k: k * base.quantum)))
+    from dataclasses import replace
+
+    return replace(base, max_num_prefill_tokens_per_step=micro).validate()
+
+
+@st.composite
+def request_states(draw: st.DrawFn, request_id: str, waiting: bool, arrival: float) -> RequestState:
+    prompt = draw(st.integers(1, 3000))
+    priority = draw(st.integers(0, 2))
+    if waiting or draw(st.booleans()):
+        computed = draw(st.integers(0, prompt - 1))
+        return RequestState(request_id, prompt, computed, 0, draw(st.integers(1, 64)), priority, arrival)
+    output = draw(st.integers(1, 64))
+    return RequestState(
+        request_id, prompt, prompt + output - 1, output, output + draw(st.integers(0, 64)), priority, arrival
+    )
+
+
+@st.composite
+def step_inputs(draw: st.DrawFn) -> StepInput:
+    config = draw(configs())
+    num_running = draw(st.integers(0, config.max_num_seqs))
+    num_waiting = draw(st.integers(0, 6))
+    running = [draw(request_states(f"r{i}", False, float(draw(st.integers(0, 20))))) for i in range(num_running)]
+    waiting = [draw(request_states(f"w{i}", True, float(draw(st.integers(0, 40))))) for i in range(num_waiting)]
+    return StepInput(
+        config=config,
+        running=tuple(running),
+        waiting=tuple(waiting),
+        step_index=draw(st.integers(0, 10_000)),
+        num_free_kv_pages=draw(st.one_of(st.integers(0, 64), st.integers(0, 5000))),
+    )

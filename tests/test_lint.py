@@ -1,0 +1,28 @@
+"""Ruff over the tree and mypy (strict on the pure planner and the converters)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None and run("ruff", "--version").returncode != 0, reason="ruff missing")
+def test_ruff_clean():
+    result = run("ruff", "check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_mypy_clean():
+    result = run("mypy", "scheduler_svc", "hybridserve")
+    assert result.returncode == 0, result.stdout + result.stderr
