@@ -32,6 +32,8 @@ STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+Adder = Callable[[grpc.Server], str]  # registers one servicer, returns its full service name
+
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
     for kind, code in STATUS_OF:

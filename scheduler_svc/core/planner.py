@@ -21,12 +21,15 @@ Algorithm (DESIGN §2):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 from scheduler_svc.core import rules
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.plan import PlanStats, Slice, StepPlan
 from scheduler_svc.core.state import RequestState, StepInput
 from scheduler_svc.core.validation import validate_step
+
+_QUEUE_ORDER = attrgetter("priority", "arrival_time")  # == RequestState.queue_key, without a call
 
 
 @dataclass(slots=True)
@@ -53,7 +56,7 @@ def plan_step(step: StepInput) -> StepPlan:
     validate_step(step)
     config = step.config
     quantum = config.quantum
-    running = sorted(step.running, key=lambda r: r.queue_key)  # stable: worker order breaks ties
+    running = sorted(step.running, key=_QUEUE_ORDER)  # stable: worker order breaks ties
     ledger = _Ledger(
         tokens_left=config.max_num_batched_tokens,
         seqs_left=config.max_num_seqs,
@@ -66,11 +69,12 @@ def plan_step(step: StepInput) -> StepPlan:
     budget = ledger.tokens_left
     if micro_sliced:
         budget = min(budget, config.max_num_prefill_tokens_per_step)
-    prefills_running = [r for r in running if r.is_prefill and r not in preempted]
+    preempted_ids = {r.request_id for r in preempted}
+    prefills_running = [r for r in running if r.is_prefill and r.request_id not in preempted_ids]
     unit = rules.progress_unit(quantum, micro_sliced, config.sub_block_exception)
     while True:
         trial = replace(ledger)
-        waiting = [] if preempted else sorted(step.waiting, key=lambda r: r.queue_key)
+        waiting = [] if preempted else sorted(step.waiting, key=_QUEUE_ORDER)
         prefills = _schedule_prefills(
             prefills_running, waiting, config, trial, budget, quantum if micro_sliced else 0, step.step_index
         )
@@ -82,7 +86,7 @@ def plan_step(step: StepInput) -> StepPlan:
         ledger.seats_left += 1
     grants = decodes + prefills
     return StepPlan(
-        slices=tuple(_to_slice(g, config) for g in grants),
+        slices=_to_slices(grants, config),
         preempted_request_ids=tuple(r.request_id for r in preempted),
         quantum=quantum,
         stats=_stats(decodes, prefills, prefills_running, step, budget, micro_sliced, unit),
@@ -95,15 +99,19 @@ def _schedule_decodes(
     """One token per running decode, preempting from the back of the queue when pages run out."""
     granted: dict[str, _Grant] = {}
     active = list(running)  # not preempted, queue order
+    preempted_ids: set[str] = set()
+    page = config.kv_page_size
     for request in running:
-        if request.is_prefill or request not in active:
-            continue
+        computed = request.num_computed_tokens
+        if computed < request.num_prompt_tokens or request.request_id in preempted_ids:
+            continue  # a prefill, or already preempted
         if ledger.tokens_left < 1 or ledger.seqs_left < 1:
             break
-        need = rules.new_pages_needed(request.num_computed_tokens, 1, config.kv_page_size)
+        need = 1 if computed % page == 0 else 0  # == rules.new_pages_needed(computed, 1, page)
         while need > ledger.free_pages:
             victim = active.pop()
             preempted.append(victim)
+            preempted_ids.add(victim.request_id)
             ledger.free_pages += rules.pages_for_tokens(victim.num_computed_tokens, config.kv_page_size)
             ledger.seats_left += 1
             undone = granted.pop(victim.request_id, None)
@@ -113,7 +121,7 @@ def _schedule_decodes(
                 ledger.seqs_left += 1
             if victim is request:
                 break
-        if request not in active:
+        if request.request_id in preempted_ids:
             break  # it preempted itself: nothing behind it is left either
         ledger.free_pages -= need
         ledger.tokens_left -= 1
@@ -212,13 +220,16 @@ def _is_stuck_on_pages(
     return ledger.free_pages < probe.num_pages <= ledger.free_pages + held_behind
 
 
-def _to_slice(grant: _Grant, config: SchedulerConfig) -> Slice:
-    end = grant.request.num_computed_tokens + grant.num_tokens
-    return Slice(
-        request_id=grant.request.request_id,
-        num_tokens=grant.num_tokens,
-        is_prefill=grant.request.is_prefill,
-        ends_on_checkpoint=config.is_aligned and end % config.block_size == 0,
+def _to_slices(grants: list[_Grant], config: SchedulerConfig) -> tuple[Slice, ...]:
+    grid = config.block_size if config.is_aligned else 0
+    return tuple(
+        Slice(
+            g.request.request_id,
+            g.num_tokens,
+            g.request.num_computed_tokens < g.request.num_prompt_tokens,
+            grid > 0 and (g.request.num_computed_tokens + g.num_tokens) % grid == 0,
+        )
+        for g in grants
     )
 
 

@@ -20,13 +20,29 @@ def validate_step(step: StepInput) -> None:
     seen: set[str] = set()
     for queue, requests in (("running", step.running), ("waiting", step.waiting)):
         for index, request in enumerate(requests):
-            where = f"{queue}[{index}] (request_id {request.request_id!r})"
-            if not request.request_id:
-                raise InvalidArgumentError(f"{queue}[{index}].request_id must not be empty")
-            if request.request_id in seen:
-                raise InvalidArgumentError(f"{where}: duplicate request_id; ids must be unique in one step")
+            if not _is_consistent(request, queue == "waiting") or request.request_id in seen:
+                _explain(request, f"{queue}[{index}]", queue == "waiting", seen)
             seen.add(request.request_id)
-            _validate_request(request, where, is_waiting=queue == "waiting")
+
+
+def _is_consistent(r: RequestState, is_waiting: bool) -> bool:
+    """The fast path of the checks _explain spells out (this runs for every request every step)."""
+    prompt, computed, output = r.num_prompt_tokens, r.num_computed_tokens, r.num_output_tokens
+    if not r.request_id or prompt < 1 or computed < 0 or output < 0 or r.max_tokens < max(output, 1):
+        return False
+    if computed < prompt:
+        return output == 0
+    return not is_waiting and computed == prompt + output - 1
+
+
+def _explain(request: RequestState, position: str, is_waiting: bool, seen: set[str]) -> None:
+    """Raises the InvalidArgumentError that names what is wrong with `request`."""
+    if not request.request_id:
+        raise InvalidArgumentError(f"{position}.request_id must not be empty")
+    where = f"{position} (request_id {request.request_id!r})"
+    if request.request_id in seen:
+        raise InvalidArgumentError(f"{where}: duplicate request_id; ids must be unique in one step")
+    _validate_request(request, where, is_waiting)
 
 
 def _validate_request(request: RequestState, where: str, is_waiting: bool) -> None:

@@ -1,0 +1,1 @@
+"""The worker's engine: request state, the step loop driven by the scheduler service, streaming."""

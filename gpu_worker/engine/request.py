@@ -1,0 +1,147 @@
+"""One generation request as the engine owns it, and the events it streams out.
+
+Token regions of a request (positions):
+
+    [0, num_prompt)  prompt   [num_prompt, len(all_token_ids))  generated
+    [0, num_computed_tokens)  KV in page_ids, Mamba state in state_slot
+
+The scheduler sees a projection (`sched_state`): after a preemption the generated tokens are folded
+into the "prompt" it recomputes (`sched_prompt_len`), as the scheduler contract says.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.sampling import SamplingParams
+from gpu_worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from hybridserve.errors import HybridServeError
+from scheduler_svc.core import RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """What the client asked for, validated at admission."""
+
+    sampling: SamplingParams
+    max_tokens: int  # generated tokens at most
+    stop: tuple[str, ...] = ()  # generation ends before any of these strings
+    ignore_eos: bool = False
+    priority: int = 0  # smaller is served first
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One streamed event: new tokens, and on the last event the finish reason and usage."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    text: str = ""
+    finish_reason: str = ""  # "length", "stop" (EOS or a stop string), "abort"; "" = more follows
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: HybridServeError | None = None  # the request failed; no event follows
+
+
+class StopChecker:
+    """Incremental text with stop strings: holds back the tail that could still become a stop
+    string, and cuts the text where one appears."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._text = ""
+        self._emitted = 0
+
+    def push(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Returns (text to emit now, whether a stop string was reached)."""
+        if self._detok is None:
+            return "", False
+        self._text += self._detok.push(token_ids)
+        for s in self._stop:
+            index = self._text.find(s, max(self._emitted - len(s), 0))
+            if index >= 0:
+                delta = self._text[self._emitted : max(index, self._emitted)]
+                self._emitted = len(self._text)
+                return delta, True
+        end = max(len(self._text) - self._hold, self._emitted)
+        delta, self._emitted = self._text[self._emitted : end], end
+        return delta, False
+
+    def flush(self) -> str:
+        delta, self._emitted = self._text[self._emitted :], len(self._text)
+        return delta
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable engine-side request. Only the engine thread changes it after admission."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: GenerationParams
+    arrival_time: float  # monotonic seconds; kept across preemptions (queue place)
+    deadline: float | None  # monotonic seconds, or None
+    stop_checker: StopChecker
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    page_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    sched_prompt_len: int = 0  # the prompt as the scheduler sees it (grows on preemption)
+    sched_output_base: int = 0  # outputs folded into sched_prompt_len
+    first_token_time: float | None = None
+    finish_reason: str = ""
+    events: queue.SimpleQueue[RequestOutput] = field(default_factory=queue.SimpleQueue)
+
+    def __post_init__(self) -> None:
+        self.sched_prompt_len = self.sched_prompt_len or len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known: prompt plus generated."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def tokens(self, start: int, end: int) -> tuple[int, ...]:
+        """Token ids of positions [start, end)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return tuple(self.prompt_token_ids[start:end])
+        return tuple(self.prompt_token_ids[start:n] + self.output_token_ids[max(start - n, 0) : end - n])
+
+    def sched_state(self, computed: int | None = None, num_outputs: int | None = None) -> RequestState:
+        """The scheduler's view; `computed`/`num_outputs` override for a predicted next step."""
+        outputs = len(self.output_token_ids) if num_outputs is None else num_outputs
+        return RequestState(
+            request_id=self.request_id,
+            num_prompt_tokens=self.sched_prompt_len,
+            num_computed_tokens=self.num_computed_tokens if computed is None else computed,
+            num_output_tokens=outputs - self.sched_output_base,
+            max_tokens=self.params.max_tokens - self.sched_output_base,
+            priority=self.params.priority,
+            arrival_time=self.arrival_time,
+        )
+
+    def fold_for_recompute(self) -> None:
+        """After a preemption: every known token becomes prompt for the recompute."""
+        self.sched_prompt_len = self.num_tokens
+        self.sched_output_base = len(self.output_token_ids)
+        self.num_computed_tokens = 0
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": len(self.prompt_token_ids),
+            "cached_tokens": self.num_cached_tokens,
+            "completion_tokens": len(self.output_token_ids),
+        }

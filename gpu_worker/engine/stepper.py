@@ -1,0 +1,211 @@
+"""Executes step plans: preemptions, page and slot allocation, the packed batch, sampling, and the
+tokens' effects on each request (stops, finishes, streaming). Runs on the engine thread only."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gpu_worker.batch import Batch, SequenceChunk
+from gpu_worker.engine.request import Request, RequestOutput
+from gpu_worker.runner import ModelRunner
+from gpu_worker.sampling import sample
+from hybridserve.errors import HybridServeError
+from scheduler_svc.core import RequestState, StepPlan
+
+if TYPE_CHECKING:
+    from gpu_worker.engine.engine import EngineCounters
+
+log = logging.getLogger("hybridserve.engine")
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A plan turned into runner input. `sampled[i]` is the request of batch row i when that row's
+    chunk reaches the end of the request's known tokens (so the step yields its next token)."""
+
+    batch: Batch | None
+    sampled: list[Request | None] = field(default_factory=list)
+
+
+class StepExecutor:
+    def __init__(self, runner: ModelRunner, counters: EngineCounters) -> None:
+        self.runner = runner
+        self.counters = counters
+        self.running: dict[str, Request] = {}  # hold pages and a state slot; admission order
+        self.waiting: dict[str, Request] = {}  # no pages, no slot
+        self._to_sample: set[str] = set()  # rows of the step in flight that yield a token
+        self._eos_ids = frozenset(runner.loaded.eos_token_ids)
+
+    def add(self, request: Request) -> None:
+        self.waiting[request.request_id] = request
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def live_requests(self) -> list[Request]:
+        return [*self.running.values(), *self.waiting.values()]
+
+    def sched_states(self, predicted: bool) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
+        """The scheduler's view; `predicted` adds the token each sampled row of the step in flight
+        will yield (computed counts were advanced when the step was prepared)."""
+        running = tuple(
+            r.sched_state(num_outputs=len(r.output_token_ids) + int(predicted and r.request_id in self._to_sample))
+            for r in self.running.values()
+        )
+        return running, tuple(r.sched_state() for r in self.waiting.values())
+
+    # ---- plan -> batch ----------------------------------------------------------------------------
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        for request_id in plan.preempted_request_ids:
+            self._preempt(request_id)
+        chunks: list[SequenceChunk] = []
+        sampled: list[Request | None] = []
+        self._to_sample = set()
+        for s in plan.slices:
+            request = self.running.get(s.request_id) or self._admit(s.request_id)
+            if request is None:
+                continue  # finished or aborted since it was planned (async scheduling)
+            start = request.num_computed_tokens
+            end = start + s.num_tokens
+            if end > request.num_tokens or not self._ensure_pages(request, end):
+                continue
+            chunks.append(
+                SequenceChunk(
+                    token_ids=request.tokens(start, end),
+                    start_pos=start,
+                    page_ids=tuple(request.page_ids),
+                    state_slot=request.state_slot if request.state_slot is not None else -1,
+                )
+            )
+            request.num_computed_tokens = end
+            yields = end == request.num_tokens
+            sampled.append(request if yields else None)
+            if yields:
+                self._to_sample.add(request.request_id)
+        return PreparedStep(Batch(tuple(chunks)) if chunks else None, sampled)
+
+    def _admit(self, request_id: str) -> Request | None:
+        request = self.waiting.pop(request_id, None)
+        if request is None:
+            return None
+        request.state_slot = self.runner.state_pool.allocate_slot()
+        self.running[request_id] = request
+        return request
+
+    def _ensure_pages(self, request: Request, num_tokens: int) -> bool:
+        need = self.runner.kv_pool.pages_for_tokens(num_tokens) - len(request.page_ids)
+        if need <= 0:
+            return True
+        if not self.runner.kv_pool.can_allocate(need):
+            log.warning("no KV pages for %s although planned; preempting it", request.request_id)
+            self._preempt(request.request_id)
+            return False
+        request.page_ids.extend(self.runner.kv_pool.allocate(need))
+        return True
+
+    def _preempt(self, request_id: str) -> None:
+        request = self.running.pop(request_id, None)
+        if request is None:
+            return
+        self._release(request)
+        request.fold_for_recompute()
+        self.waiting[request_id] = request
+        self.counters.num_preemptions += 1
+
+    def _release(self, request: Request) -> None:
+        if request.page_ids:
+            self.runner.kv_pool.free(request.page_ids)
+            request.page_ids = []
+        if request.state_slot is not None:
+            self.runner.state_pool.free_slot(request.state_slot)
+            request.state_slot = None
+
+    # ---- forward, sample, apply -------------------------------------------------------------------
+    def execute(self, step: PreparedStep) -> list[Request]:
+        """Runs the batch and applies the sampled tokens; returns the requests that finished."""
+        if step.batch is None:
+            return []
+        try:
+            output = self.runner.forward(step.batch)
+        except Exception as exc:
+            log.exception("forward failed; failing the step's requests")
+            error = HybridServeError(f"model forward failed: {type(exc).__name__}: {exc}")
+            failed = {r.request_id for r in self.running.values()}
+            return [r for rid in failed if (r := self.fail(rid, error)) is not None]
+        rows = [i for i, r in enumerate(step.sampled) if r is not None]
+        if not rows:
+            return []
+        requests = [step.sampled[i] for i in rows]
+        result = sample(
+            output.logits[rows],
+            [r.params.sampling for r in requests if r is not None],
+            [r.generator for r in requests if r is not None],
+        )
+        finished = []
+        for j, request in enumerate(requests):
+            assert request is not None
+            top = tuple(tuple(pair) for pair in result.top_logprobs[j])
+            if self._apply_token(request, result.token_ids[j], result.logprobs[j], top):
+                finished.append(request)
+        return finished
+
+    def _apply_token(self, request: Request, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> bool:
+        """Appends one sampled token, streams it; True when the request finished (and was freed)."""
+        request.output_token_ids.append(token_id)
+        self.counters.num_generated_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        is_eos = token_id in self._eos_ids and not request.params.ignore_eos
+        text, hit_stop = request.stop_checker.push([] if is_eos else [token_id])
+        reason = ""
+        if is_eos or hit_stop:
+            reason = "stop"
+        elif len(request.output_token_ids) >= request.params.max_tokens:
+            reason = "length"
+        if reason and not hit_stop:
+            text += request.stop_checker.flush()
+        event = RequestOutput(token_ids=(token_id,), logprobs=(logprob,), top_logprobs=(top,), text=text)
+        if not reason:
+            request.events.put(event)
+            return False
+        request.finish_reason = reason
+        self.running.pop(request.request_id, None)
+        self._release(request)
+        request.events.put(_with_usage(event, request, reason))
+        return True
+
+    # ---- endings from outside the step --------------------------------------------------------------
+    def finish(self, request_id: str, reason: str) -> Request | None:
+        """Ends a live request now (abort): frees it and sends its last event."""
+        request = self.running.pop(request_id, None) or self.waiting.pop(request_id, None)
+        if request is None:
+            return None
+        self._release(request)
+        request.finish_reason = reason
+        request.events.put(_with_usage(RequestOutput(), request, reason))
+        return request
+
+    def fail(self, request_id: str, error: HybridServeError) -> Request | None:
+        request = self.running.pop(request_id, None) or self.waiting.pop(request_id, None)
+        if request is None:
+            return None
+        self._release(request)
+        request.events.put(RequestOutput(error=error))
+        return request
+
+
+def _with_usage(event: RequestOutput, request: Request, reason: str) -> RequestOutput:
+    usage = request.usage()
+    return RequestOutput(
+        token_ids=event.token_ids,
+        logprobs=event.logprobs,
+        top_logprobs=event.top_logprobs,
+        text=event.text,
+        finish_reason=reason,
+        prompt_tokens=usage["prompt_tokens"],
+        cached_tokens=usage["cached_tokens"],
+        completion_tokens=usage["completion_tokens"],
+    )

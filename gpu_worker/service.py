@@ -1,0 +1,104 @@
+"""The Generation gRPC servicer: converts in, calls the engine, converts out."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+
+import grpc
+
+from gpu_worker.engine.admission import build_request, max_model_len
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.request import RequestOutput
+from hybridserve import grpc_server
+from hybridserve.errors import NotFoundError
+from hybridserve.v1 import generation_pb2 as pb
+
+POLL_S = 0.25  # how often a waiting stream checks that its client is still there
+
+
+class GenerationServicer:
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        req = build_request(request, self.engine.runner, self.engine.settings, context.time_remaining())
+        self.engine.submit(req)
+        context.add_callback(lambda: self.engine.abort(req.request_id))  # cancel / disconnect
+        while True:
+            try:
+                event = req.events.get(timeout=POLL_S)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if event.error is not None:
+                raise event.error
+            yield output_to_pb(req.request_id, event)
+            if event.finish_reason:
+                return
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        if not self.engine.abort(request.request_id):
+            raise NotFoundError(f"no live request with id {request.request_id!r}")
+        return pb.AbortResponse()
+
+    def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.GetInfoResponse:
+        engine, runner = self.engine, self.engine.runner
+        counters, settings = engine.counters, engine.settings
+        return pb.GetInfoResponse(
+            model=self.model_name,
+            model_fingerprint=runner.loaded.fingerprint,
+            device=str(runner.device),
+            dtype=str(runner.loaded.dtype).removeprefix("torch."),
+            max_model_len=max_model_len(runner, settings),
+            vocab_size=runner.config.vocab_size,
+            kv_page_size=runner.kv_page_size_tokens,
+            block_size=settings.scheduler.block_size,
+            num_kv_pages_total=runner.kv_pool.num_pages,
+            num_kv_pages_free=runner.kv_pool.num_free_pages,
+            num_state_slots_total=runner.state_pool.num_slots,
+            num_state_slots_free=runner.state_pool.num_free_slots,
+            kv_bytes_per_token=runner.kv_bytes_per_token,
+            state_bytes_per_request=runner.state_bytes_per_request,
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
+            max_queue_len=settings.max_queue_len,
+            num_steps=counters.num_steps,
+            step_wall_seconds=counters.step_wall_seconds,
+            scheduler_wait_seconds=counters.scheduler_wait_seconds,
+            num_preemptions=counters.num_preemptions,
+            num_stalled_steps=counters.num_stalled_steps,
+            async_scheduling=settings.async_scheduling,
+            num_generated_tokens=counters.num_generated_tokens,
+        )
+
+
+def output_to_pb(request_id: str, event: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=request_id,
+        token_ids=list(event.token_ids),
+        logprobs=list(event.logprobs),
+        text=event.text,
+        finish_reason=event.finish_reason,
+    )
+    for top in event.top_logprobs:
+        if top:
+            msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+    if event.finish_reason:
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=event.prompt_tokens,
+                cached_tokens=event.cached_tokens,
+                completion_tokens=event.completion_tokens,
+            )
+        )
+    return msg
+
+
+def add_to_server(servicer: GenerationServicer) -> grpc_server.Adder:
+    def add(server: grpc.Server) -> str:
+        return grpc_server.add_servicer(server, pb.DESCRIPTOR.services_by_name["Generation"], servicer)
+
+    return add

