@@ -9,6 +9,7 @@ finish in step N are reconciled one step late (their slices in plan N+1 are skip
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -16,7 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from gpu_worker.engine.request import Request, RequestOutput
+from gpu_worker.engine.observer import EngineObserver
+from gpu_worker.engine.request import Request
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.engine.stepper import StepExecutor
 from gpu_worker.runner import ModelRunner
@@ -32,6 +34,7 @@ from scheduler_svc.core import StepInput, StepPlan
 log = logging.getLogger("hybridserve.engine")
 
 PlanFn = Callable[[StepInput], StepPlan]
+Planned = tuple[StepInput, StepPlan, float]  # what was sent, the plan, the round trip in seconds
 
 
 @dataclass(slots=True)
@@ -47,11 +50,14 @@ class EngineCounters:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, plan: PlanFn, settings: EngineSettings) -> None:
+    def __init__(
+        self, runner: ModelRunner, plan: PlanFn, settings: EngineSettings, observer: EngineObserver | None = None
+    ) -> None:
         self.runner = runner
         self.settings = settings
         self.counters = EngineCounters()
-        self.stepper = StepExecutor(runner, self.counters)
+        self.observer = observer or EngineObserver()
+        self.stepper = StepExecutor(runner, self.counters, self.observer)
         self._plan = plan
         self._cond = threading.Condition()
         self._inbox: list[Request] = []
@@ -86,6 +92,7 @@ class Engine:
             self._live_ids.add(request.request_id)
             self._inbox.append(request)
             self._cond.notify_all()
+        self.observer.request_queued(request)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Ends a live request (freeing its pages and slot on the engine thread); False if unknown."""
@@ -106,7 +113,7 @@ class Engine:
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        pending: Future[StepPlan] | None = None
+        pending: Future[Planned] | None = None
         while not self._stopping.is_set():
             self._drain_inbox()
             if not self.stepper.has_work():
@@ -115,27 +122,40 @@ class Engine:
                     if not self._inbox and not self._aborts:
                         self._cond.wait(self.settings.idle_wait_s)
                 continue
-            started = time.monotonic()
-            try:
-                plan = pending.result() if pending is not None else self._plan(self._snapshot())
-            except UnavailableError as exc:
-                self._fail_all(exc)
-                pending = None
-                continue
-            except HybridServeError as exc:  # the worker sent an inconsistent state: a bug
-                log.exception("the scheduler rejected step %d", self.step_index)
-                self._fail_all(UnavailableError(f"step planning failed: {exc}"))
-                pending = None
-                continue
-            waited = time.monotonic() - started
-            self.step_index += 1
-            batch = self.stepper.prepare(plan)
-            pending = None
-            if self.settings.async_scheduling and self.stepper.has_work():
-                pending = self._planner_pool.submit(self._plan, self._snapshot(predicted=True))
-            finished = self.stepper.execute(batch)
-            self._forget(finished)
-            self._count_step(plan, started, waited)
+            with self.observer.step(self.step_index):
+                pending = self._step(pending)
+
+    def _step(self, pending: Future[Planned] | None) -> Future[Planned] | None:
+        """One step; returns the plan request of the next step when scheduling asynchronously."""
+        started = time.monotonic()
+        try:
+            step_input, plan, latency = pending.result() if pending is not None else self._plan_timed(self._snapshot())
+        except UnavailableError as exc:
+            self._fail_all(exc)
+            return None
+        except HybridServeError as exc:  # the worker sent an inconsistent state: a bug
+            log.exception("the scheduler rejected step %d", self.step_index)
+            self._fail_all(UnavailableError(f"step planning failed: {exc}"))
+            return None
+        waited = time.monotonic() - started
+        step_index = self.step_index
+        self.step_index += 1
+        prepared = self.stepper.prepare(plan)
+        following = None
+        if self.settings.async_scheduling and self.stepper.has_work():
+            context = contextvars.copy_context()  # the step's trace context, for the PlanStep span
+            following = self._planner_pool.submit(context.run, self._plan_timed, self._snapshot(predicted=True))
+        finished = self.stepper.execute(prepared)
+        self._forget(finished)
+        wall = time.monotonic() - started
+        self._count_step(plan, wall, waited)
+        self.observer.step_finished(step_index, step_input, plan, prepared.requests, waited, latency, wall)
+        return following
+
+    def _plan_timed(self, step_input: StepInput) -> Planned:
+        started = time.monotonic()
+        plan = self._plan(step_input)
+        return step_input, plan, time.monotonic() - started
 
     def _snapshot(self, predicted: bool = False) -> StepInput:
         running, waiting = self.stepper.sched_states(predicted)
@@ -171,13 +191,9 @@ class Engine:
                 if request is not None:
                     self._live_ids.discard(request.request_id)
 
-    def _count_step(self, plan: StepPlan, started: float, waited: float) -> None:
+    def _count_step(self, plan: StepPlan, wall: float, waited: float) -> None:
         c = self.counters
         c.num_steps += 1
-        c.step_wall_seconds += time.monotonic() - started
+        c.step_wall_seconds += wall
         c.scheduler_wait_seconds += waited
         c.num_stalled_steps += int(plan.stats.stalled)
-
-
-def send(request: Request, output: RequestOutput) -> None:
-    request.events.put(output)

@@ -17,6 +17,7 @@ from scheduler_svc.core import RequestState, StepPlan
 
 if TYPE_CHECKING:
     from gpu_worker.engine.engine import EngineCounters
+    from gpu_worker.engine.observer import EngineObserver
 
 log = logging.getLogger("hybridserve.engine")
 
@@ -28,12 +29,14 @@ class PreparedStep:
 
     batch: Batch | None
     sampled: list[Request | None] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)  # served by the batch, in row order
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, counters: EngineCounters) -> None:
+    def __init__(self, runner: ModelRunner, counters: EngineCounters, observer: EngineObserver) -> None:
         self.runner = runner
         self.counters = counters
+        self.observer = observer
         self.running: dict[str, Request] = {}  # hold pages and a state slot; admission order
         self.waiting: dict[str, Request] = {}  # no pages, no slot
         self._to_sample: set[str] = set()  # rows of the step in flight that yield a token
@@ -63,6 +66,7 @@ class StepExecutor:
             self._preempt(request_id)
         chunks: list[SequenceChunk] = []
         sampled: list[Request | None] = []
+        served: list[Request] = []
         self._to_sample = set()
         for s in plan.slices:
             request = self.running.get(s.request_id) or self._admit(s.request_id)
@@ -81,11 +85,12 @@ class StepExecutor:
                 )
             )
             request.num_computed_tokens = end
+            served.append(request)
             yields = end == request.num_tokens
             sampled.append(request if yields else None)
             if yields:
                 self._to_sample.add(request.request_id)
-        return PreparedStep(Batch(tuple(chunks)) if chunks else None, sampled)
+        return PreparedStep(Batch(tuple(chunks)) if chunks else None, sampled, served)
 
     def _admit(self, request_id: str) -> Request | None:
         request = self.waiting.pop(request_id, None)
@@ -158,6 +163,7 @@ class StepExecutor:
         self.counters.num_generated_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
+            self.observer.request_first_token(request)
         is_eos = token_id in self._eos_ids and not request.params.ignore_eos
         text, hit_stop = request.stop_checker.push([] if is_eos else [token_id])
         reason = ""
@@ -175,6 +181,7 @@ class StepExecutor:
         self.running.pop(request.request_id, None)
         self._release(request)
         request.events.put(_with_usage(event, request, reason))
+        self.observer.request_finished(request, reason, None)
         return True
 
     # ---- endings from outside the step --------------------------------------------------------------
@@ -186,6 +193,7 @@ class StepExecutor:
         self._release(request)
         request.finish_reason = reason
         request.events.put(_with_usage(RequestOutput(), request, reason))
+        self.observer.request_finished(request, reason, None)
         return request
 
     def fail(self, request_id: str, error: HybridServeError) -> Request | None:
@@ -194,6 +202,7 @@ class StepExecutor:
             return None
         self._release(request)
         request.events.put(RequestOutput(error=error))
+        self.observer.request_finished(request, "error", error)
         return request
 
 
