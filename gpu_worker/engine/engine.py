@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from gpu_worker.cache.manager import PrefixCacheManager
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.request import Request
 from gpu_worker.engine.settings import EngineSettings
@@ -47,17 +48,25 @@ class EngineCounters:
     num_preemptions: int = 0
     num_stalled_steps: int = 0
     num_generated_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
 
 
 class Engine:
     def __init__(
-        self, runner: ModelRunner, plan: PlanFn, settings: EngineSettings, observer: EngineObserver | None = None
+        self,
+        runner: ModelRunner,
+        plan: PlanFn,
+        settings: EngineSettings,
+        observer: EngineObserver | None = None,
+        prefix: PrefixCacheManager | None = None,
     ) -> None:
         self.runner = runner
         self.settings = settings
         self.counters = EngineCounters()
         self.observer = observer or EngineObserver()
-        self.stepper = StepExecutor(runner, self.counters, self.observer)
+        self.prefix = prefix
+        self.stepper = StepExecutor(runner, self.counters, self.observer, prefix)
+        self.stepper.wake = self._wake
         self._plan = plan
         self._cond = threading.Condition()
         self._inbox: list[Request] = []
@@ -78,6 +87,8 @@ class Engine:
             self._cond.notify_all()
         self._thread.join(timeout_s)
         self._planner_pool.shutdown(wait=False, cancel_futures=True)
+        if self.prefix is not None:
+            self.prefix.close()
 
     def submit(self, request: Request) -> None:
         """Queues an admitted request; raises InvalidArgumentError on a duplicate id and
@@ -103,6 +114,10 @@ class Engine:
             self._cond.notify_all()
             return True
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     @property
     def num_running(self) -> int:
         return len(self.stepper.running)
@@ -116,7 +131,7 @@ class Engine:
         pending: Future[Planned] | None = None
         while not self._stopping.is_set():
             self._drain_inbox()
-            if not self.stepper.has_work():
+            if not self.stepper.has_plannable_work():
                 pending = None
                 with self._cond:
                     if not self._inbox and not self._aborts:
@@ -142,7 +157,7 @@ class Engine:
         self.step_index += 1
         prepared = self.stepper.prepare(plan)
         following = None
-        if self.settings.async_scheduling and self.stepper.has_work():
+        if self.settings.async_scheduling and self.stepper.has_plannable_work():
             context = contextvars.copy_context()  # the step's trace context, for the PlanStep span
             following = self._planner_pool.submit(context.run, self._plan_timed, self._snapshot(predicted=True))
         finished = self.stepper.execute(prepared)
@@ -164,7 +179,7 @@ class Engine:
             running=running,
             waiting=waiting,
             step_index=self.step_index,
-            num_free_kv_pages=self.runner.kv_pool.num_free_pages,
+            num_free_kv_pages=self.stepper.num_free_pages(),
         )
 
     def _drain_inbox(self) -> None:
@@ -173,6 +188,7 @@ class Engine:
             aborts, self._aborts = self._aborts, []
         for request in new:
             self.stepper.add(request)
+        self.stepper.poll_fetches()
         for request_id, reason in aborts:
             self._forget([self.stepper.finish(request_id, reason)])
         now = time.monotonic()

@@ -97,6 +97,7 @@ class Request:
     state_slot: int | None = None
     sched_prompt_len: int = 0  # the prompt as the scheduler sees it (grows on preemption)
     sched_output_base: int = 0  # outputs folded into sched_prompt_len
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
     first_token_time: float | None = None
     finish_reason: str = ""
     events: queue.SimpleQueue[RequestOutput] = field(default_factory=queue.SimpleQueue)

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpu_worker.batch import Batch, SequenceChunk
+from gpu_worker.cache.manager import PendingCheckpoint, PrefixCacheManager
+from gpu_worker.cache.remote import FetchedBlock
 from gpu_worker.engine.request import Request, RequestOutput
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampling import sample
@@ -30,26 +34,64 @@ class PreparedStep:
     batch: Batch | None
     sampled: list[Request | None] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)  # served by the batch, in row order
+    checkpoints: list[PendingCheckpoint] = field(default_factory=list)  # filled by this forward
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, counters: EngineCounters, observer: EngineObserver) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        counters: EngineCounters,
+        observer: EngineObserver,
+        prefix: PrefixCacheManager | None = None,
+    ) -> None:
         self.runner = runner
         self.counters = counters
         self.observer = observer
+        self.prefix = prefix
         self.running: dict[str, Request] = {}  # hold pages and a state slot; admission order
-        self.waiting: dict[str, Request] = {}  # no pages, no slot
+        self.waiting: dict[str, Request] = {}  # no slot; pages only of a prefix-cache hit
+        self.fetching: dict[str, tuple[Request, Future[list[FetchedBlock]]]] = {}  # asking the shared tier
+        self.wake: Callable[[], None] = lambda: None  # set by the engine: a fetch finished
         self._to_sample: set[str] = set()  # rows of the step in flight that yield a token
         self._eos_ids = frozenset(runner.loaded.eos_token_ids)
 
     def add(self, request: Request) -> None:
+        """Queues a request, after asking the shared cache tier for its prefix if that may help."""
+        future = self.prefix.start_fetch(request) if self.prefix is not None else None
+        if future is not None:
+            self.fetching[request.request_id] = (request, future)
+            future.add_done_callback(lambda _: self.wake())
+            return
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.attach(request)
         self.waiting[request.request_id] = request
 
+    def poll_fetches(self) -> None:
+        """Moves requests whose shared-tier fetch finished into the queue (a failed fetch is a miss)."""
+        for request_id, (request, future) in list(self.fetching.items()):
+            if not future.done():
+                continue
+            del self.fetching[request_id]
+            if self.prefix is not None and future.exception() is None:
+                self.prefix.import_fetched(future.result())
+            self._enqueue(request)
+
     def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.fetching)
+
+    def has_plannable_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def num_free_pages(self) -> int:
+        """Free KV pages as the scheduler should count them: cached blocks nobody uses are free."""
+        return self.prefix.num_free_pages() if self.prefix is not None else self.runner.kv_pool.num_free_pages
+
     def live_requests(self) -> list[Request]:
-        return [*self.running.values(), *self.waiting.values()]
+        return [*self.running.values(), *self.waiting.values(), *(r for r, _ in self.fetching.values())]
 
     def sched_states(self, predicted: bool) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
         """The scheduler's view; `predicted` adds the token each sampled row of the step in flight
@@ -67,6 +109,7 @@ class StepExecutor:
         chunks: list[SequenceChunk] = []
         sampled: list[Request | None] = []
         served: list[Request] = []
+        checkpoints: list[PendingCheckpoint] = []
         self._to_sample = set()
         for s in plan.slices:
             request = self.running.get(s.request_id) or self._admit(s.request_id)
@@ -76,21 +119,26 @@ class StepExecutor:
             end = start + s.num_tokens
             if end > request.num_tokens or not self._ensure_pages(request, end):
                 continue
+            pending = self.prefix.checkpoint_for(request, end) if self.prefix and s.ends_on_checkpoint else None
+            if pending is not None:
+                checkpoints.append(pending)
             chunks.append(
                 SequenceChunk(
                     token_ids=request.tokens(start, end),
                     start_pos=start,
                     page_ids=tuple(request.page_ids),
                     state_slot=request.state_slot if request.state_slot is not None else -1,
+                    save_checkpoint_id=pending.checkpoint_id if pending is not None else None,
                 )
             )
             request.num_computed_tokens = end
+            self.counters.num_computed_tokens += end - start
             served.append(request)
             yields = end == request.num_tokens
             sampled.append(request if yields else None)
             if yields:
                 self._to_sample.add(request.request_id)
-        return PreparedStep(Batch(tuple(chunks)) if chunks else None, sampled, served)
+        return PreparedStep(Batch(tuple(chunks)) if chunks else None, sampled, served, checkpoints)
 
     def _admit(self, request_id: str) -> Request | None:
         request = self.waiting.pop(request_id, None)
@@ -98,12 +146,16 @@ class StepExecutor:
             return None
         request.state_slot = self.runner.state_pool.allocate_slot()
         self.running[request_id] = request
+        if self.prefix is not None:
+            self.prefix.on_admit(request)
         return request
 
     def _ensure_pages(self, request: Request, num_tokens: int) -> bool:
         need = self.runner.kv_pool.pages_for_tokens(num_tokens) - len(request.page_ids)
         if need <= 0:
             return True
+        if not self.runner.kv_pool.can_allocate(need) and self.prefix is not None:
+            self.prefix.make_room(need)
         if not self.runner.kv_pool.can_allocate(need):
             log.warning("no KV pages for %s although planned; preempting it", request.request_id)
             self._preempt(request.request_id)
@@ -117,10 +169,12 @@ class StepExecutor:
             return
         self._release(request)
         request.fold_for_recompute()
-        self.waiting[request_id] = request
+        self._enqueue(request)
         self.counters.num_preemptions += 1
 
     def _release(self, request: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.on_release(request)
         if request.page_ids:
             self.runner.kv_pool.free(request.page_ids)
             request.page_ids = []
@@ -136,10 +190,14 @@ class StepExecutor:
         try:
             output = self.runner.forward(step.batch)
         except Exception as exc:
+            if self.prefix is not None:
+                self.prefix.discard(step.checkpoints)
             log.exception("forward failed; failing the step's requests")
             error = HybridServeError(f"model forward failed: {type(exc).__name__}: {exc}")
             failed = {r.request_id for r in self.running.values()}
             return [r for rid in failed if (r := self.fail(rid, error)) is not None]
+        if self.prefix is not None:
+            self.prefix.register(step.checkpoints)  # before sampling frees finished requests' pages
         rows = [i for i, r in enumerate(step.sampled) if r is not None]
         if not rows:
             return []
@@ -187,7 +245,7 @@ class StepExecutor:
     # ---- endings from outside the step --------------------------------------------------------------
     def finish(self, request_id: str, reason: str) -> Request | None:
         """Ends a live request now (abort): frees it and sends its last event."""
-        request = self.running.pop(request_id, None) or self.waiting.pop(request_id, None)
+        request = self._pop_live(request_id)
         if request is None:
             return None
         self._release(request)
@@ -197,13 +255,19 @@ class StepExecutor:
         return request
 
     def fail(self, request_id: str, error: HybridServeError) -> Request | None:
-        request = self.running.pop(request_id, None) or self.waiting.pop(request_id, None)
+        request = self._pop_live(request_id)
         if request is None:
             return None
         self._release(request)
         request.events.put(RequestOutput(error=error))
         self.observer.request_finished(request, "error", error)
         return request
+
+    def _pop_live(self, request_id: str) -> Request | None:
+        fetching = self.fetching.pop(request_id, None)
+        if fetching is not None:
+            return fetching[0]
+        return self.running.pop(request_id, None) or self.waiting.pop(request_id, None)
 
 
 def _with_usage(event: RequestOutput, request: Request, reason: str) -> RequestOutput:

@@ -13,6 +13,7 @@ import pytest
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.server import build_prefix_cache
 from gpu_worker.service import GenerationServicer, add_to_server
 from hybridserve import grpc_server
 from hybridserve.v1 import generation_pb2 as pb
@@ -76,10 +77,15 @@ def start_worker(checkpoint, scheduler_address) -> Iterator[Callable[..., Worker
     """Starts a worker; keyword arguments override EngineSettings fields (and num_kv_pages)."""
     started: list[tuple[grpc.Server, Engine, grpc.Channel, SchedulerClient]] = []
 
-    def start(num_kv_pages: int | None = None, scheduler: SchedulerConfig = SCHEDULER, **overrides) -> Worker:
+    def start(
+        num_kv_pages: int | None = None,
+        scheduler: SchedulerConfig = SCHEDULER,
+        prefix_caching: bool = False,
+        **overrides,
+    ) -> Worker:
         runner_config = RunnerConfig(
             memory_budget_bytes=16 << 20, kv_page_size_tokens=scheduler.kv_page_size,
-            max_num_seqs=scheduler.max_num_seqs, num_checkpoint_slots=4, device="cpu", dtype="float32",
+            max_num_seqs=scheduler.max_num_seqs, num_checkpoint_slots=16, device="cpu", dtype="float32",
         )  # fmt: skip
         if num_kv_pages is not None:
             runner_config = replace(
@@ -94,7 +100,7 @@ def start_worker(checkpoint, scheduler_address) -> Iterator[Callable[..., Worker
             give_up_after_s=settings.scheduler_give_up_s, backoff_s=0.02, max_backoff_s=0.2,
         )  # fmt: skip
         runner = ModelRunner.from_model_dir(checkpoint, runner_config)
-        engine = Engine(runner, client.plan, settings)
+        engine = Engine(runner, client.plan, settings, prefix=build_prefix_cache(runner, settings, prefix_caching))
         engine.start()
         server, port, _ = grpc_server.create_server([add_to_server(GenerationServicer(engine, "tiny"))])
         server.start()

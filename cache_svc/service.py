@@ -1,0 +1,78 @@
+"""The BlockCache gRPC servicer: converts in, calls the store, converts out."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import grpc
+
+from cache_svc.store import CheckpointStore, StoreUnavailable
+from hybridserve import grpc_server
+from hybridserve.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hybridserve.v1 import cache_pb2 as pb
+
+FETCH_CHUNK_BYTES = 1 << 20
+MAX_LOOKUP_BLOCKS = 65536
+
+
+class BlockCacheServicer:
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        _require_fingerprint(request.model_fingerprint)
+        if len(request.block_hashes) > MAX_LOOKUP_BLOCKS:
+            raise InvalidArgumentError(f"at most {MAX_LOOKUP_BLOCKS} block hashes per lookup")
+        with _unavailable():
+            hits = self.store.lookup(request.model_fingerprint, list(request.block_hashes))
+        return pb.LookupResponse(num_hit_blocks=hits)
+
+    def Publish(self, request: pb.PublishRequest, context: grpc.ServicerContext) -> pb.PublishResponse:
+        _require_fingerprint(request.model_fingerprint)
+        if not request.block_hash or request.block_size <= 0 or not request.checkpoint:
+            raise InvalidArgumentError("publish needs block_hash, a positive block_size and checkpoint bytes")
+        if hashlib.sha256(request.checkpoint).digest() != request.checksum:
+            raise InvalidArgumentError("checksum is not the SHA-256 of checkpoint; the bytes were damaged in transit")
+        with _unavailable():
+            self.store.put(
+                request.model_fingerprint, request.block_hash, request.parent_hash, request.block_size,
+                request.checkpoint,
+            )  # fmt: skip
+        return pb.PublishResponse(stored=True)
+
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FetchChunk]:
+        _require_fingerprint(request.model_fingerprint)
+        with _unavailable():
+            found = self.store.get(request.model_fingerprint, request.block_hash)
+        if found is None:
+            raise NotFoundError(f"no intact checkpoint for block {request.block_hash.hex()}")
+        data, digest_hex = found
+        for offset in range(0, len(data), FETCH_CHUNK_BYTES):
+            chunk = pb.FetchChunk(data=data[offset : offset + FETCH_CHUNK_BYTES])
+            if offset == 0:
+                chunk.total_bytes = len(data)
+                chunk.checksum = bytes.fromhex(digest_hex)
+            yield chunk
+
+
+def _require_fingerprint(fingerprint: str) -> None:
+    if not fingerprint:
+        raise InvalidArgumentError("model_fingerprint is required")
+
+
+class _unavailable:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if isinstance(exc, StoreUnavailable):
+            raise UnavailableError(str(exc)) from exc
+        return False
+
+
+def add_to_server(servicer: BlockCacheServicer) -> grpc_server.Adder:
+    def add(server: grpc.Server) -> str:
+        return grpc_server.add_servicer(server, pb.DESCRIPTOR.services_by_name["BlockCache"], servicer)
+
+    return add

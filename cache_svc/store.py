@@ -1,0 +1,121 @@
+"""CheckpointStore: block checkpoints in Redis, verified on the way in and out.
+
+A checkpoint that fails its checksum or carries another model's fingerprint is a miss, and is
+deleted. A Redis that is down raises StoreUnavailable; the service maps it to UNAVAILABLE and
+workers treat that as a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import redis
+
+from cache_svc import keys
+
+log = logging.getLogger("hybridserve.cache.store")
+
+
+class StoreUnavailable(Exception):
+    """Redis did not answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    password: str | None = None
+    key_prefix: str = "hybridserve"
+    max_memory_bytes: int = 1 << 30  # Redis maxmemory set at start-up (0 = leave Redis's setting)
+    ttl_s: int = 24 * 3600  # every block key expires this long after its last publish
+    socket_timeout_s: float = 1.0
+
+
+class CheckpointStore:
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.redis = redis.Redis.from_url(
+            config.url, password=config.password, socket_timeout=config.socket_timeout_s,
+            socket_connect_timeout=config.socket_timeout_s, health_check_interval=5,
+        )  # fmt: skip
+
+    def configure_memory(self) -> None:
+        """Applies the memory budget and LRU eviction among our (TTL-carrying) keys."""
+        if self.config.max_memory_bytes <= 0:
+            return
+        with _redis_errors():
+            self.redis.config_set("maxmemory", str(self.config.max_memory_bytes))
+            self.redis.config_set("maxmemory-policy", "volatile-lru")
+
+    def lookup(self, fingerprint: str, block_hashes: list[bytes]) -> int:
+        """How many leading blocks are stored (data not verified here: fetch does that)."""
+        if not block_hashes:
+            return 0
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for h in block_hashes:
+                pipe.exists(self._key(fingerprint, h))
+            found = pipe.execute()
+        hits = 0
+        for present in found:
+            if not present:
+                break
+            hits += 1
+        return hits
+
+    def put(self, fingerprint: str, block_hash: bytes, parent: bytes, block_size: int, data: bytes) -> None:
+        key = self._key(fingerprint, block_hash)
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(key, mapping={
+                keys.FIELD_DATA: data,
+                keys.FIELD_SHA256: hashlib.sha256(data).hexdigest(),
+                keys.FIELD_FINGERPRINT: fingerprint,
+                keys.FIELD_PARENT: parent.hex(),
+                keys.FIELD_BLOCK_SIZE: str(block_size),
+            })  # fmt: skip
+            pipe.expire(key, self.config.ttl_s)
+            pipe.execute()
+
+    def get(self, fingerprint: str, block_hash: bytes) -> tuple[bytes, str] | None:
+        """(data, sha256 hex) of an intact checkpoint, or None (absent, or corrupt and deleted)."""
+        key = self._key(fingerprint, block_hash)
+        with _redis_errors():
+            fields = self.redis.hmget(key, [keys.FIELD_DATA, keys.FIELD_SHA256, keys.FIELD_FINGERPRINT])
+        data, digest, stored_fingerprint = fields
+        if data is None:
+            return None
+        if digest is None or hashlib.sha256(data).hexdigest() != digest.decode():
+            return self._discard(key, "checksum mismatch")
+        if stored_fingerprint is None or stored_fingerprint.decode() != fingerprint:
+            return self._discard(key, "fingerprint mismatch")
+        return data, digest.decode()
+
+    def used_memory_bytes(self) -> int:
+        with _redis_errors():
+            return int(self.redis.info("memory")["used_memory"])
+
+    def _discard(self, key: str, why: str) -> None:
+        log.warning("deleting checkpoint %s: %s", key, why)
+        with _redis_errors():
+            self.redis.delete(key)
+        return None
+
+    def _key(self, fingerprint: str, block_hash: bytes) -> str:
+        return keys.block_key(self.config.key_prefix, fingerprint, block_hash)
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+class _redis_errors:
+    """Turns connection-level Redis failures into StoreUnavailable."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if exc is not None and isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
+            raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+        return False

@@ -1,0 +1,144 @@
+"""The worker's client of the shared tier (cache_svc). Publishing happens on a background thread,
+off the step's critical path; lookups and fetches run on a small pool so the engine never waits on
+the network. Every failure (cache_svc or Redis down, a damaged checkpoint) is a miss, logged once
+per outage; the gRPC channel reconnects by itself when the service returns."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from gpu_worker.cache.checkpoint_io import BlockCheckpoint, from_bytes, to_bytes
+from hybridserve import telemetry
+from hybridserve.errors import InvalidArgumentError
+from hybridserve.v1 import cache_pb2 as pb
+from hybridserve.v1 import cache_pb2_grpc as pb_grpc
+
+log = logging.getLogger("hybridserve.cache.client")
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedBlock:
+    block_hash: bytes
+    parent_hash: bytes
+    checkpoint: BlockCheckpoint
+
+
+class SharedTier:
+    def __init__(
+        self, address: str, fingerprint: str, block_size: int, deadline_s: float = 1.0, max_pending: int = 256
+    ) -> None:
+        self.address = address
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.deadline_s = deadline_s
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.BlockCacheStub(telemetry.intercept_channel(self._channel))  # trace context
+        self._publish_queue: queue.Queue[tuple[bytes, bytes, BlockCheckpoint] | None] = queue.Queue(max_pending)
+        self._fetch_pool = ThreadPoolExecutor(2, thread_name_prefix="cache-fetch")
+        self._publisher = threading.Thread(target=self._publish_loop, name="cache-publish", daemon=True)
+        self._publisher.start()
+        self._healthy = True
+        self.num_published = 0
+        self.num_fetched_blocks = 0
+        self.num_errors = 0
+
+    # ---- publish (engine thread enqueues, the publisher sends) ------------------------------------
+    def publish(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
+        try:
+            self._publish_queue.put_nowait((block_hash, parent_hash, checkpoint))
+        except queue.Full:
+            log.debug("publish queue full; dropping block %s", block_hash.hex()[:12])
+
+    def _publish_loop(self) -> None:
+        while (item := self._publish_queue.get()) is not None:
+            try:
+                self._publish_one(*item)
+            finally:
+                self._publish_queue.task_done()
+        self._publish_queue.task_done()
+
+    def _publish_one(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
+        data, checksum = to_bytes(checkpoint, self.fingerprint, self.block_size)
+        request = pb.PublishRequest(
+            model_fingerprint=self.fingerprint, block_hash=block_hash, parent_hash=parent_hash,
+            block_size=self.block_size, checkpoint=data, checksum=checksum,
+        )  # fmt: skip
+        if self._call(lambda: self._stub.Publish(request, timeout=self.deadline_s * 5)) is not None:
+            self.num_published += 1
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Waits until every queued publish was sent or failed; False on timeout (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._publish_queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._publish_queue.unfinished_tasks
+
+    # ---- lookup + fetch (off the engine thread) ----------------------------------------------------
+    def fetch_prefix(self, block_hashes: list[bytes], num_local_blocks: int) -> Future[list[FetchedBlock]]:
+        """Fetches the blocks after the first num_local_blocks that the shared tier holds."""
+        context = contextvars.copy_context()  # the caller's step span parents the cache calls
+        return self._fetch_pool.submit(context.run, self._fetch_prefix, block_hashes, num_local_blocks)
+
+    def _fetch_prefix(self, block_hashes: list[bytes], num_local_blocks: int) -> list[FetchedBlock]:
+        lookup = pb.LookupRequest(model_fingerprint=self.fingerprint, block_hashes=block_hashes)
+        found = self._call(lambda: self._stub.Lookup(lookup, timeout=self.deadline_s))
+        if found is None or found.num_hit_blocks <= num_local_blocks:
+            return []
+        fetched: list[FetchedBlock] = []
+        for index in range(num_local_blocks, found.num_hit_blocks):
+            checkpoint = self._fetch_one(block_hashes[index])
+            if checkpoint is None:
+                break
+            parent = block_hashes[index - 1] if index else b""
+            fetched.append(FetchedBlock(block_hashes[index], parent, checkpoint))
+        while fetched and not fetched[-1].checkpoint.has_state:
+            fetched.pop()  # a hit must end on the state at its boundary: KV alone is a miss
+        self.num_fetched_blocks += len(fetched)
+        return fetched
+
+    def _fetch_one(self, block_hash: bytes) -> BlockCheckpoint | None:
+        request = pb.FetchRequest(model_fingerprint=self.fingerprint, block_hash=block_hash)
+
+        def fetch() -> tuple[bytes, bytes]:
+            chunks, checksum = [], b""
+            for chunk in self._stub.Fetch(request, timeout=self.deadline_s * 5):
+                checksum = checksum or chunk.checksum
+                chunks.append(chunk.data)
+            return b"".join(chunks), checksum
+
+        got = self._call(fetch)
+        if got is None:
+            return None
+        try:
+            return from_bytes(got[0], got[1], self.fingerprint, self.block_size)
+        except InvalidArgumentError as exc:
+            log.warning("discarding fetched block %s: %s", block_hash.hex()[:12], exc)
+            return None
+
+    def _call(self, fn):  # type: ignore[no-untyped-def]
+        try:
+            result = fn()
+        except grpc.RpcError as err:
+            self.num_errors += 1
+            if err.code() != grpc.StatusCode.NOT_FOUND and self._healthy:
+                log.warning("shared cache tier at %s unavailable (%s); serving misses", self.address, err.code().name)
+                self._healthy = False
+            return None
+        if not self._healthy:
+            log.info("shared cache tier at %s is back", self.address)
+            self._healthy = True
+        return result
+
+    def close(self) -> None:
+        self._publish_queue.put(None)
+        self._publisher.join(5)
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._channel.close()
