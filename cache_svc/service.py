@@ -12,7 +12,7 @@ from hybridserve import grpc_server
 from hybridserve.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hybridserve.v1 import cache_pb2 as pb
 
-FETCH_CHUNK_BYTES = 1 << 20
+FETCH_CHUNK_BYTES = 2 << 20  # under gRPC's default 4 MiB message limit
 MAX_LOOKUP_BLOCKS = 65536
 
 
@@ -42,18 +42,28 @@ class BlockCacheServicer:
         return pb.PublishResponse(stored=True)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FetchChunk]:
+        """Streams the checkpoint, hashing as it goes; a checksum mismatch ends the stream with
+        DATA_LOSS (the client discards what it got) and deletes the checkpoint."""
         _require_fingerprint(request.model_fingerprint)
         with _unavailable():
             found = self.store.get(request.model_fingerprint, request.block_hash)
         if found is None:
-            raise NotFoundError(f"no intact checkpoint for block {request.block_hash.hex()}")
+            raise NotFoundError(f"no checkpoint for block {request.block_hash.hex()}")
         data, digest_hex = found
+        view = memoryview(data)
+        digest = hashlib.sha256()
         for offset in range(0, len(data), FETCH_CHUNK_BYTES):
-            chunk = pb.FetchChunk(data=data[offset : offset + FETCH_CHUNK_BYTES])
+            piece = view[offset : offset + FETCH_CHUNK_BYTES]
+            digest.update(piece)
+            chunk = pb.FetchChunk(data=bytes(piece))
             if offset == 0:
                 chunk.total_bytes = len(data)
                 chunk.checksum = bytes.fromhex(digest_hex)
             yield chunk
+        if digest.hexdigest() != digest_hex:
+            with _unavailable():
+                self.store.discard(request.model_fingerprint, request.block_hash, "checksum mismatch")
+            context.abort(grpc.StatusCode.DATA_LOSS, f"checkpoint {request.block_hash.hex()} failed its checksum")
 
 
 def _require_fingerprint(fingerprint: str) -> None:

@@ -1,8 +1,9 @@
 """CheckpointStore: block checkpoints in Redis, verified on the way in and out.
 
-A checkpoint that fails its checksum or carries another model's fingerprint is a miss, and is
-deleted. A Redis that is down raises StoreUnavailable; the service maps it to UNAVAILABLE and
-workers treat that as a miss.
+A checkpoint that carries another model's fingerprint is a miss and is deleted here; one that fails
+its checksum is caught by the service while it streams (it hashes as it sends, so verification
+costs no extra pass) and deleted through `discard`. A Redis that is down raises StoreUnavailable;
+the service maps it to UNAVAILABLE and workers treat that as a miss.
 """
 
 from __future__ import annotations
@@ -79,28 +80,30 @@ class CheckpointStore:
             pipe.execute()
 
     def get(self, fingerprint: str, block_hash: bytes) -> tuple[bytes, str] | None:
-        """(data, sha256 hex) of an intact checkpoint, or None (absent, or corrupt and deleted)."""
+        """(data, expected sha256 hex) of a checkpoint of this model, or None (absent, or foreign
+        and deleted). The caller verifies the checksum while it streams (see `discard`)."""
         key = self._key(fingerprint, block_hash)
         with _redis_errors():
             fields = self.redis.hmget(key, [keys.FIELD_DATA, keys.FIELD_SHA256, keys.FIELD_FINGERPRINT])
         data, digest, stored_fingerprint = fields
         if data is None:
             return None
-        if digest is None or hashlib.sha256(data).hexdigest() != digest.decode():
-            return self._discard(key, "checksum mismatch")
+        if digest is None:
+            return self.discard(fingerprint, block_hash, "no checksum")
         if stored_fingerprint is None or stored_fingerprint.decode() != fingerprint:
-            return self._discard(key, "fingerprint mismatch")
+            return self.discard(fingerprint, block_hash, "fingerprint mismatch")
         return data, digest.decode()
+
+    def discard(self, fingerprint: str, block_hash: bytes, why: str) -> None:
+        """Deletes a bad checkpoint; it is a miss from now on."""
+        key = self._key(fingerprint, block_hash)
+        log.warning("deleting checkpoint %s: %s", key, why)
+        with _redis_errors():
+            self.redis.delete(key)
 
     def used_memory_bytes(self) -> int:
         with _redis_errors():
             return int(self.redis.info("memory")["used_memory"])
-
-    def _discard(self, key: str, why: str) -> None:
-        log.warning("deleting checkpoint %s: %s", key, why)
-        with _redis_errors():
-            self.redis.delete(key)
-        return None
 
     def _key(self, fingerprint: str, block_hash: bytes) -> str:
         return keys.block_key(self.config.key_prefix, fingerprint, block_hash)

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
 
+from gpu_worker.cache.manager import PrefixCacheManager
+from gpu_worker.cache.remote import SharedTier
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.service import GenerationServicer, add_to_server
+from gpu_worker.telemetry_observer import add_observability_arguments, observer_from_args
 from hybridserve import grpc_server
 from hybridserve.cliutil import env_default
+from hybridserve.service_telemetry import start_service_telemetry
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.flags import add_config_arguments, config_from_args
 
@@ -57,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=env_default("SCHEDULER_GIVE_UP_S", 30.0, float),
         help="fail in-flight requests when no scheduler answers for this long",
     )
+    group.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=env_default("PREFIX_CACHING", True, _bool),
+        help="reuse cached prefixes (KV + Mamba state at block boundaries); ALIGN mode only",
+    )
     group = parser.add_argument_group("model runner")
     group.add_argument(
         "--memory-budget-mb",
@@ -64,9 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=env_default("MEMORY_BUDGET_MB", 256, int),
         help="KV pages + Mamba state slots + checkpoints, MiB",
     )
-    group.add_argument("--num-checkpoint-slots", type=int, default=env_default("NUM_CHECKPOINT_SLOTS", 32, int))
+    group.add_argument(
+        "--num-checkpoint-slots",
+        type=int,
+        default=env_default("NUM_CHECKPOINT_SLOTS", 64, int),
+        help="Mamba state checkpoints kept on the worker (one per cached block)",
+    )
     group.add_argument("--device", default=env_default("DEVICE", "auto"), help="auto | cpu | cuda[:i]")
     group.add_argument("--dtype", default=env_default("DTYPE", "auto"), help="auto | float32 | bfloat16")
+    add_observability_arguments(parser)
 
 
 def _bool(raw: str) -> bool:
@@ -78,7 +95,7 @@ def _bool(raw: str) -> bool:
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
-    scheduler = config_from_args(args)
+    scheduler = replace(config_from_args(args), prefix_caching=bool(args.prefix_caching))
     runner = RunnerConfig(
         memory_budget_bytes=args.memory_budget_mb << 20,
         kv_page_size_tokens=scheduler.kv_page_size,
@@ -101,10 +118,23 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     )
 
 
+def build_prefix_cache(runner: ModelRunner, settings: EngineSettings, enabled: bool) -> PrefixCacheManager | None:
+    """The local tier, plus the shared tier when --cache is given; None when caching is off or the
+    scheduler does not align chunks to the checkpoint grid (no state would exist at block ends)."""
+    if not enabled or not settings.scheduler.is_aligned or runner.state_pool.num_checkpoint_slots == 0:
+        return None
+    shared = None
+    if settings.cache_address:
+        shared = SharedTier(settings.cache_address, runner.loaded.fingerprint, settings.scheduler.block_size)
+    return PrefixCacheManager(runner, settings.scheduler.block_size, shared)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.model is None:
         raise SystemExit("--model DIR is required (write the default model with `hybridserve init-model DIR`)")
     settings = settings_from_args(args)
+    stop_telemetry = start_service_telemetry("hybridserve-worker", args.metrics_port, args.host)
+    observer = observer_from_args(args)
     runner = ModelRunner.from_model_dir(args.model, settings.runner)
     log.info("model %s loaded: %s", args.model, runner.describe())
     client = SchedulerClient(
@@ -112,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
         deadline_s=settings.scheduler_deadline_s,
         give_up_after_s=settings.scheduler_give_up_s,
     )
-    engine = Engine(runner, client.plan, settings)
+    engine = Engine(runner, client.plan, settings, observer=observer)
+    if observer is not None:
+        observer.watch(engine)
     engine.start()
     servicer = GenerationServicer(engine, model_name=Path(args.model).name)
     server, port, health = grpc_server.create_server([add_to_server(servicer)], host=args.host, port=args.port)
@@ -122,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
     def stop() -> None:
         engine.stop()
         client.close()
+        if observer is not None:
+            observer.close()
+        stop_telemetry()
 
     grpc_server.serve_until_signal(server, health, on_stop=stop)
     return 0

@@ -14,9 +14,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("hybridserve.up", "start scheduler, worker (and cache) on this machine with embedded defaults"),
     "scheduler": ("scheduler_svc.server", "serve the stateless Scheduler (step planner)"),
     "worker": ("gpu_worker.server", "serve the Generation API on one GPU (or the CPU)"),
+    "cache": ("cache_svc.server", "serve the BlockCache (prefix-cache checkpoints in Redis)"),
     "generate": ("hybridserve.generate", "stream a completion from a running worker"),
     "bench": ("hybridserve.loadgen", "drive N closed-loop clients against a worker and print a summary"),
     "init-model": ("gpu_worker.init_model", "write the default tiny random Bamba model to a folder"),
+    "replay": ("scheduler_svc.replay", "re-plan recorded engine steps offline; show the plan or a diff"),
 }
 
 

@@ -54,6 +54,11 @@ class Completion:
         return decoded / span_s if decoded > 0 and span_s > 0 else None
 
 
+def generation_stub(channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub:
+    """The Generation stub on a channel (the generated constructor is untyped)."""
+    return generation_pb2_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
+
+
 def build_request(
     prompt: str | Sequence[int],
     *,

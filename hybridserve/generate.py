@@ -13,8 +13,15 @@ from typing import Any
 import grpc
 
 from hybridserve.cliutil import env_default
-from hybridserve.genclient import DEFAULT_WORKER, Completion, build_request, describe_rpc_error, stream_completion
-from hybridserve.v1 import generation_pb2, generation_pb2_grpc
+from hybridserve.genclient import (
+    DEFAULT_WORKER,
+    Completion,
+    build_request,
+    describe_rpc_error,
+    generation_stub,
+    stream_completion,
+)
+from hybridserve.v1 import generation_pb2
 
 EXIT_RPC_ERROR = 1
 EXIT_USAGE = 2
@@ -66,7 +73,8 @@ def request_from_args(args: argparse.Namespace) -> generation_pb2.GenerateReques
 
 
 def format_summary(done: Completion) -> str:
-    """The one-line summary printed to stderr after the text."""
+    """The one-line summary printed to stderr after the text. `decode` is the rate between the first
+    and the last token message as they arrived here; `throughput` is tokens over the whole call."""
     parts = [
         f"finish_reason={done.finish_reason or '?'}",
         f"prompt_tokens={done.prompt_tokens}",
@@ -77,6 +85,8 @@ def format_summary(done: Completion) -> str:
         parts.append(f"ttft={done.ttft_s * 1000:.1f}ms")
     if done.decode_tokens_per_s is not None:
         parts.append(f"decode={done.decode_tokens_per_s:.1f}tok/s")
+    if done.e2e_s > 0:
+        parts.append(f"throughput={done.completion_tokens / done.e2e_s:.1f}tok/s")
     parts.append(f"total={done.e2e_s:.3f}s")
     return " ".join(parts)
 
@@ -117,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     with grpc.insecure_channel(args.worker) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_stub(channel)
         try:
             done = stream_completion(stub, request, args.timeout, None if args.json else _print_text)
         except grpc.RpcError as exc:

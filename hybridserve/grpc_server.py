@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hybridserve import errors
+from hybridserve.service_telemetry import server_interceptors
 
 log = logging.getLogger("hybridserve.grpc")
 
@@ -85,7 +86,7 @@ def add_servicer(server: grpc.Server, service: ServiceDescriptor, servicer: Any)
     """Registers `servicer` (an object with one method per RPC) for a service descriptor; returns
     the full service name. Unlike the generated add_*_to_server, a request that does not parse
     becomes INVALID_ARGUMENT."""
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    handlers: dict[str, grpc.RpcMethodHandler] = {}  # type: ignore[type-arg]
     for method in service.methods:
         in_class = message_factory.GetMessageClass(method.input_type)
         out_class = message_factory.GetMessageClass(method.output_type)
@@ -148,15 +149,17 @@ def create_server(
     port: int = 0,
     max_workers: int = 32,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    tracer_provider: Any = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Builds a started-ready (not started) server with health and reflection.
 
     Each adder registers one servicer and returns its full service name. Port 0 picks a free port;
-    the bound port is returned.
+    the bound port is returned. Calls are traced (and counted) when this process has tracing (or a
+    metrics endpoint) on; `tracer_provider` overrides the global provider (tests).
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[DomainErrorInterceptor()],
+        interceptors=[*server_interceptors(tracer_provider), DomainErrorInterceptor()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

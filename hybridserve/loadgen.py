@@ -19,7 +19,13 @@ import grpc
 from tqdm import tqdm
 
 from hybridserve.cliutil import env_default
-from hybridserve.genclient import DEFAULT_WORKER, build_request, describe_rpc_error, stream_completion
+from hybridserve.genclient import (
+    DEFAULT_WORKER,
+    build_request,
+    describe_rpc_error,
+    generation_stub,
+    stream_completion,
+)
 from hybridserve.v1 import generation_pb2, generation_pb2_grpc
 
 FIRST_ORDINARY_TOKEN_ID = 3  # ids 0-2 are pad, bos, eos in the default tokenizer and the Bamba config
@@ -156,7 +162,7 @@ def run_load(
     bar = tqdm(total=len(prompts), unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True)
 
     def client(channel: grpc.Channel) -> None:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_stub(channel)
         while (index := queue.take()) is not None:
             request = build_request(prompts[index], max_tokens=max_tokens, ignore_eos=ignore_eos,
                                     temperature=temperature)  # fmt: skip
@@ -229,7 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def worker_vocab_size(address: str, timeout_s: float = 10.0) -> int:
     """The worker's vocabulary size from GetInfo; raises grpc.RpcError when it does not answer."""
     with grpc.insecure_channel(address) as channel:
-        info = generation_pb2_grpc.GenerationStub(channel).GetInfo(generation_pb2.GetInfoRequest(), timeout=timeout_s)
+        info = generation_stub(channel).GetInfo(generation_pb2.GetInfoRequest(), timeout=timeout_s)
     return int(info.vocab_size)
 
 

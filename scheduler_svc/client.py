@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from hybridserve import telemetry
 from hybridserve.errors import InvalidArgumentError, UnavailableError
 from hybridserve.v1 import scheduler_pb2 as pb
 from hybridserve.v1 import scheduler_pb2_grpc as pb_grpc
@@ -46,6 +47,7 @@ class SchedulerClient:
         give_up_after_s: float = 30.0,
         backoff_s: float = 0.05,
         max_backoff_s: float = 1.0,
+        tracer_provider: Any = None,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("at least one scheduler address is required")
@@ -55,7 +57,8 @@ class SchedulerClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._channels = [grpc.insecure_channel(a) for a in self.addresses]
-        self._stubs = [pb_grpc.SchedulerStub(c) for c in self._channels]  # type: ignore[no-untyped-call]
+        traced = [telemetry.intercept_channel(c, tracer_provider) for c in self._channels]  # trace context
+        self._stubs = [pb_grpc.SchedulerStub(c) for c in traced]  # type: ignore[no-untyped-call]
         self._preferred = 0
 
     def plan(self, step: StepInput) -> StepPlan:

@@ -10,6 +10,7 @@ from grpc_health.v1 import health
 
 from hybridserve import grpc_server
 from hybridserve.cliutil import env_default
+from hybridserve.service_telemetry import add_metrics_arguments, start_service_telemetry
 from scheduler_svc import service
 
 log = logging.getLogger("hybridserve.scheduler")
@@ -48,11 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=env_default("SCHEDULER_MAX_MESSAGE_BYTES", grpc_server.DEFAULT_MAX_MESSAGE_BYTES, int),
         help="largest request accepted (bigger ones get RESOURCE_EXHAUSTED)",
     )
+    add_metrics_arguments(parser, "SCHEDULER")
 
 
 def run(args: argparse.Namespace) -> int:
+    stop_telemetry = start_service_telemetry("hybridserve-scheduler", args.metrics_port, args.host)
     server, port, health_servicer = create_server(args.host, args.port, args.max_workers, args.max_message_bytes)
     server.start()
     grpc_server.announce(args.host, port)
-    grpc_server.serve_until_signal(server, health_servicer)
+    grpc_server.serve_until_signal(server, health_servicer, on_stop=stop_telemetry)
     return 0

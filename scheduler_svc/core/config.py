@@ -31,11 +31,17 @@ class SchedulerConfig:
     mamba_block_size: int  # recurrent block, tokens
     mamba_cache_mode: MambaCacheMode
     kv_page_size: int  # KV capacity unit, tokens
+    prefix_caching: bool = False  # stop the prompt-finishing chunk at the last block boundary
 
     @property
     def is_aligned(self) -> bool:
         """Whether non-final prefill chunks must end on the block_size grid."""
         return self.mamba_cache_mode == MambaCacheMode.ALIGN
+
+    @property
+    def checkpoints_prompt_blocks(self) -> bool:
+        """Whether chunks stop at a prompt's last block boundary (rules.stop_at_last_boundary)."""
+        return self.prefix_caching and self.is_aligned
 
     @property
     def sub_block_exception(self) -> bool:

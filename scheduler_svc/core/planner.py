@@ -191,6 +191,10 @@ def _grow(grant: _Grant, offer: int, config: SchedulerConfig, ledger: _Ledger) -
             config.block_size,
             config.sub_block_exception,
         )
+    if config.checkpoints_prompt_blocks:
+        total = rules.stop_at_last_boundary(
+            request.num_computed_tokens, total, request.num_prompt_tokens, config.block_size
+        )
     if total <= grant.num_tokens:
         return 0
     pages = rules.new_pages_needed(request.num_computed_tokens, total, config.kv_page_size)

@@ -65,6 +65,19 @@ def align_chunk(start: int, num_tokens: int, num_prompt_tokens: int, block_size:
     return num_tokens if sub_block_exception else 0
 
 
+def stop_at_last_boundary(start: int, num_tokens: int, num_prompt_tokens: int, block_size: int) -> int:
+    """With prefix caching on, keeps a chunk from crossing the prompt's last block boundary.
+
+    Mamba state exists only where a step ends. A chunk that runs from before the last boundary to
+    the prompt's end would leave no state at that boundary, so the prompt's blocks could never be
+    reused; ending the chunk there checkpoints them, and the short tail follows in the next step.
+    """
+    last_boundary = (num_prompt_tokens - 1) // block_size * block_size
+    if start < last_boundary < start + num_tokens:
+        return last_boundary - start
+    return num_tokens
+
+
 def smallest_useful_chunk(
     start: int, num_prompt_tokens: int, block_size: int, is_aligned: bool, sub_block_exception: bool
 ) -> int:

@@ -26,7 +26,9 @@ def publish(stub, block_hash: bytes, data: bytes, parent: bytes = b"", fingerpri
 
 
 def fetch(stub, block_hash: bytes, fingerprint: str = FP) -> bytes:
-    return b"".join(c.data for c in stub.Fetch(pb.FetchRequest(model_fingerprint=fingerprint, block_hash=block_hash), timeout=10))
+    return b"".join(
+        c.data for c in stub.Fetch(pb.FetchRequest(model_fingerprint=fingerprint, block_hash=block_hash), timeout=10)
+    )
 
 
 def test_lookup_counts_leading_blocks_and_fetch_streams_large_checkpoints(cache_service):
@@ -40,7 +42,7 @@ def test_lookup_counts_leading_blocks_and_fetch_streams_large_checkpoints(cache_
     gap = [hashes[0], hashes[3], hashes[1]]
     assert stub.Lookup(pb.LookupRequest(model_fingerprint=FP, block_hashes=gap), timeout=10).num_hit_blocks == 1
     chunks = list(stub.Fetch(pb.FetchRequest(model_fingerprint=FP, block_hash=hashes[1]), timeout=10))
-    assert len(chunks) == 4 and chunks[0].total_bytes == len(blobs[1])
+    assert len(chunks) == 2 and chunks[0].total_bytes == len(blobs[1])
     assert b"".join(c.data for c in chunks) == blobs[1]
     assert chunks[0].checksum == hashlib.sha256(blobs[1]).digest()
     other = stub.Lookup(pb.LookupRequest(model_fingerprint="0" * 64, block_hashes=hashes), timeout=10)
@@ -57,17 +59,25 @@ def test_corrupted_or_foreign_checkpoints_are_misses_and_deleted(cache_service, 
     client.hset(key_a, keys.FIELD_DATA, bytes(data))
     key_b = keys.block_key("hybridserve", FP, b"b" * 32)
     client.hset(key_b, keys.FIELD_FINGERPRINT, "e" * 64)
-    for block_hash, key in ((b"a" * 32, key_a), (b"b" * 32, key_b)):
+    for block_hash, key, code in (
+        (b"a" * 32, key_a, grpc.StatusCode.DATA_LOSS),  # detected while streaming
+        (b"b" * 32, key_b, grpc.StatusCode.NOT_FOUND),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(stub, block_hash)
+        assert err.value.code() == code
+        assert not client.exists(key), "a bad checkpoint is deleted"
         with pytest.raises(grpc.RpcError) as err:
             fetch(stub, block_hash)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        assert not client.exists(key), "a bad checkpoint is deleted"
 
 
 def test_publish_with_a_wrong_checksum_is_rejected(cache_service):
     with pytest.raises(grpc.RpcError) as err:
         cache_service.stub.Publish(
-            pb.PublishRequest(model_fingerprint=FP, block_hash=b"c" * 32, block_size=16, checkpoint=b"x", checksum=b"y"),
+            pb.PublishRequest(
+                model_fingerprint=FP, block_hash=b"c" * 32, block_size=16, checkpoint=b"x", checksum=b"y"
+            ),
             timeout=10,
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -76,7 +76,9 @@ def damage(redis_client, how: str) -> int:
             import hashlib
 
             kv_only = save({"kv": load(data)["kv"]})
-            redis_client.hset(key, mapping={keys.FIELD_DATA: kv_only, keys.FIELD_SHA256: hashlib.sha256(kv_only).hexdigest()})
+            redis_client.hset(
+                key, mapping={keys.FIELD_DATA: kv_only, keys.FIELD_SHA256: hashlib.sha256(kv_only).hexdigest()}
+            )
         count += 1
     return count
 

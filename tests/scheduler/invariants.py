@@ -68,6 +68,13 @@ def check_plan(step: StepInput, plan: StepPlan) -> None:
                 assert cfg.sub_block_exception
                 assert end // cfg.block_size == r.num_computed_tokens // cfg.block_size
 
+    # Prefix caching: no chunk crosses a prompt's last block boundary (the state there is saved).
+    if cfg.checkpoints_prompt_blocks:
+        for rid, s in slices.items():
+            r = by_id[rid]
+            last_boundary = (r.num_prompt_tokens - 1) // cfg.block_size * cfg.block_size
+            assert not (r.num_computed_tokens < last_boundary < r.num_computed_tokens + s.num_tokens), (r, s)
+
     # 5. Decode first: an unscheduled, unpreempted decode means the decodes used up the step.
     live_decodes = [r for r in step.running if not r.is_prefill and r.request_id not in preempted]
     if any(r.request_id not in slices for r in live_decodes):
@@ -117,6 +124,8 @@ def check_plan(step: StepInput, plan: StepPlan) -> None:
                 offer = rules.align_chunk(
                     r.num_computed_tokens, offer, r.num_prompt_tokens, cfg.block_size, cfg.sub_block_exception
                 )
+            if cfg.checkpoints_prompt_blocks:
+                offer = rules.stop_at_last_boundary(r.num_computed_tokens, offer, r.num_prompt_tokens, cfg.block_size)
             extra_pages = rules.new_pages_needed(
                 r.num_computed_tokens, offer, cfg.kv_page_size
             ) - rules.new_pages_needed(r.num_computed_tokens, got, cfg.kv_page_size)

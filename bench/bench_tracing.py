@@ -1,0 +1,153 @@
+"""Cost of observability: aggregate output tokens/s of one worker (the default tiny model, CPU or
+GPU) under a fixed closed-loop load, side by side in one run, for three configurations:
+
+- off:       no observer, no interceptors (what a process with OTEL_SDK_DISABLED runs)
+- tracing:   every span (request, step with links, PlanStep client + server) exported over
+             OTLP/gRPC with batching to a local receiver (tests/observability/otlp_receiver.py)
+- recording: step recording on (every step to a JSONL file), tracing off
+
+Rounds are interleaved (off, tracing, recording, off, ...) and the median per configuration is
+compared: target <= 3% loss with tracing on.
+
+    python bench/bench_tracing.py [--rounds 3] [--clients 8] [--requests 48] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_worker.engine.engine import Engine  # noqa: E402
+from gpu_worker.engine.settings import EngineSettings  # noqa: E402
+from gpu_worker.init_model import write_random_checkpoint  # noqa: E402
+from gpu_worker.runner import ModelRunner, RunnerConfig  # noqa: E402
+from gpu_worker.service import GenerationServicer, add_to_server  # noqa: E402
+from gpu_worker.step_recorder import StepRecorder  # noqa: E402
+from gpu_worker.telemetry_observer import TelemetryObserver  # noqa: E402
+from hybridserve import grpc_server  # noqa: E402
+from hybridserve.v1 import generation_pb2 as pb  # noqa: E402
+from hybridserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+from scheduler_svc import service  # noqa: E402
+from scheduler_svc.client import SchedulerClient  # noqa: E402
+from scheduler_svc.core import MambaCacheMode, SchedulerConfig  # noqa: E402
+from tests.observability.otlp_receiver import Receiver  # noqa: E402
+
+TARGET_TRACING_LOSS = 0.03
+CONFIG = SchedulerConfig(
+    max_num_batched_tokens=2048, max_num_seqs=16, long_prefill_token_threshold=0,
+    max_num_prefill_tokens_per_step=512, block_size=256, mamba_block_size=64,
+    mamba_cache_mode=MambaCacheMode.ALIGN, kv_page_size=16,
+)  # fmt: skip
+
+
+def run_config(model: Path, kind: str, receiver_port: int, tmp: Path, args: argparse.Namespace) -> float:
+    """Starts scheduler + worker for one configuration, runs the load, returns output tokens/s."""
+    provider = None
+    if kind == "tracing":
+        exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{receiver_port}", insecure=True)
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+    sched, sched_port, _ = grpc_server.create_server([service.add_to_server], tracer_provider=provider)
+    sched.start()
+    address = f"127.0.0.1:{sched_port}"
+    runner_config = RunnerConfig(
+        memory_budget_bytes=128 << 20, kv_page_size_tokens=16, max_num_seqs=16, num_checkpoint_slots=4,
+        device=args.device, dtype="auto",
+    )  # fmt: skip
+    settings = EngineSettings(scheduler=CONFIG, runner=runner_config, scheduler_addresses=(address,))
+    client = SchedulerClient([address], tracer_provider=provider)
+    observer = None
+    if kind == "tracing":
+        observer = TelemetryObserver(tracer_provider=provider)
+    elif kind == "recording":
+        observer = TelemetryObserver(recorder=StepRecorder(tmp / f"steps-{time.monotonic_ns()}.jsonl"))
+    engine = Engine(ModelRunner.from_model_dir(model, runner_config), client.plan, settings, observer)
+    engine.start()
+    server, port, _ = grpc_server.create_server(
+        [add_to_server(GenerationServicer(engine, "tiny"))], tracer_provider=provider
+    )
+    server.start()
+    try:
+        return closed_loop(f"127.0.0.1:{port}", args)
+    finally:
+        server.stop(None)
+        engine.stop()
+        client.close()
+        sched.stop(None)
+        if observer is not None:
+            observer.close()
+        if provider is not None:
+            provider.shutdown()
+
+
+def closed_loop(address: str, args: argparse.Namespace) -> float:
+    channels = [grpc.insecure_channel(address) for _ in range(args.clients)]
+    stubs = [pb_grpc.GenerationStub(c) for c in channels]
+    prompt = [(7 * i) % 250 + 3 for i in range(args.prompt_tokens)]
+    request = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
+    )
+    per_client = args.requests // args.clients
+
+    def client(i: int) -> int:
+        return sum(len(m.token_ids) for _ in range(per_client) for m in stubs[i].Generate(request, timeout=120))
+
+    list(stubs[0].Generate(request, timeout=120))  # warm-up
+    started = time.perf_counter()
+    with ThreadPoolExecutor(args.clients) as pool:
+        tokens = sum(pool.map(client, range(args.clients)))
+    elapsed = time.perf_counter() - started
+    for channel in channels:
+        channel.close()
+    return tokens / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+    receiver = Receiver()
+    kinds = ("off", "tracing", "recording")
+    results: dict[str, list[float]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model = write_random_checkpoint(tmp / "model")
+        for r in range(args.rounds):
+            for kind in kinds:
+                results[kind].append(run_config(model, kind, receiver.port, tmp, args))
+                print(f"round {r} {kind:<9} {results[kind][-1]:8.1f} output tokens/s", flush=True)
+    receiver.stop()
+    median = {k: statistics.median(v) for k, v in results.items()}
+    print(
+        f"\nclients {args.clients}, requests {args.requests}, prompt {args.prompt_tokens}, max_tokens {args.max_tokens}"
+    )
+    print(f"spans received by the OTLP receiver: {len(receiver.spans)}")
+    for kind in kinds:
+        loss = 1.0 - median[kind] / median["off"]
+        print(f"{kind:<9} median {median[kind]:8.1f} tokens/s   loss vs off {loss:+.1%}")
+    tracing_loss = 1.0 - median["tracing"] / median["off"]
+    verdict = "PASS" if tracing_loss <= TARGET_TRACING_LOSS else "FAIL"
+    print(f"tracing loss {tracing_loss:+.1%} (target <= {TARGET_TRACING_LOSS:.0%}): {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The packed batch the engine hands the runner each step, and what the runner returns.
+
+Sequences are packed back to back without padding; each is either a multi-token prefill chunk or a single
+token (a decode, or a 1-token prefill chunk: the runner treats both the same way). Region map of one
+sequence in a step:
+    [0, start_pos)                     computed earlier: KV in its pages, Mamba state in its slot
+    [start_pos, start_pos + len)       this chunk: KV written, state advanced
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceChunk:
+    """One sequence's work in a step."""
+
+    token_ids: tuple[int, ...]  # the chunk's tokens, absolute positions [start_pos, start_pos + len)
+    start_pos: int  # tokens of this sequence already computed; 0 = start from a zero state
+    page_ids: tuple[int, ...]  # KV page table covering at least [0, start_pos + len) (kv_page_size units)
+    state_slot: int  # live Mamba state slot; holds the state at start_pos (ignored when start_pos == 0)
+    save_checkpoint_id: int | None = None  # copy the end-of-chunk state here (chunk ends on the grid)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """All sequences of one forward. A state slot appears at most once."""
+
+    sequences: tuple[SequenceChunk, ...]
+    return_all_logits: bool = False  # also return logits at every position (tests, prompt logprobs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    """Logits of one forward, in batch sequence order. Tensors live on the runner's device."""
+
+    logits: torch.Tensor  # [num_sequences, vocab] float32: logits after each sequence's last token
+    all_logits: tuple[torch.Tensor, ...] | None = None  # per sequence [len, vocab] float32, if asked

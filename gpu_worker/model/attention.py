@@ -1,0 +1,88 @@
+"""Causal GQA attention over a paged KV cache.
+
+Each layer owns a K and a V tensor of flat token slots [num_pages * kv_page_size, kv_heads, head_dim].
+A forward first writes the chunk's K/V into its slots, then attends over the whole context [0, start+len)
+gathered through the page table. Query heads are grouped by their KV head ([kv_heads, group * L, d]) so
+K/V are never repeated."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.model.config import BambaConfig
+from gpu_worker.model.context import ForwardContext, PrefillSpan
+from gpu_worker.model.layers import apply_rope
+
+
+class PagedAttention(nn.Module):
+    """q/k/v/o projections (HF names), RoPE on the first rotary_dim dims, scale head_dim^-0.5."""
+
+    def __init__(self, config: BambaConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.group = self.num_heads // self.num_kv_heads
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        ctx: ForwardContext,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; writes this batch's K/V into k_cache/v_cache."""
+        n = hidden.shape[0]
+        q = apply_rope(self.q_proj(hidden).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        k_cache.index_copy_(0, ctx.kv_write_slots, k)
+        v_cache.index_copy_(0, ctx.kv_write_slots, v)
+        outs: list[torch.Tensor] = []
+        if ctx.num_decode:
+            outs.append(self._decode(q[: ctx.num_decode], ctx, k_cache, v_cache))
+        for span in ctx.prefills:
+            outs.append(self._prefill(q[span.token_start : span.token_start + span.num_tokens], span, k_cache, v_cache))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        projected: torch.Tensor = self.o_proj(out)
+        return projected
+
+    def _decode(
+        self, q: torch.Tensor, ctx: ForwardContext, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """q [b, heads, d] -> [b, heads * d]; each sequence attends over its own padded context."""
+        b = q.shape[0]
+        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)  # [b, kvh, g, d]
+        ps, table = ctx.kv_page_size_tokens, ctx.decode_page_table  # gather whole pages, not token rows
+        width = table.shape[1] * ps
+        k = k_cache.view(-1, ps, self.num_kv_heads, self.head_dim)[table].view(b, width, self.num_kv_heads, -1)
+        v = v_cache.view(-1, ps, self.num_kv_heads, self.head_dim)[table].view(b, width, self.num_kv_heads, -1)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, kvh, max_pages * ps, d]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=ctx.decode_kv_mask)  # [b, kvh, g, d]
+        return out.reshape(b, self.num_heads * self.head_dim)
+
+    def _prefill(
+        self, q: torch.Tensor, span: PrefillSpan, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """q [L, heads, d] -> [L, heads * d]; causal over [0, start_pos + L)."""
+        L, start = span.num_tokens, span.start_pos
+        qg = q.view(L, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)  # [kvh, g, L, d]
+        qg = qg.reshape(self.num_kv_heads, self.group * L, self.head_dim)
+        k = k_cache[span.kv_slots].transpose(0, 1)  # [kvh, ctx, d]
+        v = v_cache[span.kv_slots].transpose(0, 1)
+        if start == 0 and self.group == 1:
+            out = F.scaled_dot_product_attention(qg, k, v, is_causal=True)
+        else:
+            key_pos = torch.arange(start + L, device=q.device)
+            query_pos = torch.arange(start, start + L, device=q.device)
+            mask = (key_pos[None, :] <= query_pos[:, None]).repeat(self.group, 1)  # [g * L, ctx]
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+        out = out.view(self.num_kv_heads, self.group, L, self.head_dim).permute(2, 0, 1, 3)
+        return out.reshape(L, self.num_heads * self.head_dim)

@@ -1,0 +1,177 @@
+"""Loads a Hugging Face Bamba checkpoint from a local folder.
+
+Folder layout: `config.json`; `model.safetensors` or `model.safetensors.index.json` + its shards;
+optional `generation_config.json` and `tokenizer.json`. Every failure is an InvalidArgumentError that names
+the file and what to do. The returned model is in eval mode on the requested device/dtype; Mamba's
+A_log, D and dt_bias stay float32 (they feed the float32 scan)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from gpu_worker.model.config import BambaConfig
+from gpu_worker.model.model import BambaForCausalLM
+from gpu_worker.tokenizer import Tokenizer, load_tokenizer
+from hybridserve.errors import InvalidArgumentError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FLOAT32_PARAMS = ("mamba.A_log", "mamba.D", "mamba.dt_bias")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some exporters still write
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A ready model and what the worker needs to serve it. Immutable after load."""
+
+    model_dir: Path
+    config: BambaConfig
+    model: BambaForCausalLM  # eval mode, on `device`
+    tokenizer: Tokenizer | None  # None: the checkpoint has no tokenizer.json (token-id prompts only)
+    eos_token_ids: tuple[int, ...]  # from generation_config.json, else config.json
+    fingerprint: str  # sha256 hex of config + weights; the prefix-cache model identity
+    device: torch.device
+    dtype: torch.dtype  # weight dtype (SSM state is always float32)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """'auto' -> cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA, float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise InvalidArgumentError(f"dtype={dtype!r} is not one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load and validate the checkpoint in `model_dir` (see module docstring)."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise InvalidArgumentError(f"model folder {root} does not exist (create one with `hybridserve init-model`)")
+    config_path = root / "config.json"
+    if not config_path.exists():
+        raise InvalidArgumentError(f"{root}: config.json is missing; this is not a Hugging Face checkpoint folder")
+    config = BambaConfig.from_json_file(config_path)
+    tensors = read_weights(root)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    fingerprint = fingerprint_weights(config, tensors)
+    model = build_model(config, tensors, torch_device, torch_dtype)
+    return LoadedModel(
+        model_dir=root,
+        config=config,
+        model=model,
+        tokenizer=load_tokenizer(root),
+        eos_token_ids=_generation_eos(root, config),
+        fingerprint=fingerprint,
+        device=torch_device,
+        dtype=torch_dtype,
+    )
+
+
+def read_weights(root: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint on CPU, from one file or from the shards an index names."""
+    if (root / SINGLE_FILE).exists():
+        return _load_safetensors(root / SINGLE_FILE)
+    index_path = root / INDEX_FILE
+    if not index_path.exists():
+        found = sorted(p.name for p in root.iterdir())
+        raise InvalidArgumentError(
+            f"{root}: no {SINGLE_FILE} or {INDEX_FILE} (found {found}); only safetensors checkpoints are served"
+        )
+    try:
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise InvalidArgumentError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (root / shard).exists():
+            raise InvalidArgumentError(f"{index_path}: shard {shard} is listed but missing from the folder")
+        tensors.update(_load_safetensors(root / shard))
+    missing = sorted(set(weight_map) - set(tensors))
+    if missing:
+        raise InvalidArgumentError(f"{index_path}: tensors {missing[:5]} are indexed but not in their shards")
+    return tensors
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InvalidArgumentError(f"{path}: corrupted or unreadable safetensors file ({exc})") from exc
+
+
+def build_model(
+    config: BambaConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> BambaForCausalLM:
+    """Check names and shapes against the architecture, then place the weights (no random init)."""
+    with torch.device("meta"):
+        model = BambaForCausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    given = {k: v for k, v in tensors.items() if not k.endswith(IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        given.pop("lm_head.weight", None)
+    missing, unexpected = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    if missing or unexpected:
+        raise InvalidArgumentError(
+            f"checkpoint weights do not match config.json: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    for name, shape in expected.items():
+        if tuple(given[name].shape) != shape:
+            raise InvalidArgumentError(
+                f"checkpoint tensor {name} has shape {list(given[name].shape)} but config.json implies {list(shape)}"
+            )
+    placed = {
+        k: v.to(device=device, dtype=torch.float32 if k.endswith(FLOAT32_PARAMS) else dtype) for k, v in given.items()
+    }
+    model.load_state_dict(placed, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    rd = config.rotary_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
+    model.inv_freq = inv_freq  # buffers are not in the state dict; recompute on the real device
+    return model.eval().requires_grad_(False)
+
+
+def fingerprint_weights(config: BambaConfig, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the canonical config and every tensor (name, dtype, shape, bytes) in name order.
+
+    Independent of sharding and of config.json keys the model does not read."""
+    h = hashlib.sha256(config.to_canonical_json().encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _generation_eos(root: Path, config: BambaConfig) -> tuple[int, ...]:
+    path = root / "generation_config.json"
+    if path.exists():
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as exc:
+            raise InvalidArgumentError(f"{path}: not valid JSON ({exc})") from exc
+        if isinstance(eos, int):
+            return (eos,)
+        if isinstance(eos, list):
+            return tuple(int(e) for e in eos)
+    return config.eos_token_ids

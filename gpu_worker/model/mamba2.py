@@ -1,0 +1,122 @@
+"""The Mamba2 mixer over a packed batch, reading and writing a state pool.
+
+State per sequence (one pool row): conv state = the last d_conv - 1 pre-conv xBC inputs [conv_dim, K-1]
+(model dtype), SSM state [H, P, N] (float32). A sequence whose start position is 0 must have a zeroed row
+(the runner zeroes it); any other chunk continues exactly from whatever the row holds."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.model.config import BambaConfig
+from gpu_worker.model.context import ForwardContext, PrefillSpan
+from gpu_worker.model.layers import GatedRMSNorm
+from gpu_worker.model.ssd import ssd_scan, ssm_step_
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> [z, xBC, dt]; causal depthwise conv + SiLU on xBC; SSD; gated RMS norm; out_proj."""
+
+    def __init__(self, config: BambaConfig) -> None:
+        super().__init__()
+        c = config
+        self.d_inner, self.conv_dim = c.d_inner, c.conv_dim
+        self.num_heads, self.head_dim = c.mamba_n_heads, c.mamba_d_head
+        self.num_groups, self.state_size = c.mamba_n_groups, c.mamba_d_state
+        self.chunk_size = c.mamba_chunk_size
+        self.dt_min, self.dt_max = c.time_step_min, c.time_step_max
+        self.in_proj = nn.Linear(c.hidden_size, c.d_inner + c.conv_dim + c.mamba_n_heads, bias=c.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(
+            c.conv_dim, c.conv_dim, c.mamba_d_conv, groups=c.conv_dim, bias=c.mamba_conv_bias
+        )  # holds weight [conv_dim, 1, K] and bias; applied functionally below
+        self.dt_bias = nn.Parameter(torch.zeros(c.mamba_n_heads))
+        self.A_log = nn.Parameter(torch.zeros(c.mamba_n_heads))
+        self.D = nn.Parameter(torch.ones(c.mamba_n_heads))
+        self.norm = GatedRMSNorm(c.d_inner, c.mamba_n_groups, c.rms_norm_eps)
+        self.out_proj = nn.Linear(c.d_inner, c.hidden_size, bias=c.mamba_proj_bias)
+
+    def forward(
+        self, hidden: torch.Tensor, ctx: ForwardContext, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]. conv_state [rows, conv_dim, K-1] and ssm_state
+        [rows, H, P, N] are this layer's pool tensors; the rows of the batch's sequences are updated."""
+        zxbcdt = self.in_proj(hidden)  # [T, d_inner + conv_dim + H]
+        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        dt = torch.clamp(F.softplus(dt.float() + self.dt_bias.float()), self.dt_min, self.dt_max)  # [T, H]
+        A = -torch.exp(self.A_log.float())  # [H]
+        ys: list[torch.Tensor] = []
+        nd = ctx.num_decode
+        if nd:
+            ys.append(self._decode(xbc[:nd], dt[:nd], A, ctx, conv_state, ssm_state))
+        for span in ctx.prefills:
+            sl = slice(span.token_start, span.token_start + span.num_tokens)
+            ys.append(self._prefill(xbc[sl], dt[sl], A, span, conv_state, ssm_state))
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)  # [T, d_inner] float32
+        out: torch.Tensor = self.out_proj(self.norm(y, z).to(hidden.dtype))
+        return out
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gn = self.num_groups * self.state_size
+        x, B, C = xbc[:, : self.d_inner], xbc[:, self.d_inner : self.d_inner + gn], xbc[:, self.d_inner + gn :]
+        n = x.shape[0]
+        return (
+            x.reshape(n, self.num_heads, self.head_dim),
+            B.reshape(n, self.num_groups, self.state_size),
+            C.reshape(n, self.num_groups, self.state_size),
+        )
+
+    def _decode(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        ctx: ForwardContext,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """All single-token sequences at once. xbc [b, conv_dim], dt [b, H] -> y [b, d_inner].
+
+        When the decode group's slots are one contiguous run the pool rows are updated in place through
+        a slice; otherwise they are gathered, updated and scattered back."""
+        b = xbc.shape[0]
+        first = ctx.decode_slot_start
+        rows = ctx.decode_state_slots
+        conv_rows = conv_state[first : first + b] if first is not None else conv_state.index_select(0, rows)
+        window = torch.cat([conv_rows, xbc[:, :, None]], dim=-1)  # [b, conv_dim, K]
+        if first is not None:
+            conv_rows.copy_(window[:, :, 1:])
+        else:
+            conv_state.index_copy_(0, rows, window[:, :, 1:])
+        conv = (window * self.conv1d.weight[:, 0, :]).sum(dim=-1)  # [b, conv_dim]
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias
+        x, B, C = self._split_xbc(F.silu(conv))
+        if first is not None:
+            y = ssm_step_(ssm_state[first : first + b], x, dt, A, B, C, self.D)
+        else:
+            state = ssm_state.index_select(0, rows)
+            y = ssm_step_(state, x, dt, A, B, C, self.D)
+            ssm_state.index_copy_(0, rows, state)
+        return y.reshape(b, self.d_inner)
+
+    def _prefill(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        span: PrefillSpan,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """One multi-token chunk continuing from its state row. xbc [L, conv_dim] -> y [L, d_inner]."""
+        row = span.state_slot
+        keep = conv_state.shape[-1]  # K - 1
+        window = torch.cat([conv_state[row], xbc.t()], dim=-1)  # [conv_dim, K-1+L]
+        conv_state[row] = window[:, window.shape[-1] - keep :]
+        conv = F.conv1d(window[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)[0]
+        x, B, C = self._split_xbc(F.silu(conv.t()))  # conv: [conv_dim, L]
+        y, final_state = ssd_scan(x, dt, A, B, C, self.D, ssm_state[row], self.chunk_size)
+        ssm_state[row] = final_state
+        return y.reshape(y.shape[0], self.d_inner)

@@ -1,0 +1,138 @@
+"""`ModelRunner`: owns the model, the KV page pool and the Mamba state pool; runs one packed batch.
+
+The engine's loop is: build a `Batch` from the plan -> `runner.forward(batch)` -> `sampling.sample(...)`.
+The runner knows nothing about requests or queues: the engine allocates pages and slots from
+`runner.kv_pool` / `runner.state_pool`, fills page tables, and frees them when a request ends.
+
+Pool sizing: the state pool gets `max_num_seqs` live slots plus `num_checkpoint_slots` checkpoints; the
+rest of `memory_budget_bytes` becomes KV pages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpu_worker.batch import Batch, ForwardOutput
+from gpu_worker.input_builder import build_inputs
+from gpu_worker.kv_pool import KVPagePool
+from gpu_worker.model.config import BambaConfig
+from gpu_worker.model.loader import LoadedModel, load_model
+from gpu_worker.state_pool import MambaStatePool
+from hybridserve.errors import InvalidArgumentError
+
+PAGES_WITHOUT_ATTENTION = 1 << 16  # a pure-Mamba model still gets page ids for accounting (0 bytes each)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """Worker-side model settings, built once from flags."""
+
+    memory_budget_bytes: int = 512 << 20  # KV pages + state slots + checkpoints (bytes)
+    kv_page_size_tokens: int = 16  # tokens per KV page
+    max_num_seqs: int = 64  # live Mamba state slots = most requests running at once
+    num_checkpoint_slots: int = 32  # Mamba state checkpoints kept on the worker
+    device: str = "auto"  # auto | cpu | cuda[:i]
+    dtype: str = "auto"  # auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
+
+    def __post_init__(self) -> None:
+        for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_checkpoint_slots < 0:
+            raise InvalidArgumentError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
+
+
+class ModelRunner:
+    """Runs packed batches. Not thread-safe: one engine thread calls it."""
+
+    def __init__(self, loaded: LoadedModel, config: RunnerConfig) -> None:
+        self.loaded = loaded
+        self.runner_config = config
+        self.model = loaded.model
+        self.device = loaded.device
+        c = self.config
+        conv_shape = (c.conv_dim, c.mamba_d_conv - 1)
+        ssm_shape = (c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
+        self.kv_bytes_per_token = KVPagePool.bytes_per_token(
+            c.num_attention_layers, c.num_key_value_heads, c.head_dim, loaded.dtype
+        )
+        self.state_bytes_per_request = MambaStatePool.bytes_per_slot(
+            c.num_mamba_layers, conv_shape, ssm_shape, loaded.dtype
+        )
+        num_pages = _num_kv_pages(config, self.kv_bytes_per_token, self.state_bytes_per_request)
+        self.kv_pool = KVPagePool(
+            num_pages, config.kv_page_size_tokens, c.num_attention_layers, c.num_key_value_heads,
+            c.head_dim, loaded.dtype, self.device,
+        )  # fmt: skip
+        self.state_pool = MambaStatePool(
+            config.max_num_seqs, config.num_checkpoint_slots, c.num_mamba_layers, conv_shape, ssm_shape,
+            loaded.dtype, self.device,
+        )  # fmt: skip
+        self._kv_caches = self.kv_pool.layer_caches()
+        self._states = self.state_pool.layer_states()
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: RunnerConfig | None = None) -> ModelRunner:
+        config = config or RunnerConfig()
+        return cls(load_model(model_dir, device=config.device, dtype=config.dtype), config)
+
+    @property
+    def config(self) -> BambaConfig:
+        return self.loaded.config
+
+    @property
+    def kv_page_size_tokens(self) -> int:
+        return self.runner_config.kv_page_size_tokens
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> ForwardOutput:
+        """Run every sequence's chunk; update KV pages and state slots; save requested checkpoints.
+
+        Each sequence gets exactly the logits it would get alone. Raises InvalidArgumentError for a
+        malformed batch (empty chunk, page table too short, duplicate or out-of-range state slot)."""
+        packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
+        if packed.fresh_slots is not None:
+            self.state_pool.zero_slots(packed.fresh_slots)
+        hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]
+        lm_head = self.model.lm_head
+        for seq in batch.sequences:
+            if seq.save_checkpoint_id is not None:
+                self.state_pool.save_checkpoint(seq.state_slot, seq.save_checkpoint_id)
+        if not batch.return_all_logits:
+            return ForwardOutput(logits=lm_head(hidden.index_select(0, packed.last_index)).float())
+        all_logits = lm_head(hidden).float()  # [T, vocab]
+        per_seq = tuple(
+            all_logits[start : start + len(seq.token_ids)]
+            for start, seq in zip(packed.token_start, batch.sequences, strict=True)
+        )
+        return ForwardOutput(logits=all_logits.index_select(0, packed.last_index), all_logits=per_seq)
+
+    def describe(self) -> dict[str, int | str]:
+        """Sizes for logs and GetInfo."""
+        return {
+            "device": str(self.device),
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "state_bytes_per_request": self.state_bytes_per_request,
+            "num_kv_pages": self.kv_pool.num_pages,
+            "kv_page_size_tokens": self.kv_page_size_tokens,
+            "num_state_slots": self.state_pool.num_slots,
+            "num_checkpoint_slots": self.state_pool.num_checkpoint_slots,
+        }
+
+
+def _num_kv_pages(config: RunnerConfig, kv_bytes_per_token: int, state_bytes_per_slot: int) -> int:
+    state_bytes = state_bytes_per_slot * (config.max_num_seqs + config.num_checkpoint_slots)
+    if kv_bytes_per_token == 0:
+        return PAGES_WITHOUT_ATTENTION
+    page_bytes = kv_bytes_per_token * config.kv_page_size_tokens
+    num_pages = (config.memory_budget_bytes - state_bytes) // page_bytes
+    if num_pages < 1:
+        raise InvalidArgumentError(
+            f"memory_budget_bytes={config.memory_budget_bytes} is too small: Mamba state for "
+            f"{config.max_num_seqs} slots + {config.num_checkpoint_slots} checkpoints needs {state_bytes} bytes "
+            f"and one KV page {page_bytes}; raise the budget or lower max_num_seqs / num_checkpoint_slots"
+        )
+    return int(num_pages)

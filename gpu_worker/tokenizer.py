@@ -1,0 +1,87 @@
+"""Text <-> token ids for the worker, on the `tokenizers` library.
+
+`load_tokenizer(dir)` reads a checkpoint's `tokenizer.json` when present (None otherwise: the checkpoint then
+serves token-id prompts only). `build_byte_tokenizer()` makes the default model's tokenizer: three special
+tokens (ids 0-2: pad, bos, eos, the Bamba config defaults) then one token per byte (ids 3-258), so any
+text round-trips and no merges are needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from hybridserve.errors import InvalidArgumentError
+
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
+BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+
+
+def build_byte_tokenizer() -> HFTokenizer:
+    """A byte-level tokenizer: vocab = specials + the 256 byte symbols of the ByteLevel alphabet."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({sym: len(SPECIAL_TOKENS) + i for i, sym in enumerate(alphabet)})
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+class Tokenizer:
+    """Encode/decode; thread-safe for reads (the underlying Rust tokenizer is immutable once loaded)."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self._tok = tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with no special tokens added."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def save(self, path: Path) -> None:
+        self._tok.save(str(path))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of generated ids into text deltas for streaming.
+
+    Holds back output while the decoded tail is an incomplete UTF-8 sequence (shown as U+FFFD), so a
+    multi-byte character split across tokens is emitted once, whole. One instance per request."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._emitted_chars = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        """Append new ids; return the newly completed text (possibly empty)."""
+        self._ids.extend(token_ids)
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[self._emitted_chars :]
+        self._emitted_chars = len(text)
+        return delta
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer, or None when it has no `tokenizer.json`."""
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        return None
+    try:
+        return Tokenizer(HFTokenizer.from_file(str(path)))
+    except Exception as exc:  # the Rust side raises a plain Exception on a malformed file
+        raise InvalidArgumentError(f"{path}: cannot load tokenizer ({exc})") from exc

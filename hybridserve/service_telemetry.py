@@ -1,0 +1,54 @@
+"""Observability wiring every server command shares: the `--metrics-port` flag, start-up of tracing
+and the metrics endpoint, and the server interceptors.
+
+A server's `run()` calls, before it builds its gRPC server:
+
+    stop_telemetry = start_service_telemetry("hybridserve-cache", args.metrics_port, args.host)
+
+and calls `stop_telemetry()` after the server stopped (it flushes the spans still queued). The
+cache service (cache_svc/server.py) is meant to do the same, and to wrap its client channels with
+`hybridserve.telemetry.intercept_channel` on the worker side.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import grpc
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
+
+from hybridserve import metrics, telemetry
+from hybridserve.cliutil import env_default
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, env_prefix: str) -> None:
+    """--metrics-port (env HYBRIDSERVE_<env_prefix>_METRICS_PORT): -1 (default) = off, 0 = a free
+    port (printed as `metrics on HOST:PORT`)."""
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env_default(f"{env_prefix}_METRICS_PORT", -1, int),
+        help="serve Prometheus /metrics on this port (-1 = off, 0 = a free port)",
+    )
+
+
+def start_service_telemetry(service_name: str, metrics_port: int, metrics_host: str) -> Callable[[], None]:
+    """Tracing from the OTEL_* environment, and the metrics endpoint when metrics_port >= 0.
+    Returns the shutdown function (flushes spans)."""
+    shutdown = telemetry.setup_tracing(service_name)
+    if metrics_port >= 0:
+        metrics.start_metrics_server(metrics_port, metrics_host)
+    return shutdown
+
+
+def server_interceptors(
+    tracer_provider: trace.TracerProvider | None = None, registry: CollectorRegistry | None = None
+) -> list[grpc.ServerInterceptor]:  # type: ignore[type-arg]
+    """The telemetry interceptor, or none when tracing and metrics are both off."""
+    tracer = telemetry.get_tracer(tracer_provider) if telemetry.tracing_enabled(tracer_provider) else None
+    rpc = metrics.rpc_metrics(registry)
+    if tracer is None and rpc is None:
+        return []
+    return [telemetry.ServerTelemetryInterceptor(tracer, rpc)]

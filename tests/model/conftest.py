@@ -1,0 +1,34 @@
+"""Fixtures for the model tests: tiny random HF Bamba checkpoints (transformers is the oracle)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.utils import logging as hf_logging
+
+from tests.model.model_helpers import SPECS, make_hf_model, save_hf_model
+
+hf_logging.set_verbosity_error()
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[object, Path]]:
+    """name -> (HF model in float32 eval mode, folder it was saved to), one per spec in SPECS."""
+    out = {}
+    for name, spec in SPECS.items():
+        model = make_hf_model(spec)
+        out[name] = (model, save_hf_model(model, tmp_path_factory.mktemp(name)))
+    return out
+
+
+@pytest.fixture(params=sorted(SPECS))
+def checkpoint(request: pytest.FixtureRequest, checkpoints: dict[str, tuple[object, Path]]) -> tuple[object, Path]:
+    return checkpoints[request.param]
+
+
+@pytest.fixture
+def small_checkpoint(checkpoints: dict[str, tuple[object, Path]]) -> tuple[object, Path]:
+    return checkpoints["gqa_groups2"]

@@ -1,0 +1,65 @@
+"""The byte tokenizer and `init-model`: the default checkpoint loads here and in transformers."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BambaForCausalLM as HFBamba
+
+from gpu_worker import init_model
+from gpu_worker.model.loader import load_model
+from gpu_worker.tokenizer import BYTE_VOCAB_SIZE, IncrementalDetokenizer, Tokenizer, build_byte_tokenizer
+from tests.model.model_helpers import make_runner, run_schedule
+
+
+def test_byte_tokenizer_round_trips_any_text() -> None:
+    tok = Tokenizer(build_byte_tokenizer())
+    assert tok.vocab_size == BYTE_VOCAB_SIZE
+    for text in ("hello world", "  leading spaces", "ünïcödé ✓ 漢字 🙂", "", "tab\tnew\nline"):
+        ids = tok.encode(text)
+        assert len(ids) == len(text.encode())
+        assert all(3 <= i < BYTE_VOCAB_SIZE for i in ids)
+        assert tok.decode(ids) == text
+    assert tok.token_to_id("<|eos|>") == 2
+
+
+def test_incremental_detokenizer_holds_back_partial_utf8() -> None:
+    tok = Tokenizer(build_byte_tokenizer())
+    text = "a✓b🙂"
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push([i]) for i in tok.encode(text)]
+    assert "".join(pieces) == text
+    assert pieces[1] == "" and pieces[3] == "✓"
+
+
+def _args(path: Path, force: bool = False) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    init_model.add_arguments(parser)
+    return parser.parse_args([str(path), *(["--force"] if force else [])])
+
+
+def test_init_model_writes_a_loadable_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "default"
+    assert init_model.run(_args(path)) == 0
+    assert "wrote default model" in capsys.readouterr().out
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert (path / name).exists()
+    loaded = load_model(path, device="cpu")
+    assert loaded.tokenizer is not None and loaded.eos_token_ids == (2,)
+    assert loaded.config.vocab_size == BYTE_VOCAB_SIZE
+    mamba = loaded.model.model.layers[0].mamba
+    assert mamba.dt_bias.std() > 0 and mamba.D.std() > 0 and mamba.A_log.std() > 0
+    assert init_model.run(_args(path)) == 2
+    assert "--force" in capsys.readouterr().err
+    assert init_model.run(_args(path, force=True)) == 0
+    assert load_model(path, device="cpu").fingerprint == loaded.fingerprint, "seeded: same weights"
+
+    hf = HFBamba.from_pretrained(path, dtype=torch.float32).eval()
+    ids = loaded.tokenizer.encode("The default model, checked against transformers.")
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    got = run_schedule(make_runner(path), ids, [10, 1, len(ids) - 11])
+    assert (got - ref).abs().max().item() <= 1e-4
