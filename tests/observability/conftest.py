@@ -28,20 +28,10 @@ from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc import service
 from scheduler_svc.client import SchedulerClient
-from scheduler_svc.core import MambaCacheMode, SchedulerConfig
+from scheduler_svc.core import SchedulerConfig
+from tests.worker.conftest import SCHEDULER
 
 TINY = ModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, attn_layer_indices=(1, 3))
-
-SCHEDULER = SchedulerConfig(
-    max_num_batched_tokens=64,
-    max_num_seqs=8,
-    long_prefill_token_threshold=0,
-    max_num_prefill_tokens_per_step=32,
-    block_size=16,
-    mamba_block_size=8,
-    mamba_cache_mode=MambaCacheMode.ALIGN,
-    kv_page_size=4,
-)
 
 
 @pytest.fixture(scope="session")
