@@ -4,6 +4,7 @@ GPU) under a fixed closed-loop load, side by side in one run, for three configur
 - off:       no observer, no interceptors (what a process with OTEL_SDK_DISABLED runs)
 - tracing:   every span (request, step with links, PlanStep client + server) exported over
              OTLP/gRPC with batching to a local receiver (tests/observability/otlp_receiver.py)
+             running in its own process, as a collector would
 - recording: step recording on (every step to a JSONL file), tracing off
 
 Rounds are interleaved (off, tracing, recording, off, ...) and the median per configuration is
@@ -15,6 +16,7 @@ compared: target <= 3% loss with tracing on.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -115,6 +117,15 @@ def closed_loop(address: str, args: argparse.Namespace) -> float:
     return tokens / elapsed
 
 
+def _receiver_process(conn) -> None:  # type: ignore[no-untyped-def]
+    """Runs the OTLP receiver in a child process: sends its port, waits, sends the span count."""
+    receiver = Receiver()
+    conn.send(receiver.port)
+    conn.recv()
+    conn.send(len(receiver.spans))
+    receiver.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -124,7 +135,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
-    receiver = Receiver()
+    parent_end, child_end = multiprocessing.get_context("spawn").Pipe()
+    receiver = multiprocessing.get_context("spawn").Process(target=_receiver_process, args=(child_end,), daemon=True)
+    receiver.start()
+    receiver_port = parent_end.recv()
     kinds = ("off", "tracing", "recording")
     results: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -132,14 +146,16 @@ def main() -> int:
         model = write_random_checkpoint(tmp / "model")
         for r in range(args.rounds):
             for kind in kinds:
-                results[kind].append(run_config(model, kind, receiver.port, tmp, args))
+                results[kind].append(run_config(model, kind, receiver_port, tmp, args))
                 print(f"round {r} {kind:<9} {results[kind][-1]:8.1f} output tokens/s", flush=True)
-    receiver.stop()
+    parent_end.send("stop")
+    num_spans = parent_end.recv()
+    receiver.join(10)
     median = {k: statistics.median(v) for k, v in results.items()}
     print(
         f"\nclients {args.clients}, requests {args.requests}, prompt {args.prompt_tokens}, max_tokens {args.max_tokens}"
     )
-    print(f"spans received by the OTLP receiver: {len(receiver.spans)}")
+    print(f"spans received by the OTLP receiver: {num_spans}")
     for kind in kinds:
         loss = 1.0 - median[kind] / median["off"]
         print(f"{kind:<9} median {median[kind]:8.1f} tokens/s   loss vs off {loss:+.1%}")

@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         deadline_s=settings.scheduler_deadline_s,
         give_up_after_s=settings.scheduler_give_up_s,
     )
-    engine = Engine(runner, client.plan, settings, observer=observer)
+    prefix = build_prefix_cache(runner, settings, args.prefix_caching)
+    engine = Engine(runner, client.plan, settings, observer=observer, prefix=prefix)
     if observer is not None:
         observer.watch(engine)
     engine.start()

@@ -87,7 +87,7 @@ class TelemetryObserver(EngineObserver):
     def request_queued(self, request: Request) -> None:
         if self._tracer is None:
             return
-        self._request_spans[request.request_id] = self._tracer.start_span(
+        span = self._request_spans[request.request_id] = self._tracer.start_span(
             "hybridserve.request",
             kind=SpanKind.INTERNAL,
             attributes={
@@ -97,6 +97,7 @@ class TelemetryObserver(EngineObserver):
                 "hybridserve.priority": request.params.priority,
             },
         )
+        request.trace_context = trace.set_span_in_context(span)  # parents the request's cache calls
 
     def request_first_token(self, request: Request) -> None:
         if self.metrics is not None and request.first_token_time is not None:
@@ -139,6 +140,10 @@ class TelemetryObserver(EngineObserver):
                 for _ in range(count - prev_count):
                     self.metrics.itl.observe(gap)
             self._seen[request.request_id] = (count, now)
+
+    def cache_lookup(self, tier: str, hit: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.record_cache_lookup(tier, hit)
 
     # ---- steps ------------------------------------------------------------------------------------
     def step(self, step_index: int) -> AbstractContextManager[object]:

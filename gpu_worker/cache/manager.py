@@ -10,6 +10,7 @@ least one prompt token is always left to compute, so the step that finishes the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ class PrefixCacheManager:
         self.local = LocalPrefixCache(runner.kv_pool, runner.state_pool)
         self.shared = shared
         self._hits: dict[str, Hit] = {}  # request_id -> pinned hit awaiting admission
+        self.on_lookup: Callable[[str, bool], None] = lambda tier, hit: None  # metrics hook
         self.num_cached_tokens = 0  # prompt tokens served from the cache, total
         self.num_shared_hits = 0
 
@@ -61,10 +63,11 @@ class PrefixCacheManager:
         local = sum(1 for _ in _leading(wanted, self.local))
         if local >= len(wanted):
             return None
-        return self.shared.fetch_prefix(wanted, local)
+        return self.shared.fetch_prefix(wanted, local, request.trace_context)
 
     def import_fetched(self, blocks: list[FetchedBlock]) -> None:
         """Writes fetched blocks into the local tier (stops at the first that does not fit)."""
+        self.on_lookup("shared", bool(blocks))
         pages_per_block = self.block_size // self.runner.kv_page_size_tokens
         for block in blocks:
             if self.local.has_checkpoint(block.block_hash) or (
@@ -88,6 +91,7 @@ class PrefixCacheManager:
     def attach(self, request: Request) -> None:
         """Applies the local hit to a request being queued (fresh or preempted)."""
         hit = self.local.acquire(self.usable_hashes(request))
+        self.on_lookup("worker", hit is not None)
         if hit is None:
             return
         request.page_ids = hit.page_ids

@@ -5,7 +5,6 @@ per outage; the gRPC channel reconnects by itself when the service returns."""
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import queue
 import threading
@@ -14,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import context as otel_context
 
 from gpu_worker.cache.checkpoint_io import BlockCheckpoint, from_bytes, to_bytes
 from hybridserve import telemetry
@@ -82,10 +82,22 @@ class SharedTier:
         return not self._publish_queue.unfinished_tasks
 
     # ---- lookup + fetch (off the engine thread) ----------------------------------------------------
-    def fetch_prefix(self, block_hashes: list[bytes], num_local_blocks: int) -> Future[list[FetchedBlock]]:
-        """Fetches the blocks after the first num_local_blocks that the shared tier holds."""
-        context = contextvars.copy_context()  # the caller's step span parents the cache calls
-        return self._fetch_pool.submit(context.run, self._fetch_prefix, block_hashes, num_local_blocks)
+    def fetch_prefix(
+        self, block_hashes: list[bytes], num_local_blocks: int, trace_context: object | None = None
+    ) -> Future[list[FetchedBlock]]:
+        """Fetches the blocks after the first num_local_blocks that the shared tier holds; the cache
+        calls are traced as children of `trace_context` (the request's span) when given."""
+        return self._fetch_pool.submit(self._fetch_traced, trace_context, block_hashes, num_local_blocks)
+
+    def _fetch_traced(
+        self, trace_context: object | None, block_hashes: list[bytes], num_local_blocks: int
+    ) -> list[FetchedBlock]:
+        token = otel_context.attach(trace_context) if trace_context is not None else None  # type: ignore[arg-type]
+        try:
+            return self._fetch_prefix(block_hashes, num_local_blocks)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     def _fetch_prefix(self, block_hashes: list[bytes], num_local_blocks: int) -> list[FetchedBlock]:
         lookup = pb.LookupRequest(model_fingerprint=self.fingerprint, block_hashes=block_hashes)

@@ -67,6 +67,8 @@ class Engine:
         self.prefix = prefix
         self.stepper = StepExecutor(runner, self.counters, self.observer, prefix)
         self.stepper.wake = self._wake
+        if prefix is not None:
+            prefix.on_lookup = self.observer.cache_lookup
         self._plan = plan
         self._cond = threading.Condition()
         self._inbox: list[Request] = []

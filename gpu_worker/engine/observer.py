@@ -25,6 +25,9 @@ class EngineObserver:
     def request_finished(self, request: Request, reason: str, error: Exception | None) -> None:
         """The request ended: reason "length", "stop", "abort", or "error" with the error."""
 
+    def cache_lookup(self, tier: str, hit: bool) -> None:
+        """A prefix-cache lookup for a queued request: tier "worker" (local) or "shared" (cache_svc)."""
+
     def step(self, step_index: int) -> AbstractContextManager[object]:
         """Wraps one whole engine step (planning wait, forward, apply). Work started inside it,
         including the asynchronous PlanStep call for the next step, runs in its context."""

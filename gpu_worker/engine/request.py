@@ -99,6 +99,7 @@ class Request:
     sched_output_base: int = 0  # outputs folded into sched_prompt_len
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
     first_token_time: float | None = None
+    trace_context: object | None = None  # the request span's tracing context, set by the observer
     finish_reason: str = ""
     events: queue.SimpleQueue[RequestOutput] = field(default_factory=queue.SimpleQueue)
 

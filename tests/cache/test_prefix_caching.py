@@ -33,6 +33,8 @@ def assert_same(got: tuple[list[int], list[float]], want: tuple[list[int], list[
 
 def test_a_shared_4_block_prefix_computes_only_the_suffix(start_worker, cold):
     worker = start_worker(prefix_caching=True)
+    lookups: list[tuple[str, bool]] = []
+    worker.engine.prefix.on_lookup = lambda tier, hit: lookups.append((tier, hit))
     first = PREFIX + prompt_of(5, 1)
     second = PREFIX + prompt_of(9, 2)
     tokens, logprobs, usage = run(worker, first)
@@ -44,6 +46,7 @@ def test_a_shared_4_block_prefix_computes_only_the_suffix(start_worker, cold):
     computed = worker.engine.counters.num_computed_tokens - before
     assert computed == 9 + 12 - 1, "only the suffix and the decodes ran"
     assert_same((tokens, logprobs), cold(second))
+    assert lookups == [("worker", False), ("worker", True)]
 
 
 def test_a_restarted_worker_hits_in_redis(start_worker, cold, cache_service):

@@ -113,20 +113,27 @@ def assert_gone(pids: dict[str, int], output: str) -> None:
 @needs_worker
 def test_up_generate_and_stop(venv: Path, home: Path):
     up = UpProcess([str(venv / "bin" / "hybridserve"), "up", "--home", str(home), "--scheduler-port", "0",
-                    "--worker-port", "0", "--no-cache"])  # fmt: skip
+                    "--worker-port", "0", "--cache-port", "0"])  # fmt: skip
     try:
         endpoints = up.endpoints(START_TIMEOUT_S)
         assert (home / "models" / "default" / "config.json").is_file()
-        generate = [str(venv / "bin" / "hybridserve"), "generate", "Hello", "--worker", endpoints["worker"],
-                    "--max-tokens", "8"]  # fmt: skip
-        result = subprocess.run(generate, capture_output=True, text=True, timeout=120)
+        generate = [str(venv / "bin" / "hybridserve"), "generate", "--worker", endpoints["worker"]]
+        result = subprocess.run([*generate, "Hello", "--max-tokens", "8"], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr + up.text
-        assert re.search(r"completion_tokens=8\b|finish_reason=(stop|eos)", result.stderr), result.stderr
+        assert re.search(r"completion_tokens=8\b|finish_reason=stop", result.stderr), result.stderr
+        # A prompt longer than one 256-token block, then the same prefix again: the second is a hit.
+        long_prompt = "The quick brown fox jumps over the lazy dog. " * 7
+        for suffix, cached in (("", "0"), (" And again.", "256")):
+            result = subprocess.run(
+                [*generate, long_prompt + suffix, "--max-tokens", "4"], capture_output=True, text=True, timeout=120
+            )
+            assert result.returncode == 0, result.stdout + result.stderr + up.text
+            assert f"cached_tokens={cached} " in result.stderr, result.stderr
     finally:
         code = up.stop()
     assert code == 0, up.text
     pids = up.child_pids()
-    assert {"scheduler", "worker"} <= set(pids), up.text
+    assert {"scheduler", "worker", "cache", "redis"} <= set(pids), up.text
     assert_gone(pids, up.text)
 
 

@@ -13,6 +13,7 @@ import pytest
 from opentelemetry import propagate
 from opentelemetry.sdk.trace import TracerProvider
 
+from cache_svc.embedded_redis import RedisProcess
 from hybridserve.v1 import generation_pb2_grpc
 from tests.observability.conftest import greedy, prompt_of
 from tests.observability.otlp_receiver import Receiver
@@ -20,6 +21,7 @@ from tests.procs import ServerProcess
 
 SERVER, CLIENT = 2, 3  # opentelemetry.proto Span.SpanKind
 PLAN_STEP = "hybridserve.v1.Scheduler/PlanStep"
+LOOKUP = "hybridserve.v1.BlockCache/Lookup"
 
 
 def metrics_port(proc: ServerProcess) -> int:
@@ -39,7 +41,7 @@ def sample(text: str, name: str) -> float:
 
 
 @pytest.mark.slow
-def test_one_request_traced_across_worker_and_scheduler(tmp_path, monkeypatch):
+def test_one_request_traced_across_worker_scheduler_and_cache(tmp_path, monkeypatch):
     model = tmp_path / "model"
     subprocess.run([sys.executable, "-m", "hybridserve.cli", "init-model", str(model)], check=True, timeout=120)
     receiver = Receiver()
@@ -52,11 +54,14 @@ def test_one_request_traced_across_worker_and_scheduler(tmp_path, monkeypatch):
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
     scheduler = ServerProcess(["scheduler", "--port", "0", "--metrics-port", "0"], env=env)
+    redis_server = RedisProcess()
+    cache = ServerProcess(["cache", "--redis", redis_server.url, "--port", "0"], env=env)
     worker = None
     try:
         worker = ServerProcess(
-            ["worker", "--model", str(model), "--scheduler", scheduler.address, "--port", "0", "--metrics-port",
-             "0", "--device", "cpu", "--memory-budget-mb", "32", "--max-num-seqs", "4", "--num-checkpoint-slots", "2"],
+            ["worker", "--model", str(model), "--scheduler", scheduler.address, "--cache", cache.address,
+             "--port", "0", "--metrics-port", "0", "--device", "cpu", "--memory-budget-mb", "32",
+             "--max-num-seqs", "4", "--num-checkpoint-slots", "8", "--block-size", "16", "--mamba-block-size", "8"],
             env=env,
         )  # fmt: skip
         monkeypatch.setenv("OTEL_SDK_DISABLED", "false")
@@ -72,6 +77,8 @@ def test_one_request_traced_across_worker_and_scheduler(tmp_path, monkeypatch):
         if worker is not None:
             assert worker.stop() == 0, worker.output
         assert scheduler.stop() == 0, scheduler.output
+        assert cache.stop() == 0, cache.output
+        redis_server.stop()
     receiver.stop()
 
     assert sample(worker_metrics, "hybridserve_output_tokens_total") == 5
@@ -95,6 +102,16 @@ def test_one_request_traced_across_worker_and_scheduler(tmp_path, monkeypatch):
     assert generate.trace_id == request.trace_id == trace_id
     assert generate.parent_span_id == format(root.get_span_context().span_id, "016x")
     assert request.parent_span_id == generate.span_id
+
+    # The request's prefix lookup in the shared tier: a worker client span under the request span,
+    # and the cache service's server span under that, all in the client's trace.
+    lookups = [s for s in spans if s.name == LOOKUP and s.kind == CLIENT]
+    assert lookups and all(s.parent_span_id == request.span_id and s.trace_id == trace_id for s in lookups), sorted(
+        {(s.service, s.name, s.kind) for s in spans}
+    )
+    for lookup in lookups:
+        (served,) = [s for s in spans if s.parent_span_id == lookup.span_id]
+        assert served.service == "hybridserve-cache" and served.kind == SERVER and served.trace_id == trace_id
 
     steps = [s for s in spans if s.name == "hybridserve.step" and (request.trace_id, request.span_id) in s.links]
     assert len(steps) == num_steps
