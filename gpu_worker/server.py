@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gpu_worker.cache.manager import PrefixCacheManager
 from gpu_worker.cache.remote import SharedTier
+from gpu_worker.cpu_alloc import keep_freed_memory
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.runner import ModelRunner, RunnerConfig
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         raise SystemExit("--model DIR is required (write the default model with `hybridserve init-model DIR`)")
     settings = settings_from_args(args)
+    keep_freed_memory()  # glibc: reuse freed activation memory instead of page-faulting it back each step
     stop_telemetry = start_service_telemetry("hybridserve-worker", args.metrics_port, args.host)
     observer = observer_from_args(args)
     runner = ModelRunner.from_model_dir(args.model, settings.runner)
