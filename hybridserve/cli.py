@@ -28,7 +28,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, summary) in COMMANDS.items():
         command = sub.add_parser(name, help=summary, description=summary)
-        if only is None or only == name:
+        if only == name:  # only the chosen command's module is imported (`hybridserve --help` loads none)
             module = importlib.import_module(module_name)
             module.add_arguments(command)
             command.set_defaults(run=module.run)
