@@ -150,8 +150,12 @@ class PrefixCacheManager:
             self.runner.state_pool.free_checkpoint(p.checkpoint_id)
 
     # ---- capacity ---------------------------------------------------------------------------------
-    def num_free_pages(self) -> int:
-        return self.runner.kv_pool.num_free_pages + self.local.reclaimable_pages()
+    def num_free_pages(self, enough: int) -> int:
+        """Free pages plus those that evicting unused cached blocks would free. Counting the latter
+        walks every entry, so it is skipped when the pool already holds `enough` (more than one step
+        can take): then the count cannot change the plan."""
+        free = self.runner.kv_pool.num_free_pages
+        return free if free >= enough else free + self.local.reclaimable_pages()
 
     def make_room(self, num_pages: int) -> None:
         self.local.evict_for_pages(num_pages)

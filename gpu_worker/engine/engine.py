@@ -78,6 +78,8 @@ class Engine:
         self._planner_pool = ThreadPoolExecutor(1, thread_name_prefix="plan")
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.step_index = 0
+        config = settings.scheduler  # the most pages one step can take: every token on a new page
+        self._most_pages_per_step = -(-config.max_num_batched_tokens // config.kv_page_size) + config.max_num_seqs
 
     # ---- called from any thread ----------------------------------------------------------------
     def start(self) -> None:
@@ -181,7 +183,7 @@ class Engine:
             running=running,
             waiting=waiting,
             step_index=self.step_index,
-            num_free_kv_pages=self.stepper.num_free_pages(),
+            num_free_kv_pages=self.stepper.num_free_pages(self._most_pages_per_step),
         )
 
     def _drain_inbox(self) -> None:

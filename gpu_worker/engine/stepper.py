@@ -86,9 +86,12 @@ class StepExecutor:
     def has_plannable_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def num_free_pages(self) -> int:
-        """Free KV pages as the scheduler should count them: cached blocks nobody uses are free."""
-        return self.prefix.num_free_pages() if self.prefix is not None else self.runner.kv_pool.num_free_pages
+    def num_free_pages(self, enough: int) -> int:
+        """Free KV pages as the scheduler should count them: cached blocks nobody uses are free
+        (counted only when fewer than `enough` are free outright)."""
+        if self.prefix is None:
+            return self.runner.kv_pool.num_free_pages
+        return self.prefix.num_free_pages(enough)
 
     def live_requests(self) -> list[Request]:
         return [*self.running.values(), *self.waiting.values(), *(r for r, _ in self.fetching.values())]

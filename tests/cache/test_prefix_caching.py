@@ -117,3 +117,21 @@ def test_redis_killed_mid_run_then_restarted(start_worker, cold, cache_service, 
         assert_same((tokens, logprobs), cold(prompt))
     finally:
         restarted.stop()
+
+
+def test_local_tier_evicts_least_recently_used_blocks_when_pages_run_short(start_worker, cold):
+    """A pool of 48 pages (12 blocks of KV) and six distinct 4-block prefixes: cached blocks are
+    evicted, least recently used first, to serve new requests; outputs stay correct."""
+    worker = start_worker(prefix_caching=True, num_kv_pages=48)
+    prefixes = [prompt_of(4 * BLOCK, 500 + i) for i in range(6)]
+    for i, prefix in enumerate(prefixes):
+        prompt = prefix + prompt_of(3, i)
+        assert_same(run(worker, prompt)[:2], cold(prompt))
+    info = worker.info()
+    assert info.num_kv_pages_free + worker.engine.prefix.local.reclaimable_pages() == info.num_kv_pages_total
+    newest = run(worker, prefixes[-1] + prompt_of(4, 99))
+    assert newest[2].cached_tokens == 4 * BLOCK, "the most recent prefix is still cached"
+    oldest = run(worker, prefixes[0] + prompt_of(4, 98))
+    assert oldest[2].cached_tokens == 0, "the least recently used prefix was evicted"
+    prompt = prefixes[0] + prompt_of(4, 98)
+    assert_same(oldest[:2], cold(prompt))
