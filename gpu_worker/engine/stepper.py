@@ -238,33 +238,32 @@ class StepExecutor:
         if not reason:
             request.events.put(event)
             return False
-        request.finish_reason = reason
         self.running.pop(request.request_id, None)
-        self._release(request)
-        request.events.put(_with_usage(event, request, reason))
-        self.observer.request_finished(request, reason, None)
+        self._end(request, _with_usage(event, request, reason), reason, None)
         return True
 
     # ---- endings from outside the step --------------------------------------------------------------
     def finish(self, request_id: str, reason: str) -> Request | None:
         """Ends a live request now (abort): frees it and sends its last event."""
         request = self._pop_live(request_id)
-        if request is None:
-            return None
-        self._release(request)
-        request.finish_reason = reason
-        request.events.put(_with_usage(RequestOutput(), request, reason))
-        self.observer.request_finished(request, reason, None)
+        if request is not None:
+            self._end(request, _with_usage(RequestOutput(), request, reason), reason, None)
         return request
 
     def fail(self, request_id: str, error: HybridServeError) -> Request | None:
+        """Ends a live request with an error (its stream raises it)."""
         request = self._pop_live(request_id)
-        if request is None:
-            return None
-        self._release(request)
-        request.events.put(RequestOutput(error=error))
-        self.observer.request_finished(request, "error", error)
+        if request is not None:
+            self._end(request, RequestOutput(error=error), "error", error)
         return request
+
+    def _end(self, request: Request, last: RequestOutput, reason: str, error: HybridServeError | None) -> None:
+        """A request left every queue: free its pages and slot, send its last event, tell the observer."""
+        self._release(request)
+        if error is None:
+            request.finish_reason = reason
+        request.events.put(last)
+        self.observer.request_finished(request, reason, error)
 
     def _pop_live(self, request_id: str) -> Request | None:
         fetching = self.fetching.pop(request_id, None)
