@@ -101,32 +101,35 @@ def _schedule_decodes(
     active = list(running)  # not preempted, queue order
     preempted_ids: set[str] = set()
     page = config.kv_page_size
+    # The ledger's counters live in locals through the loop (this runs for every decode every step).
+    tokens_left, seqs_left, free_pages = ledger.tokens_left, ledger.seqs_left, ledger.free_pages
     for request in running:
         computed = request.num_computed_tokens
         if computed < request.num_prompt_tokens or request.request_id in preempted_ids:
             continue  # a prefill, or already preempted
-        if ledger.tokens_left < 1 or ledger.seqs_left < 1:
+        if tokens_left < 1 or seqs_left < 1:
             break
         need = 1 if computed % page == 0 else 0  # == rules.new_pages_needed(computed, 1, page)
-        while need > ledger.free_pages:
+        while need > free_pages:
             victim = active.pop()
             preempted.append(victim)
             preempted_ids.add(victim.request_id)
-            ledger.free_pages += rules.pages_for_tokens(victim.num_computed_tokens, config.kv_page_size)
+            free_pages += rules.pages_for_tokens(victim.num_computed_tokens, page)
             ledger.seats_left += 1
             undone = granted.pop(victim.request_id, None)
             if undone is not None:
-                ledger.free_pages += undone.num_pages
-                ledger.tokens_left += undone.num_tokens
-                ledger.seqs_left += 1
+                free_pages += undone.num_pages
+                tokens_left += undone.num_tokens
+                seqs_left += 1
             if victim is request:
                 break
         if request.request_id in preempted_ids:
             break  # it preempted itself: nothing behind it is left either
-        ledger.free_pages -= need
-        ledger.tokens_left -= 1
-        ledger.seqs_left -= 1
-        granted[request.request_id] = _Grant(request, num_tokens=1, num_pages=need)
+        free_pages -= need
+        tokens_left -= 1
+        seqs_left -= 1
+        granted[request.request_id] = _Grant(request, 1, need)
+    ledger.tokens_left, ledger.seqs_left, ledger.free_pages = tokens_left, seqs_left, free_pages
     return list(granted.values())
 
 

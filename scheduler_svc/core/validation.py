@@ -17,6 +17,10 @@ def validate_step(step: StepInput) -> None:
         raise InvalidArgumentError(
             f"{len(step.running)} running requests exceed config.max_num_seqs = {config.max_num_seqs}"
         )
+    ids = [r.request_id for r in step.running] + [r.request_id for r in step.waiting]
+    unique = len(set(ids)) == len(ids)
+    if unique and all(map(_is_running_ok, step.running)) and all(map(_is_waiting_ok, step.waiting)):
+        return  # the fast path; the loop below only runs to name what is wrong
     seen: set[str] = set()
     for queue, requests in (("running", step.running), ("waiting", step.waiting)):
         for index, request in enumerate(requests):
@@ -26,13 +30,20 @@ def validate_step(step: StepInput) -> None:
 
 
 def _is_consistent(r: RequestState, is_waiting: bool) -> bool:
-    """The fast path of the checks _explain spells out (this runs for every request every step)."""
-    prompt, computed, output = r.num_prompt_tokens, r.num_computed_tokens, r.num_output_tokens
-    if not r.request_id or prompt < 1 or computed < 0 or output < 0 or r.max_tokens < max(output, 1):
+    """The checks _explain spells out, as one predicate."""
+    return _is_waiting_ok(r) if is_waiting else _is_running_ok(r)
+
+
+def _is_running_ok(r: RequestState) -> bool:
+    computed, prompt, output = r.num_computed_tokens, r.num_prompt_tokens, r.num_output_tokens
+    if not r.request_id or prompt < 1 or computed < 0 or output < 0 or r.max_tokens < output or r.max_tokens < 1:
         return False
-    if computed < prompt:
-        return output == 0
-    return not is_waiting and computed == prompt + output - 1
+    return output == 0 if computed < prompt else computed == prompt + output - 1
+
+
+def _is_waiting_ok(r: RequestState) -> bool:
+    computed, prompt = r.num_computed_tokens, r.num_prompt_tokens
+    return bool(r.request_id) and 0 <= computed < prompt and r.num_output_tokens == 0 and r.max_tokens >= 1
 
 
 def _explain(request: RequestState, position: str, is_waiting: bool, seen: set[str]) -> None:
