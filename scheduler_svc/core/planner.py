@@ -211,20 +211,23 @@ def _grow(grant: _Grant, offer: int, config: SchedulerConfig, ledger: _Ledger) -
 
 
 def _is_stuck_on_pages(
-    running_prefills: list[RequestState], config: SchedulerConfig, ledger: _Ledger, budget: int, quantum: int
+    running_prefills: list[RequestState], config: SchedulerConfig, ledger: _Ledger, budget: int, unit: int
 ) -> bool:
-    """True when the head running prefill could start with the pages that the running prefills
+    """True when the head running prefill could advance with the pages that the running prefills
     behind it hold, but not with the free pages: the case where prefills would wait on each other
     forever."""
-    if len(running_prefills) < 2 or budget < quantum or ledger.seqs_left < 1:
+    if len(running_prefills) < 2 or budget < unit or ledger.seqs_left < 1:
         return False
     head = running_prefills[0]
-    probe = _Grant(head)
-    unlimited = replace(ledger, free_pages=1 << 62, tokens_left=budget)
-    if _grow(probe, min(budget, quantum), config, unlimited) == 0:
+    chunk = rules.smallest_useful_chunk(
+        head.num_computed_tokens, head.num_prompt_tokens, config.block_size, config.is_aligned,
+        config.sub_block_exception,
+    )  # fmt: skip
+    if chunk > budget:
         return False
+    need = rules.new_pages_needed(head.num_computed_tokens, chunk, config.kv_page_size)
     held_behind = sum(rules.pages_for_tokens(r.num_computed_tokens, config.kv_page_size) for r in running_prefills[1:])
-    return ledger.free_pages < probe.num_pages <= ledger.free_pages + held_behind
+    return ledger.free_pages < need <= ledger.free_pages + held_behind
 
 
 def _to_slices(grants: list[_Grant], config: SchedulerConfig) -> tuple[Slice, ...]:

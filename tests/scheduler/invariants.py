@@ -3,7 +3,9 @@ from the planner's code: they recompute caps from the request states and the rul
 
 from __future__ import annotations
 
-from scheduler_svc.core import RequestState, StepInput, StepPlan, rules
+from dataclasses import dataclass
+
+from scheduler_svc.core import RequestState, Slice, StepInput, StepPlan, rules
 
 
 def smallest_useful_chunk(r: RequestState, step: StepInput) -> int:
@@ -16,118 +18,189 @@ def smallest_useful_chunk(r: RequestState, step: StepInput) -> int:
     return min(left, next_boundary - r.num_computed_tokens)
 
 
-def check_plan(step: StepInput, plan: StepPlan) -> None:
+@dataclass
+class Facts:
+    """What the checks share, computed once from the input and the plan."""
+
+    step: StepInput
+    plan: StepPlan
+    by_id: dict[str, RequestState]
+    running_ids: set[str]
+    preempted: set[str]
+    slices: dict[str, Slice]
+    prefill_tokens: int
+    decode_tokens: int
+    admitted: list[str]
+    kept: list[RequestState]  # running and not preempted
+    micro: bool  # the step was micro-sliced
+    freed_pages: int  # by preemption
+    pages: int  # taken by the plan
+
+    @property
+    def pages_left(self) -> int:
+        return self.step.num_free_kv_pages + self.freed_pages - self.pages
+
+    @property
+    def seats_left(self) -> int:
+        cfg = self.step.config
+        return cfg.max_num_seqs - (len(self.running_ids) - len(self.preempted)) - len(self.admitted)
+
+    @property
+    def candidates(self) -> list[RequestState]:
+        """Prefills that could have been given tokens this step."""
+        return [r for r in self.kept if r.is_prefill] + ([] if self.preempted else list(self.step.waiting))
+
+
+def facts_of(step: StepInput, plan: StepPlan) -> Facts:
     cfg = step.config
     by_id = {r.request_id: r for r in step.running + step.waiting}
     running_ids = {r.request_id for r in step.running}
     preempted = set(plan.preempted_request_ids)
     slices = {s.request_id: s for s in plan.slices}
-    prefill_tokens = sum(s.num_tokens for s in plan.slices if s.is_prefill)
     decode_tokens = sum(s.num_tokens for s in plan.slices if not s.is_prefill)
+    return Facts(
+        step=step,
+        plan=plan,
+        by_id=by_id,
+        running_ids=running_ids,
+        preempted=preempted,
+        slices=slices,
+        prefill_tokens=sum(s.num_tokens for s in plan.slices if s.is_prefill),
+        decode_tokens=decode_tokens,
+        admitted=[rid for rid in slices if rid not in running_ids],
+        kept=[r for r in step.running if r.request_id not in preempted],
+        micro=decode_tokens > 0 and cfg.max_num_prefill_tokens_per_step > 0,
+        freed_pages=sum(rules.pages_for_tokens(by_id[rid].num_computed_tokens, cfg.kv_page_size) for rid in preempted),
+        pages=sum(
+            rules.new_pages_needed(by_id[rid].num_computed_tokens, s.num_tokens, cfg.kv_page_size)
+            for rid, s in slices.items()
+        ),
+    )
 
-    # Shape: each request once, known, positive, not both preempted and scheduled.
-    assert len(slices) == len(plan.slices)
-    assert preempted <= running_ids and not (preempted & slices.keys())
-    for s in plan.slices:
-        r = by_id[s.request_id]
+
+def check_plan(step: StepInput, plan: StepPlan) -> None:
+    f = facts_of(step, plan)
+    check_shape(f)
+    check_limits(f)  # 1
+    check_alignment(f)  # 2
+    check_progress(f)  # 3
+    check_decode_first(f)  # 5
+    check_work_conserving(f)  # 6
+    check_preemption_order(f)  # 8
+
+
+def check_shape(f: Facts) -> None:
+    """Each request once, known, positive, not both preempted and scheduled; no admission in a step
+    that preempts."""
+    cfg = f.step.config
+    assert len(f.slices) == len(f.plan.slices)
+    assert f.preempted <= f.running_ids and not (f.preempted & f.slices.keys())
+    for s in f.plan.slices:
+        r = f.by_id[s.request_id]
         assert s.num_tokens > 0 and s.is_prefill == r.is_prefill
         if r.is_prefill:
             assert s.num_tokens <= r.num_prefill_tokens_left
             if cfg.long_prefill_token_threshold:
                 assert s.num_tokens <= cfg.long_prefill_token_threshold
         else:
-            assert s.num_tokens == 1 and r.request_id in running_ids
+            assert s.num_tokens == 1 and r.request_id in f.running_ids
         end = r.num_computed_tokens + s.num_tokens
         assert s.ends_on_checkpoint == (cfg.is_aligned and end % cfg.block_size == 0)
-    admitted = [rid for rid in slices if rid not in running_ids]
-    if preempted:
-        assert not admitted, "no admission in a step that preempts"
+    if f.preempted:
+        assert not f.admitted, "no admission in a step that preempts"
 
-    # 1. Limits.
-    assert prefill_tokens + decode_tokens <= cfg.max_num_batched_tokens
-    assert len(plan.slices) <= cfg.max_num_seqs
-    assert len(running_ids) - len(preempted) + len(admitted) <= cfg.max_num_seqs
-    micro = decode_tokens > 0 and cfg.max_num_prefill_tokens_per_step > 0
-    assert plan.stats.micro_sliced == micro
-    if micro:
-        assert prefill_tokens <= cfg.max_num_prefill_tokens_per_step
-    freed = sum(rules.pages_for_tokens(by_id[rid].num_computed_tokens, cfg.kv_page_size) for rid in preempted)
-    pages = sum(
-        rules.new_pages_needed(by_id[rid].num_computed_tokens, s.num_tokens, cfg.kv_page_size)
-        for rid, s in slices.items()
-    )
-    assert pages == plan.stats.num_kv_pages_allocated
-    assert pages <= step.num_free_kv_pages + freed
 
-    # 2. Alignment: non-final chunks end on the grid, or (sub-block exception) cross no boundary.
-    if cfg.is_aligned:
-        for rid, s in slices.items():
-            r = by_id[rid]
-            end = r.num_computed_tokens + s.num_tokens
-            if s.is_prefill and end < r.num_prompt_tokens and end % cfg.block_size:
-                assert cfg.sub_block_exception
-                assert end // cfg.block_size == r.num_computed_tokens // cfg.block_size
+def check_limits(f: Facts) -> None:
+    """1. Never exceed the token budget, max_num_seqs, the micro-slicing budget, or the pages."""
+    cfg = f.step.config
+    assert f.prefill_tokens + f.decode_tokens <= cfg.max_num_batched_tokens
+    assert len(f.plan.slices) <= cfg.max_num_seqs
+    assert len(f.running_ids) - len(f.preempted) + len(f.admitted) <= cfg.max_num_seqs
+    assert f.plan.stats.micro_sliced == f.micro
+    if f.micro:
+        assert f.prefill_tokens <= cfg.max_num_prefill_tokens_per_step
+    assert f.pages == f.plan.stats.num_kv_pages_allocated
+    assert f.pages <= f.step.num_free_kv_pages + f.freed_pages
 
-    # Prefix caching: no chunk crosses a prompt's last block boundary (the state there is saved).
-    if cfg.checkpoints_prompt_blocks:
-        for rid, s in slices.items():
-            r = by_id[rid]
+
+def check_alignment(f: Facts) -> None:
+    """2. Non-final chunks end on the grid, or (sub-block exception) cross no boundary; with prefix
+    caching no chunk crosses a prompt's last boundary (the state there is saved)."""
+    cfg = f.step.config
+    for rid, s in f.slices.items():
+        r = f.by_id[rid]
+        start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+        if cfg.is_aligned and s.is_prefill and end < r.num_prompt_tokens and end % cfg.block_size:
+            assert cfg.sub_block_exception
+            assert end // cfg.block_size == start // cfg.block_size
+        if cfg.checkpoints_prompt_blocks:
             last_boundary = (r.num_prompt_tokens - 1) // cfg.block_size * cfg.block_size
-            assert not (r.num_computed_tokens < last_boundary < r.num_computed_tokens + s.num_tokens), (r, s)
+            assert not (start < last_boundary < end), (r, s)
 
-    # 5. Decode first: an unscheduled, unpreempted decode means the decodes used up the step.
-    live_decodes = [r for r in step.running if not r.is_prefill and r.request_id not in preempted]
-    if any(r.request_id not in slices for r in live_decodes):
-        assert prefill_tokens == 0
-        assert decode_tokens == cfg.max_num_batched_tokens or len(plan.slices) == cfg.max_num_seqs
 
-    # 8. Preemption order: decode victims are the back of the whole queue; prefill victims the back
-    # of the running prefills.
-    kept = [r for r in step.running if r.request_id not in preempted]
-    for rid in preempted:
-        victim = by_id[rid]
-        rivals = kept if not victim.is_prefill else [r for r in kept if r.is_prefill]
-        assert all(victim.queue_key >= r.queue_key for r in rivals), (rid, plan)
-
-    # 3. Progress: pending prefill, a quantum of budget, a free slot and pages for one useful chunk
-    # of some candidate -> some prefill advances.
+def check_progress(f: Facts) -> None:
+    """3. Pending prefill, a quantum of budget, a free slot and pages for one useful chunk of some
+    candidate -> some prefill advances. Also what PlanStats says about it."""
+    cfg, plan = f.step.config, f.plan
     budget = plan.stats.prefill_budget_tokens
-    unit = 1 if cfg.sub_block_exception and not micro else plan.quantum  # guarantee 3's "one quantum"
-    pages_left = step.num_free_kv_pages + freed - pages
-    candidates = [r for r in kept if r.is_prefill] + ([] if preempted else list(step.waiting))
-    seats_left = cfg.max_num_seqs - (len(running_ids) - len(preempted)) - len(admitted)
+    unit = 1 if cfg.sub_block_exception and not f.micro else plan.quantum  # guarantee 3's "one quantum"
+    pages_left, seats_left = f.pages_left, f.seats_left
     could_run = [
         r
-        for r in candidates
-        if rules.new_pages_needed(r.num_computed_tokens, smallest_useful_chunk(r, step), cfg.kv_page_size) <= pages_left
-        and (r.request_id in running_ids or seats_left > 0)
+        for r in f.candidates
+        if rules.new_pages_needed(r.num_computed_tokens, smallest_useful_chunk(r, f.step), cfg.kv_page_size)
+        <= pages_left
+        and (r.request_id in f.running_ids or seats_left > 0)
     ]
     if could_run and budget >= unit and len(plan.slices) < cfg.max_num_seqs:
-        assert prefill_tokens > 0, ("stall", plan)
-    pending = [r for r in kept if r.is_prefill] + list(step.waiting)
+        assert f.prefill_tokens > 0, ("stall", plan)
+    pending = [r for r in f.kept if r.is_prefill] + list(f.step.waiting)
     assert plan.stats.num_pending_prefills == len(pending)
-    assert plan.stats.stalled == (bool(pending) and budget >= unit and prefill_tokens == 0)
+    assert plan.stats.stalled == (bool(pending) and budget >= unit and f.prefill_tokens == 0)
 
-    # 6. Work conserving: with a unit of budget left and pages to spare, no prefill could have
-    # taken more (each is at its prompt end, threshold, or alignment cap).
-    unit = plan.quantum if micro else 1
-    leftover = budget - prefill_tokens
-    if leftover >= unit and len(plan.slices) < cfg.max_num_seqs:
-        for r in candidates:
-            if r.request_id not in running_ids and (seats_left <= 0 or preempted):
-                continue
-            got = slices[r.request_id].num_tokens if r.request_id in slices else 0
-            offer = min(got + leftover // unit * unit, r.num_prefill_tokens_left)
-            if cfg.long_prefill_token_threshold:
-                offer = min(offer, cfg.long_prefill_token_threshold)
-            if cfg.is_aligned:
-                offer = rules.align_chunk(
-                    r.num_computed_tokens, offer, r.num_prompt_tokens, cfg.block_size, cfg.sub_block_exception
-                )
-            if cfg.checkpoints_prompt_blocks:
-                offer = rules.stop_at_last_boundary(r.num_computed_tokens, offer, r.num_prompt_tokens, cfg.block_size)
-            extra_pages = rules.new_pages_needed(
-                r.num_computed_tokens, offer, cfg.kv_page_size
-            ) - rules.new_pages_needed(r.num_computed_tokens, got, cfg.kv_page_size)
-            if extra_pages <= pages_left:
-                assert offer <= got, ("budget left unused", r, got, offer, plan)
+
+def check_decode_first(f: Facts) -> None:
+    """5. An unscheduled, unpreempted decode means the decodes used up the step."""
+    cfg = f.step.config
+    live_decodes = [r for r in f.kept if not r.is_prefill]
+    if any(r.request_id not in f.slices for r in live_decodes):
+        assert f.prefill_tokens == 0
+        assert f.decode_tokens == cfg.max_num_batched_tokens or len(f.plan.slices) == cfg.max_num_seqs
+
+
+def check_work_conserving(f: Facts) -> None:
+    """6. With a unit of budget left and pages to spare, no prefill could have taken more (each is
+    at its prompt end, threshold, or alignment cap)."""
+    cfg = f.step.config
+    unit = f.plan.quantum if f.micro else 1
+    leftover = f.plan.stats.prefill_budget_tokens - f.prefill_tokens
+    if leftover < unit or len(f.plan.slices) >= cfg.max_num_seqs:
+        return
+    pages_left, seats_left = f.pages_left, f.seats_left
+    for r in f.candidates:
+        if r.request_id not in f.running_ids and (seats_left <= 0 or f.preempted):
+            continue
+        got = f.slices[r.request_id].num_tokens if r.request_id in f.slices else 0
+        offer = min(got + leftover // unit * unit, r.num_prefill_tokens_left)
+        if cfg.long_prefill_token_threshold:
+            offer = min(offer, cfg.long_prefill_token_threshold)
+        if cfg.is_aligned:
+            offer = rules.align_chunk(
+                r.num_computed_tokens, offer, r.num_prompt_tokens, cfg.block_size, cfg.sub_block_exception
+            )
+        if cfg.checkpoints_prompt_blocks:
+            offer = rules.stop_at_last_boundary(r.num_computed_tokens, offer, r.num_prompt_tokens, cfg.block_size)
+        extra_pages = rules.new_pages_needed(r.num_computed_tokens, offer, cfg.kv_page_size) - rules.new_pages_needed(
+            r.num_computed_tokens, got, cfg.kv_page_size
+        )
+        if extra_pages <= pages_left:
+            assert offer <= got, ("budget left unused", r, got, offer, f.plan)
+
+
+def check_preemption_order(f: Facts) -> None:
+    """8. Decode victims are the back of the whole queue; prefill victims the back of the running
+    prefills."""
+    for rid in f.preempted:
+        victim = f.by_id[rid]
+        rivals = f.kept if not victim.is_prefill else [r for r in f.kept if r.is_prefill]
+        assert all(victim.queue_key >= r.queue_key for r in rivals), (rid, f.plan)
