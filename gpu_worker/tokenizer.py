@@ -57,23 +57,27 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of generated ids into text deltas for streaming.
 
-    Holds back output while the decoded tail is an incomplete UTF-8 sequence (shown as U+FFFD), so a
-    multi-byte character split across tokens is emitted once, whole. One instance per request."""
+    Decodes only a window: the ids since the last emitted text plus the chunk before it as context
+    (so tokenizers that depend on a neighbour, such as a leading space, decode as in the full text).
+    Each push costs O(window), not O(output). Holds back output while the window ends in an
+    incomplete UTF-8 sequence (U+FFFD), so a multi-byte character split across tokens is emitted
+    once, whole. One instance per request."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
-        self._emitted_chars = 0
+        self._prefix_offset = 0  # start of the context window
+        self._read_offset = 0  # ids before this were emitted as text
 
     def push(self, token_ids: list[int]) -> str:
         """Append new ids; return the newly completed text (possibly empty)."""
         self._ids.extend(token_ids)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
+        prefix_text = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._tok.decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        delta = text[self._emitted_chars :]
-        self._emitted_chars = len(text)
-        return delta
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return new_text[len(prefix_text) :]
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:

@@ -105,9 +105,9 @@ class Engine:
                     f"the queue is full ({self.settings.max_queue_len} waiting requests); retry later"
                 )
             self._live_ids.add(request.request_id)
+            self.observer.request_queued(request)  # before the engine thread can see it
             self._inbox.append(request)
             self._cond.notify_all()
-        self.observer.request_queued(request)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Ends a live request (freeing its pages and slot on the engine thread); False if unknown."""

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import BambaForCausalLM as HFBamba
 
 from gpu_worker import init_model
@@ -33,6 +35,21 @@ def test_incremental_detokenizer_holds_back_partial_utf8() -> None:
     pieces = [detok.push([i]) for i in tok.encode(text)]
     assert "".join(pieces) == text
     assert pieces[1] == "" and pieces[3] == "✓"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=200), st.lists(st.integers(1, 5), min_size=1, max_size=50))
+def test_incremental_detokenizer_equals_the_full_decode(text: str, push_sizes: list[int]) -> None:
+    """Pushed in uneven groups, the deltas concatenate to the full decode of every id."""
+    tok = Tokenizer(build_byte_tokenizer())
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    pieces, index, turn = [], 0, 0
+    while index < len(ids):
+        size = push_sizes[turn % len(push_sizes)]
+        pieces.append(detok.push(ids[index : index + size]))
+        index, turn = index + size, turn + 1
+    assert "".join(pieces) == tok.decode(ids) == text
 
 
 def _args(path: Path, force: bool = False) -> argparse.Namespace:
