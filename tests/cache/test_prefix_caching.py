@@ -15,8 +15,13 @@ PREFIX = prompt_of(4 * BLOCK, 77)  # a 4-block shared prefix
 
 
 def run(worker, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], list[float], pb.Usage]:
-    tokens, messages = collect(worker.stub.Generate(greedy_request(prompt, max_tokens), timeout=60))
-    return tokens, [lp for m in messages for lp in m.logprobs], messages[-1].usage
+    """Greedy tokens, and per token the chosen logprob plus the top 5 (a slice of the logits that a
+    wrong KV or state would move), and the usage."""
+    tokens, messages = collect(worker.stub.Generate(greedy_request(prompt, max_tokens, logprobs=5), timeout=60))
+    logprobs = [lp for m in messages for lp in m.logprobs]
+    top = [lp for m in messages for t in m.top_logprobs for lp in t.logprobs]
+    assert len(top) == 5 * len(tokens)
+    return tokens, logprobs + top, messages[-1].usage
 
 
 @pytest.fixture
