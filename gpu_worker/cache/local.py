@@ -55,8 +55,6 @@ class LocalPrefixCache:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()  # least recently used first
-        self.num_hits = 0
-        self.num_misses = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -78,9 +76,7 @@ class LocalPrefixCache:
                 usable = len(found)
         found = found[:usable]
         if not found:
-            self.num_misses += 1
             return None
-        self.num_hits += 1
         for entry in found:
             entry.pins += 1
             self._entries.move_to_end(entry.block_hash)

@@ -42,14 +42,16 @@ class PrefixCacheManager:
         self.shared = shared
         self._hits: dict[str, Hit] = {}  # request_id -> pinned hit awaiting admission
         self.on_lookup: Callable[[str, bool], None] = lambda tier, hit: None  # metrics hook
-        self.num_cached_tokens = 0  # prompt tokens served from the cache, total
         self.num_shared_hits = 0
 
     # ---- queueing ---------------------------------------------------------------------------------
     def hashes(self, request: Request, num_tokens: int) -> list[bytes]:
-        known = request.tokens(0, num_tokens)
-        request.block_hashes = chain_hashes(list(known), self.block_size, self.fingerprint, request.block_hashes)
-        return request.block_hashes[: num_tokens // self.block_size]
+        """Hashes of the full blocks of the first num_tokens tokens, extending the request's own."""
+        num_blocks = num_tokens // self.block_size
+        if len(request.block_hashes) < num_blocks:
+            tokens = list(request.tokens(0, num_blocks * self.block_size))
+            request.block_hashes = chain_hashes(tokens, self.block_size, self.fingerprint, request.block_hashes)
+        return request.block_hashes[:num_blocks]
 
     def usable_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the blocks a hit may cover: full blocks, leaving >= 1 token to compute."""
@@ -99,7 +101,6 @@ class PrefixCacheManager:
         request.num_computed_tokens = hit.num_blocks * self.block_size
         cached = min(request.num_computed_tokens, len(request.prompt_token_ids))
         request.num_cached_tokens = max(request.num_cached_tokens, cached)
-        self.num_cached_tokens += cached
         self._hits[request.request_id] = hit
 
     def on_admit(self, request: Request) -> None:

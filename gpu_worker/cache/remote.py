@@ -48,7 +48,6 @@ class SharedTier:
         self._healthy = True
         self.num_published = 0
         self.num_fetched_blocks = 0
-        self.num_errors = 0
 
     # ---- publish (engine thread enqueues, the publisher sends) ------------------------------------
     def publish(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
@@ -139,7 +138,6 @@ class SharedTier:
         try:
             result = fn()
         except grpc.RpcError as err:
-            self.num_errors += 1
             if err.code() != grpc.StatusCode.NOT_FOUND and self._healthy:
                 log.warning("shared cache tier at %s unavailable (%s); serving misses", self.address, err.code().name)
                 self._healthy = False

@@ -21,7 +21,7 @@ from gpu_worker.cache.manager import PrefixCacheManager
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.request import Request
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.engine.stepper import StepExecutor
+from gpu_worker.engine.stepper import PreparedStep, StepExecutor
 from gpu_worker.runner import ModelRunner
 from hybridserve.errors import (
     DeadlineExceededError,
@@ -163,7 +163,7 @@ class Engine:
         following = None
         if self.settings.async_scheduling and self.stepper.has_plannable_work():
             context = contextvars.copy_context()  # the step's trace context, for the PlanStep span
-            following = self._planner_pool.submit(context.run, self._plan_timed, self._snapshot(predicted=True))
+            following = self._planner_pool.submit(context.run, self._plan_timed, self._snapshot(prepared))
         finished = self.stepper.execute(prepared)
         self._forget(finished)
         wall = time.monotonic() - started
@@ -176,8 +176,8 @@ class Engine:
         plan = self._plan(step_input)
         return step_input, plan, time.monotonic() - started
 
-    def _snapshot(self, predicted: bool = False) -> StepInput:
-        running, waiting = self.stepper.sched_states(predicted)
+    def _snapshot(self, in_flight: PreparedStep | None = None) -> StepInput:
+        running, waiting = self.stepper.sched_states(in_flight)
         return StepInput(
             config=self.settings.scheduler,
             running=running,

@@ -111,10 +111,6 @@ class Request:
         """Tokens known: prompt plus generated."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
-
     def tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Token ids of positions [start, end)."""
         n = len(self.prompt_token_ids)
@@ -122,14 +118,13 @@ class Request:
             return tuple(self.prompt_token_ids[start:end])
         return tuple(self.prompt_token_ids[start:n] + self.output_token_ids[max(start - n, 0) : end - n])
 
-    def sched_state(self, computed: int | None = None, num_outputs: int | None = None) -> RequestState:
-        """The scheduler's view; `computed`/`num_outputs` override for a predicted next step."""
-        outputs = len(self.output_token_ids) if num_outputs is None else num_outputs
+    def sched_state(self, num_new_outputs: int = 0) -> RequestState:
+        """The scheduler's view; `num_new_outputs` tokens the step in flight will add (prediction)."""
         return RequestState(
             request_id=self.request_id,
             num_prompt_tokens=self.sched_prompt_len,
-            num_computed_tokens=self.num_computed_tokens if computed is None else computed,
-            num_output_tokens=outputs - self.sched_output_base,
+            num_computed_tokens=self.num_computed_tokens,
+            num_output_tokens=len(self.output_token_ids) + num_new_outputs - self.sched_output_base,
             max_tokens=self.params.max_tokens - self.sched_output_base,
             priority=self.params.priority,
             arrival_time=self.arrival_time,

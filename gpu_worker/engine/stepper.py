@@ -36,6 +36,11 @@ class PreparedStep:
     requests: list[Request] = field(default_factory=list)  # served by the batch, in row order
     checkpoints: list[PendingCheckpoint] = field(default_factory=list)  # filled by this forward
 
+    @property
+    def yielding_ids(self) -> set[str]:
+        """Requests that get a new token from this step."""
+        return {r.request_id for r in self.sampled if r is not None}
+
 
 class StepExecutor:
     def __init__(
@@ -53,7 +58,6 @@ class StepExecutor:
         self.waiting: dict[str, Request] = {}  # no slot; pages only of a prefix-cache hit
         self.fetching: dict[str, tuple[Request, Future[list[FetchedBlock]]]] = {}  # asking the shared tier
         self.wake: Callable[[], None] = lambda: None  # set by the engine: a fetch finished
-        self._to_sample: set[str] = set()  # rows of the step in flight that yield a token
         self._eos_ids = frozenset(runner.loaded.eos_token_ids)
 
     def add(self, request: Request) -> None:
@@ -96,13 +100,13 @@ class StepExecutor:
     def live_requests(self) -> list[Request]:
         return [*self.running.values(), *self.waiting.values(), *(r for r, _ in self.fetching.values())]
 
-    def sched_states(self, predicted: bool) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
-        """The scheduler's view; `predicted` adds the token each sampled row of the step in flight
-        will yield (computed counts were advanced when the step was prepared)."""
-        running = tuple(
-            r.sched_state(num_outputs=len(r.output_token_ids) + int(predicted and r.request_id in self._to_sample))
-            for r in self.running.values()
-        )
+    def sched_states(
+        self, in_flight: PreparedStep | None = None
+    ) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
+        """The scheduler's view; with the step `in_flight`, as it will be once that step ran: each
+        row that yields adds its token (computed counts were advanced when the step was prepared)."""
+        yielding = in_flight.yielding_ids if in_flight is not None else set()
+        running = tuple(r.sched_state(int(r.request_id in yielding)) for r in self.running.values())
         return running, tuple(r.sched_state() for r in self.waiting.values())
 
     # ---- plan -> batch ----------------------------------------------------------------------------
@@ -113,7 +117,6 @@ class StepExecutor:
         sampled: list[Request | None] = []
         served: list[Request] = []
         checkpoints: list[PendingCheckpoint] = []
-        self._to_sample = set()
         for s in plan.slices:
             request = self.running.get(s.request_id) or self._admit(s.request_id)
             if request is None:
@@ -137,10 +140,7 @@ class StepExecutor:
             request.num_computed_tokens = end
             self.counters.num_computed_tokens += end - start
             served.append(request)
-            yields = end == request.num_tokens
-            sampled.append(request if yields else None)
-            if yields:
-                self._to_sample.add(request.request_id)
+            sampled.append(request if end == request.num_tokens else None)
         return PreparedStep(Batch(tuple(chunks)) if chunks else None, sampled, served, checkpoints)
 
     def _admit(self, request_id: str) -> Request | None:
@@ -204,15 +204,10 @@ class StepExecutor:
         rows = [i for i, r in enumerate(step.sampled) if r is not None]
         if not rows:
             return []
-        requests = [step.sampled[i] for i in rows]
-        result = sample(
-            output.logits[rows],
-            [r.params.sampling for r in requests if r is not None],
-            [r.generator for r in requests if r is not None],
-        )
+        requests = [r for r in step.sampled if r is not None]
+        result = sample(output.logits[rows], [r.params.sampling for r in requests], [r.generator for r in requests])
         finished = []
         for j, request in enumerate(requests):
-            assert request is not None
             top = tuple(tuple(pair) for pair in result.top_logprobs[j])
             if self._apply_token(request, result.token_ids[j], result.logprobs[j], top):
                 finished.append(request)
