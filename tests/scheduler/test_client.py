@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
+from hybridserve.children import free_port
 from hybridserve.errors import InvalidArgumentError, UnavailableError
 from scheduler_svc.client import SchedulerClient
 from tests.scheduler.helpers import config, seed_step, step
 
 
 def dead_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    return f"127.0.0.1:{free_port()}"  # free a moment ago: nothing listens there
 
 
 def test_a_dead_replica_is_skipped(scheduler_address):

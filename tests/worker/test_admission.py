@@ -3,13 +3,13 @@ queue, UNAVAILABLE when no scheduler answers, DEADLINE_EXCEEDED for a passed dea
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import grpc
 import pytest
 
+from hybridserve.children import free_port
 from hybridserve.v1 import generation_pb2 as pb
 from tests.worker.conftest import collect, greedy_request, prompt_of
 
@@ -57,9 +57,7 @@ def test_duplicate_live_request_id_is_rejected(start_worker):
 
 
 def dead_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"  # free a moment ago: nothing listens there
 
 
 def test_full_queue_is_resource_exhausted_and_no_scheduler_means_unavailable(start_worker):

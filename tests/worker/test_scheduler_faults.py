@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 
 import pytest
 
+from hybridserve.children import free_port
 from tests.procs import ServerProcess
 from tests.worker.conftest import collect, greedy_request, hf_greedy, prompt_of
 
 pytestmark = pytest.mark.slow
 
 JOBS = [(10 + 3 * i, 300 + i, 60) for i in range(8)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_clients(worker) -> tuple[dict[int, list[int]], list[BaseException], list[threading.Thread]]:
