@@ -49,7 +49,7 @@ SUFFIX_TOKENS = 16
 SCHEDULER = SchedulerConfig(
     max_num_batched_tokens=4096, max_num_seqs=8, long_prefill_token_threshold=0, max_num_prefill_tokens_per_step=0,
     block_size=256, mamba_block_size=64, mamba_cache_mode=MambaCacheMode.ALIGN, kv_page_size=16,
-    prefix_caching=True,
+    stop_at_last_boundary=True,
 )  # fmt: skip
 
 

@@ -96,7 +96,7 @@ def _bool(raw: str) -> bool:
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
-    scheduler = replace(config_from_args(args), prefix_caching=bool(args.prefix_caching))
+    scheduler = replace(config_from_args(args), stop_at_last_boundary=bool(args.prefix_caching))
     runner = RunnerConfig(
         memory_budget_bytes=args.memory_budget_mb << 20,
         kv_page_size_tokens=scheduler.kv_page_size,

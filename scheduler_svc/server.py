@@ -21,10 +21,13 @@ def create_server(
     port: int = 0,
     max_workers: int = 32,
     max_message_bytes: int = grpc_server.DEFAULT_MAX_MESSAGE_BYTES,
+    bench_service: bool = False,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """The Scheduler service with health and reflection, bound but not started."""
+    """The Scheduler service with health and reflection (and SchedulerBench when asked), bound but
+    not started."""
+    adders = [service.add_to_server] + ([service.add_bench_to_server] if bench_service else [])
     return grpc_server.create_server(
-        [service.add_to_server],
+        adders,
         host=host,
         port=port,
         max_workers=max_workers,
@@ -49,12 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=env_default("SCHEDULER_MAX_MESSAGE_BYTES", grpc_server.DEFAULT_MAX_MESSAGE_BYTES, int),
         help="largest request accepted (bigger ones get RESOURCE_EXHAUSTED)",
     )
+    parser.add_argument(
+        "--bench-service",
+        action="store_true",
+        help="also serve the benchmark-only SchedulerBench service (Echo)",
+    )
     add_metrics_arguments(parser, "SCHEDULER")
 
 
 def run(args: argparse.Namespace) -> int:
     stop_telemetry = start_service_telemetry("hybridserve-scheduler", args.metrics_port, args.host)
-    server, port, health_servicer = create_server(args.host, args.port, args.max_workers, args.max_message_bytes)
+    server, port, health_servicer = create_server(
+        args.host, args.port, args.max_workers, args.max_message_bytes, args.bench_service
+    )
     server.start()
     grpc_server.announce(args.host, port)
     grpc_server.serve_until_signal(server, health_servicer, on_stop=stop_telemetry)

@@ -31,7 +31,7 @@ class SchedulerConfig:
     mamba_block_size: int  # recurrent block, tokens
     mamba_cache_mode: MambaCacheMode
     kv_page_size: int  # KV capacity unit, tokens
-    prefix_caching: bool = False  # stop the prompt-finishing chunk at the last block boundary
+    stop_at_last_boundary: bool = False  # ALIGN: the prompt-finishing chunk stops at its last block boundary
 
     @property
     def is_aligned(self) -> bool:
@@ -41,7 +41,7 @@ class SchedulerConfig:
     @property
     def checkpoints_prompt_blocks(self) -> bool:
         """Whether chunks stop at a prompt's last block boundary (rules.stop_at_last_boundary)."""
-        return self.prefix_caching and self.is_aligned
+        return self.stop_at_last_boundary and self.is_aligned
 
     @property
     def sub_block_exception(self) -> bool:
