@@ -29,8 +29,7 @@ FINISH_REASON_PB: dict[str, pb.FinishReason] = {
 
 
 def finish_reason_to_pb(reason: object) -> pb.FinishReason:
-    """The wire value of an engine finish reason; the str enum's members hash by name, so the
-    lookup goes by the value."""
+    """The wire value of an engine finish reason, given as the enum member or its string value."""
     return FINISH_REASON_PB[str(getattr(reason, "value", reason) or "")]
 
 

@@ -10,7 +10,7 @@ from gpu_worker.service import FINISH_REASON_PB, finish_reason_to_pb
 from hybridserve.v1 import generation_pb2 as pb
 
 
-class _Reason(str, enum.Enum):  # the shape of the engine's str enum: members hash by name, not value
+class _Reason(enum.StrEnum):  # the shape of the engine's finish reason
     LENGTH = "length"
     EOS = "eos"
 
