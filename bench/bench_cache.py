@@ -166,7 +166,7 @@ def main() -> None:
     args = parser.parse_args()
     redis_server = RedisProcess()
     cache_server, cache_port, _, store = create_cache_server(
-        StoreConfig(url=redis_server.url, max_memory_bytes=1 << 30)
+        StoreConfig(redis_url=redis_server.url, max_memory_bytes=1 << 30)
     )
     scheduler_server, scheduler_port, _ = create_scheduler_server()
     cache_server.start()

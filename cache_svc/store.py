@@ -25,9 +25,11 @@ class StoreUnavailable(Exception):
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    url: str = "redis://127.0.0.1:6379/0"
-    password: str | None = None
-    key_prefix: str = "hybridserve"
+    """How the cache service reaches and governs Redis; its flags are derived from these fields."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: str | None = None
+    key_prefix: str = "hybridserve"  # every Redis key starts with it
     max_memory_bytes: int = 1 << 30  # Redis maxmemory set at start-up (0 = leave Redis's setting)
     ttl_s: int = 24 * 3600  # every block key expires this long after its last publish
     socket_timeout_s: float = 1.0
@@ -37,7 +39,7 @@ class CheckpointStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.redis = redis.Redis.from_url(
-            config.url, password=config.password, socket_timeout=config.socket_timeout_s,
+            config.redis_url, password=config.redis_password, socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.socket_timeout_s, health_check_interval=5,
         )  # fmt: skip
 

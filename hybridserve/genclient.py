@@ -15,6 +15,13 @@ from hybridserve.v1 import generation_pb2, generation_pb2_grpc
 DEFAULT_WORKER = "127.0.0.1:50052"
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerTarget:
+    """Which worker a client command talks to (`--worker`)."""
+
+    worker: str = DEFAULT_WORKER  # host:port
+
+
 @dataclass(slots=True)
 class Completion:
     """One streamed completion and its timings (time.perf_counter seconds)."""

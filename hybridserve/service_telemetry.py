@@ -1,7 +1,8 @@
-"""Observability wiring every server command shares: the `--metrics-port` flag, start-up of tracing
+"""Observability wiring every server command shares: start-up of tracing
 and the metrics endpoint, and the server interceptors.
 
-A server's `run()` calls, before it builds its gRPC server:
+Each server's settings dataclass has a `metrics_port` field (-1 = off, 0 = a free port, printed as
+`metrics on HOST:PORT`). A server's `run()` calls, before it builds its gRPC server:
 
     stop_telemetry = start_service_telemetry("hybridserve-cache", args.metrics_port, args.host)
 
@@ -12,7 +13,6 @@ cache service (cache_svc/server.py) is meant to do the same, and to wrap its cli
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 
 import grpc
@@ -20,18 +20,8 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from hybridserve import metrics, telemetry
-from hybridserve.cliutil import env_default
 
-
-def add_metrics_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, env_prefix: str) -> None:
-    """--metrics-port (env HYBRIDSERVE_<env_prefix>_METRICS_PORT): -1 (default) = off, 0 = a free
-    port (printed as `metrics on HOST:PORT`)."""
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=env_default(f"{env_prefix}_METRICS_PORT", -1, int),
-        help="serve Prometheus /metrics on this port (-1 = off, 0 = a free port)",
-    )
+METRICS_PORT_HELP = "serve Prometheus /metrics on this port (-1 = off, 0 = a free port)"
 
 
 def start_service_telemetry(service_name: str, metrics_port: int, metrics_host: str) -> Callable[[], None]:

@@ -88,7 +88,7 @@ def test_redis_down_is_unavailable_then_recovers(redis_server):
     from cache_svc.embedded_redis import RedisProcess
 
     port = redis_server.port
-    server, bound, _, store = create_server(StoreConfig(url=redis_server.url, max_memory_bytes=0))
+    server, bound, _, store = create_server(StoreConfig(redis_url=redis_server.url, max_memory_bytes=0))
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{bound}") as channel:
@@ -112,7 +112,7 @@ def test_redis_down_is_unavailable_then_recovers(redis_server):
 @pytest.mark.slow
 def test_memory_budget_holds_under_a_flood_of_distinct_prefixes(redis_server):
     budget = 8 << 20
-    server, bound, _, store = create_server(StoreConfig(url=redis_server.url, max_memory_bytes=budget))
+    server, bound, _, store = create_server(StoreConfig(redis_url=redis_server.url, max_memory_bytes=budget))
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{bound}") as channel:
