@@ -9,11 +9,10 @@ import statistics
 
 import pytest
 
-from hybridserve import generate, loadgen
+from gpu_worker.client import Completion
 from hybridserve.children import free_port
-from hybridserve.cli import build_parser
-from hybridserve.genclient import Completion
-from hybridserve.loadgen import RequestResult
+from hybridserve.cli import build_parser, generate, loadgen
+from hybridserve.cli.loadgen import RequestResult
 from tests.integration.fake_worker import start_fake_worker
 
 

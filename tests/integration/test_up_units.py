@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve import up
 from hybridserve.children import Child, ChildExited, Interrupted, connect_address, parse_listening
-from hybridserve.cli import build_parser
+from hybridserve.cli import build_parser, up
 
 
 def parse(*argv: str):

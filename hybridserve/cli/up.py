@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridserve.children import Child, ChildExited, Interrupted, free_port, hybridserve_command, stop_all
+from hybridserve.cli import COMMANDS
 from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 
 log = logging.getLogger("hybridserve.up")
@@ -182,8 +183,6 @@ def start_services(args: UpSettings, model_dir: Path, worker_args: list[str], st
 
 def cache_service_available() -> bool:
     """True when the cache service is installed and `hybridserve cache` dispatches to it."""
-    from hybridserve.cli import COMMANDS
-
     try:
         found = importlib.util.find_spec("cache_svc.server") is not None
     except ImportError:

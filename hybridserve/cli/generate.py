@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from hybridserve.genclient import (
+from gpu_worker.client import (
     Completion,
     WorkerTarget,
     build_request,

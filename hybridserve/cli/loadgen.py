@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import grpc
 from tqdm import tqdm
 
-from hybridserve.genclient import (
+from gpu_worker.client import (
     WorkerTarget,
     build_request,
     describe_rpc_error,
