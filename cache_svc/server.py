@@ -7,7 +7,6 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health
 
 from cache_svc.service import BlockCacheServicer, add_to_server
 from cache_svc.store import CheckpointStore, StoreConfig, StoreUnavailable
@@ -50,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def create_server(
     config: StoreConfig, host: str = "127.0.0.1", port: int = 0
-) -> tuple[grpc.Server, int, health.HealthServicer, CheckpointStore]:
+) -> tuple[grpc.Server, int, grpc_server.Health, CheckpointStore]:
     store = CheckpointStore(config)
     try:
         store.configure_memory()
@@ -69,5 +68,10 @@ def run(args: argparse.Namespace) -> int:
     server, port, health_servicer, store = create_server(config, settings.host, settings.port)
     server.start()
     grpc_server.announce(settings.host, port)
-    grpc_server.serve_until_signal(server, health_servicer, on_stop=lambda: (store.close(), stop_telemetry()))
+
+    def stop() -> None:
+        store.close()
+        stop_telemetry()
+
+    grpc_server.serve_until_signal(server, health_servicer, on_stop=stop)
     return 0

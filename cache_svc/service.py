@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import Literal
 
 import grpc
 
@@ -72,7 +73,7 @@ class _unavailable:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> Literal[False]:
         if isinstance(exc, StoreUnavailable):
             raise UnavailableError(str(exc)) from exc
         return False

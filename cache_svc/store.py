@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import redis
 
@@ -87,13 +88,15 @@ class CheckpointStore:
         key = self._key(fingerprint, block_hash)
         with _redis_errors():
             fields = self.redis.hmget(key, [keys.FIELD_DATA, keys.FIELD_SHA256, keys.FIELD_FINGERPRINT])
-        data, digest, stored_fingerprint = fields
+        data, digest, stored_fingerprint = (_as_bytes(f) for f in fields)
         if data is None:
             return None
         if digest is None:
-            return self.discard(fingerprint, block_hash, "no checksum")
+            self.discard(fingerprint, block_hash, "no checksum")
+            return None
         if stored_fingerprint is None or stored_fingerprint.decode() != fingerprint:
-            return self.discard(fingerprint, block_hash, "fingerprint mismatch")
+            self.discard(fingerprint, block_hash, "fingerprint mismatch")
+            return None
         return data, digest.decode()
 
     def discard(self, fingerprint: str, block_hash: bytes, why: str) -> None:
@@ -114,13 +117,18 @@ class CheckpointStore:
         self.redis.close()
 
 
+def _as_bytes(value: bytes | str | None) -> bytes | None:
+    """A Redis reply field as bytes (the client is not set to decode, so it already is)."""
+    return value.encode() if isinstance(value, str) else value
+
+
 class _redis_errors:
     """Turns connection-level Redis failures into StoreUnavailable."""
 
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> Literal[False]:
         if exc is not None and isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
             raise StoreUnavailable(f"redis unavailable: {exc}") from exc
         return False

@@ -108,6 +108,16 @@ def build_prefix_cache(runner: ModelRunner, settings: EngineSettings, enabled: b
     return PrefixCacheManager(runner, settings.scheduler.block_size, shared)
 
 
+def engine_alive(engine: Engine) -> bool:
+    """Liveness: the engine's step thread still runs (the server is created once the model loaded,
+    so readiness needs no probe of its own)."""
+    is_alive = getattr(engine, "is_alive", None)
+    if callable(is_alive):
+        return bool(is_alive())
+    thread = getattr(engine, "_thread", None)  # until Engine reports it itself
+    return thread is None or bool(thread.is_alive())
+
+
 def run(args: argparse.Namespace) -> int:
     server_settings = settings_from_args_of(WorkerServerSettings, args)
     if server_settings.model is None:
@@ -132,10 +142,12 @@ def run(args: argparse.Namespace) -> int:
     server, port, health = grpc_server.create_server(
         [add_to_server(servicer)], host=server_settings.host, port=server_settings.port
     )
+    stop_watching = grpc_server.watch_health(health, is_alive=lambda: engine_alive(engine))
     server.start()
     grpc_server.announce(server_settings.host, port)
 
     def stop() -> None:
+        stop_watching.set()
         engine.stop()
         client.close()
         if observer is not None:

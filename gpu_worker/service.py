@@ -41,7 +41,11 @@ class GenerationServicer:
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         req = build_request(request, self.engine.runner, self.engine.settings, context.time_remaining())
         self.engine.submit(req)
-        context.add_callback(lambda: self.engine.abort(req.request_id))  # cancel / disconnect
+
+        def on_cancel() -> None:  # the client cancelled or went away
+            self.engine.abort(req.request_id)
+
+        context.add_callback(on_cancel)
         while True:
             try:
                 event = req.events.get(timeout=POLL_S)

@@ -1,6 +1,7 @@
-"""Child processes for `hybridserve up` and the serving benchmark: start a `hybridserve ...` (or any)
-command, relay its output line by line with the service name in front, learn its address from its
-`listening on HOST:PORT` line, and stop it cleanly (SIGTERM, wait, then SIGKILL).
+"""Child processes, the one helper for `hybridserve up`, the embedded Redis (cache_svc.embedded_redis),
+the tests (tests/procs.py) and the benchmarks: start a `hybridserve ...` (or any) command, relay its
+output line by line with the service name in front, learn its address from its `listening on
+HOST:PORT` line, and stop it cleanly (SIGTERM, wait, then SIGKILL).
 
 Children run in their own session, so a Ctrl-C in the terminal reaches only the parent, which stops
 them in order (worker before scheduler). On Linux each child also gets SIGTERM when its parent dies,
@@ -174,10 +175,15 @@ class Child:
         self._drained.wait(2.0)
         return self.proc.returncode
 
-    def stop(self, timeout_s: float = 15.0) -> int:
-        """SIGTERM, wait up to timeout_s, then SIGKILL; returns the exit code. Safe to call twice."""
+    @property
+    def output(self) -> str:
+        """The lines kept so far (the last `keep_lines`), joined."""
+        return "\n".join(self.lines)
+
+    def stop(self, timeout_s: float = 15.0, sig: int = signal.SIGTERM) -> int:
+        """`sig` (SIGTERM), wait up to timeout_s, then SIGKILL; returns the exit code. Safe to call twice."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

@@ -19,7 +19,7 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from hybridserve import metrics, telemetry
+from hybridserve import grpc_telemetry, metrics, telemetry
 
 METRICS_PORT_HELP = "serve Prometheus /metrics on this port (-1 = off, 0 = a free port)"
 
@@ -36,9 +36,12 @@ def start_service_telemetry(service_name: str, metrics_port: int, metrics_host: 
 def server_interceptors(
     tracer_provider: trace.TracerProvider | None = None, registry: CollectorRegistry | None = None
 ) -> list[grpc.ServerInterceptor]:  # type: ignore[type-arg]
-    """The telemetry interceptor, or none when tracing and metrics are both off."""
-    tracer = telemetry.get_tracer(tracer_provider) if telemetry.tracing_enabled(tracer_provider) else None
+    """OpenTelemetry's tracing interceptor when tracing is on, the RPC metrics one when metrics are;
+    none when both are off (an untraced process pays nothing)."""
+    interceptors: list[grpc.ServerInterceptor] = []  # type: ignore[type-arg]
+    if telemetry.tracing_enabled(tracer_provider):
+        interceptors.append(grpc_telemetry.server_tracing_interceptor(telemetry.resolve(tracer_provider)))
     rpc = metrics.rpc_metrics(registry)
-    if tracer is None and rpc is None:
-        return []
-    return [telemetry.ServerTelemetryInterceptor(tracer, rpc)]
+    if rpc is not None:
+        interceptors.append(grpc_telemetry.ServerMetricsInterceptor(rpc))
+    return interceptors

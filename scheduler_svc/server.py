@@ -7,7 +7,6 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health
 
 from hybridserve import grpc_server
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
@@ -23,7 +22,7 @@ def create_server(
     max_workers: int = 32,
     max_message_bytes: int = grpc_server.DEFAULT_MAX_MESSAGE_BYTES,
     bench_service: bool = False,
-) -> tuple[grpc.Server, int, health.HealthServicer]:
+) -> tuple[grpc.Server, int, grpc_server.Health]:
     """The Scheduler service with health and reflection (and SchedulerBench when asked), bound but
     not started."""
     adders = [service.add_to_server] + ([service.add_bench_to_server] if bench_service else [])
