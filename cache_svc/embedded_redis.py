@@ -42,7 +42,8 @@ class RedisProcess:
         self.port = port or free_port()
         self.password = password
         self._dir = tempfile.TemporaryDirectory(prefix="hybridserve-redis-")
-        self.child = Child("redis", redis_server_command(self.port, self._dir.name, password))
+        command = redis_server_command(self.port, self._dir.name, password)
+        self.child = Child("redis", command, die_with_parent=False)  # callers may run gRPC in-process
         self._wait_ready(timeout_s)
 
     @property

@@ -88,7 +88,10 @@ class Child:
     """One running child process whose merged stdout/stderr is drained by a background thread.
 
     Each line is kept (the last `keep_lines` of them) and handed to `relay` (which may print it);
-    the first `listening on` line sets `host`/`port` and the `ready` event."""
+    the first `listening on` line sets `host`/`port` and the `ready` event.
+
+    `die_with_parent` needs a fork that runs Python before exec: a parent that runs gRPC (servers or
+    channels in-process, as tests do) must pass False, or gRPC's fork handlers may abort the child."""
 
     def __init__(
         self,
@@ -97,6 +100,7 @@ class Child:
         relay: Callable[[str, str], None] | None = None,
         env: dict[str, str] | None = None,
         keep_lines: int = 40,
+        die_with_parent: bool = True,
     ) -> None:
         self.name = name
         self.command = list(command)
@@ -114,7 +118,7 @@ class Child:
             errors="replace",
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=_die_with_parent() if die_with_parent else None,
         )
         self._drained = threading.Event()
         threading.Thread(target=self._drain, name=f"relay-{name}", daemon=True).start()

@@ -13,7 +13,13 @@ class ServerProcess(Child):
     output is kept (`output`)."""
 
     def __init__(self, args: Sequence[str], timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
-        super().__init__(args[0] if args else "hybridserve", hybridserve_command(*args), env=env, keep_lines=100_000)
+        super().__init__(
+            args[0] if args else "hybridserve",
+            hybridserve_command(*args),
+            env=env,
+            keep_lines=100_000,
+            die_with_parent=False,
+        )
         try:
             self.wait_listening(timeout_s)
         except Exception:
