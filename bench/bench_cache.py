@@ -49,7 +49,7 @@ SUFFIX_TOKENS = 16
 SCHEDULER = SchedulerConfig(
     max_num_batched_tokens=4096, max_num_seqs=8, long_prefill_token_threshold=0, max_num_prefill_tokens_per_step=0,
     block_size=256, mamba_block_size=64, mamba_cache_mode=MambaCacheMode.ALIGN, kv_page_size=16,
-    prefix_caching=True,
+    stop_at_last_boundary=True,
 )  # fmt: skip
 
 
@@ -166,7 +166,7 @@ def main() -> None:
     args = parser.parse_args()
     redis_server = RedisProcess()
     cache_server, cache_port, _, store = create_cache_server(
-        StoreConfig(url=redis_server.url, max_memory_bytes=1 << 30)
+        StoreConfig(redis_url=redis_server.url, max_memory_bytes=1 << 30)
     )
     scheduler_server, scheduler_port, _ = create_scheduler_server()
     cache_server.start()

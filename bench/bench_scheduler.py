@@ -16,7 +16,8 @@ import time
 
 import grpc
 
-from hybridserve.v1 import scheduler_pb2 as pb
+from hybridserve.v1 import scheduler_bench_pb2 as bench_pb
+from hybridserve.v1 import scheduler_bench_pb2_grpc as bench_pb_grpc
 from hybridserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc import convert
 from scheduler_svc.core import MambaCacheMode, RequestState, SchedulerConfig, StepInput, plan_step
@@ -80,14 +81,15 @@ def bench_in_process(repeats: int) -> dict[int, float]:
 
 
 def bench_round_trip(repeats: int, num_running: int = 256) -> float:
-    server, port, _ = create_server("127.0.0.1", 0, max_workers=4)
+    server, port, _ = create_server("127.0.0.1", 0, max_workers=4, bench_service=True)
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.SchedulerStub(channel)
+            bench_stub = bench_pb_grpc.SchedulerBenchStub(channel)
             request = convert.step_to_pb(workload(num_running))
             size = request.ByteSize()
-            echo = pb.EchoRequest(payload=b"\x5a" * (size - 4))  # same bytes on the wire (+/- tag overhead)
+            echo = bench_pb.EchoRequest(payload=b"\x5a" * (size - 4))  # same bytes on the wire (+/- tag overhead)
             plan_samples: list[float] = []
             echo_samples: list[float] = []
             for i in range(repeats + 50):
@@ -96,7 +98,7 @@ def bench_round_trip(repeats: int, num_running: int = 256) -> float:
                     if kind == 0:
                         stub.PlanStep(request, timeout=10)
                     else:
-                        stub.Echo(echo, timeout=10)
+                        bench_stub.Echo(echo, timeout=10)
                     elapsed = (time.perf_counter() - t0) * 1e6
                     if i >= 50:  # warm-up discarded
                         (plan_samples if kind == 0 else echo_samples).append(elapsed)

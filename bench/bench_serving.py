@@ -27,10 +27,10 @@ from bench_model import BENCH_SPEC, StepClock, hf_generate
 from transformers import BambaForCausalLM as HFBamba
 from transformers.utils import logging as hf_logging
 
+from gpu_worker.client import generation_stub
 from gpu_worker.init_model import write_random_checkpoint
 from hybridserve.children import Child, hybridserve_command, stop_all
-from hybridserve.genclient import generation_stub
-from hybridserve.loadgen import LoadSummary, RequestResult, make_prompts, run_load, summarize
+from hybridserve.cli.loadgen import LoadSummary, RequestResult, make_prompts, run_load, summarize
 from hybridserve.v1 import generation_pb2
 
 START_TIMEOUT_S = 180.0

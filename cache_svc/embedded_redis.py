@@ -3,14 +3,14 @@ tests (Redis 6.2). It listens on loopback only and keeps no data on disk."""
 
 from __future__ import annotations
 
-import subprocess
+import signal
 import tempfile
 import time
 from pathlib import Path
 
 import redis
 
-from hybridserve.children import free_port
+from hybridserve.children import Child, free_port
 
 
 def redis_server_binary() -> str:
@@ -35,14 +35,15 @@ def redis_server_command(port: int, data_dir: str, password: str | None = None) 
 
 
 class RedisProcess:
-    """Starts redis-server on 127.0.0.1:port (a free one by default); `stop()` ends it."""
+    """Starts redis-server on 127.0.0.1:port (a free one by default) as a child process (the helper in
+    hybridserve.children); `stop()` ends it."""
 
     def __init__(self, port: int | None = None, password: str | None = None, timeout_s: float = 10.0) -> None:
         self.port = port or free_port()
         self.password = password
         self._dir = tempfile.TemporaryDirectory(prefix="hybridserve-redis-")
         command = redis_server_command(self.port, self._dir.name, password)
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.child = Child("redis", command, die_with_parent=False)  # callers may run gRPC in-process
         self._wait_ready(timeout_s)
 
     @property
@@ -55,8 +56,8 @@ class RedisProcess:
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with code {self.proc.returncode}")
+            if not self.child.is_running():
+                raise RuntimeError(f"redis-server did not start: {self.child.exit_report()}")
             try:
                 if self.client().ping():
                     return
@@ -66,16 +67,9 @@ class RedisProcess:
         raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.child.stop(10.0)
         self._dir.cleanup()
 
     def kill(self) -> None:
         """Ends the server abruptly (a crash), keeping the port for a restart."""
-        self.proc.kill()
-        self.proc.wait()
+        self.child.stop(10.0, signal.SIGKILL)

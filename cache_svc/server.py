@@ -4,43 +4,52 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health
 
 from cache_svc.service import BlockCacheServicer, add_to_server
 from cache_svc.store import CheckpointStore, StoreConfig, StoreUnavailable
 from hybridserve import grpc_server
-from hybridserve.cliutil import env_default
-from hybridserve.service_telemetry import add_metrics_arguments, start_service_telemetry
+from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
+from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 
 log = logging.getLogger("hybridserve.cache")
 
 
+@dataclass(frozen=True, slots=True)
+class CacheServerSettings:
+    """Where `hybridserve cache` listens; with StoreConfig, its flags (or HYBRIDSERVE_CACHE_* variables)."""
+
+    host: str = "127.0.0.1"  # bind address
+    port: int = 50053  # 0 picks a free port
+    metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = a free port
+
+
+FLAGS = {
+    "redis_url": Flag("Redis URL", name="--redis"),
+    "redis_password": Flag("Redis password (prefer the variable: argv is visible to every user)"),
+    "key_prefix": Flag("prefix of every Redis key"),
+    "max_memory_bytes": Flag(
+        "Redis maxmemory in MiB (LRU eviction beyond it); 0 = leave Redis's setting",
+        name="--max-memory-mb",
+        scale=1 << 20,
+    ),  # fmt: skip
+    "ttl_s": Flag("seconds a block stays after its last publish"),
+    "host": Flag("bind address"),
+    "port": Flag("0 picks a free port"),
+    "metrics_port": Flag(METRICS_PORT_HELP),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis", default=env_default("REDIS_URL", "redis://127.0.0.1:6379/0"), help="Redis URL")
-    parser.add_argument("--redis-password", default=env_default("REDIS_PASSWORD", None))
-    parser.add_argument("--key-prefix", default=env_default("CACHE_KEY_PREFIX", "hybridserve"))
-    parser.add_argument(
-        "--max-memory-mb",
-        type=int,
-        default=env_default("CACHE_MAX_MEMORY_MB", 1024, int),
-        help="Redis maxmemory (LRU eviction beyond it); 0 = leave Redis's setting",
-    )
-    parser.add_argument(
-        "--ttl-s",
-        type=int,
-        default=env_default("CACHE_TTL_S", 86400, int),
-        help="seconds a block stays after its last publish",
-    )
-    parser.add_argument("--host", default=env_default("CACHE_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=env_default("CACHE_PORT", 50053, int), help="0 = free port")
-    add_metrics_arguments(parser, "CACHE")
+    add_settings_arguments(parser, StoreConfig, "CACHE", flags=FLAGS, exclude=["socket_timeout_s"])
+    add_settings_arguments(parser, CacheServerSettings, "CACHE", flags=FLAGS)
 
 
 def create_server(
     config: StoreConfig, host: str = "127.0.0.1", port: int = 0
-) -> tuple[grpc.Server, int, health.HealthServicer, CheckpointStore]:
+) -> tuple[grpc.Server, int, grpc_server.Health, CheckpointStore]:
     store = CheckpointStore(config)
     try:
         store.configure_memory()
@@ -53,13 +62,16 @@ def create_server(
 
 
 def run(args: argparse.Namespace) -> int:
-    config = StoreConfig(
-        url=args.redis, password=args.redis_password, key_prefix=args.key_prefix,
-        max_memory_bytes=args.max_memory_mb << 20, ttl_s=args.ttl_s,
-    )  # fmt: skip
-    stop_telemetry = start_service_telemetry("hybridserve-cache", args.metrics_port, args.host)
-    server, port, health_servicer, store = create_server(config, args.host, args.port)
+    settings = settings_from_args(CacheServerSettings, args)
+    config = settings_from_args(StoreConfig, args)
+    stop_telemetry = start_service_telemetry("hybridserve-cache", settings.metrics_port, settings.host)
+    server, port, health_servicer, store = create_server(config, settings.host, settings.port)
     server.start()
-    grpc_server.announce(args.host, port)
-    grpc_server.serve_until_signal(server, health_servicer, on_stop=lambda: (store.close(), stop_telemetry()))
+    grpc_server.announce(settings.host, port)
+
+    def stop() -> None:
+        store.close()
+        stop_telemetry()
+
+    grpc_server.serve_until_signal(server, health_servicer, on_stop=stop)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import Literal
 
 import grpc
 
@@ -42,24 +43,21 @@ class BlockCacheServicer:
         return pb.PublishResponse(stored=True)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FetchChunk]:
-        """Streams the checkpoint, hashing as it goes; a checksum mismatch ends the stream with
-        DATA_LOSS (the client discards what it got) and deletes the checkpoint."""
+        """Streams the header, then the checkpoint in pieces, hashing as it goes; a checksum mismatch
+        ends the stream with DATA_LOSS (the client discards what it got) and deletes the checkpoint."""
         _require_fingerprint(request.model_fingerprint)
         with _unavailable():
             found = self.store.get(request.model_fingerprint, request.block_hash)
         if found is None:
             raise NotFoundError(f"no checkpoint for block {request.block_hash.hex()}")
         data, digest_hex = found
+        yield pb.FetchChunk(header=pb.FetchHeader(total_bytes=len(data), checksum=bytes.fromhex(digest_hex)))
         view = memoryview(data)
         digest = hashlib.sha256()
         for offset in range(0, len(data), FETCH_CHUNK_BYTES):
             piece = view[offset : offset + FETCH_CHUNK_BYTES]
             digest.update(piece)
-            chunk = pb.FetchChunk(data=bytes(piece))
-            if offset == 0:
-                chunk.total_bytes = len(data)
-                chunk.checksum = bytes.fromhex(digest_hex)
-            yield chunk
+            yield pb.FetchChunk(data=bytes(piece))
         if digest.hexdigest() != digest_hex:
             with _unavailable():
                 self.store.discard(request.model_fingerprint, request.block_hash, "checksum mismatch")
@@ -75,7 +73,7 @@ class _unavailable:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> Literal[False]:
         if isinstance(exc, StoreUnavailable):
             raise UnavailableError(str(exc)) from exc
         return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import redis
 
@@ -25,9 +26,11 @@ class StoreUnavailable(Exception):
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    url: str = "redis://127.0.0.1:6379/0"
-    password: str | None = None
-    key_prefix: str = "hybridserve"
+    """How the cache service reaches and governs Redis; its flags are derived from these fields."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: str | None = None
+    key_prefix: str = "hybridserve"  # every Redis key starts with it
     max_memory_bytes: int = 1 << 30  # Redis maxmemory set at start-up (0 = leave Redis's setting)
     ttl_s: int = 24 * 3600  # every block key expires this long after its last publish
     socket_timeout_s: float = 1.0
@@ -37,7 +40,7 @@ class CheckpointStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.redis = redis.Redis.from_url(
-            config.url, password=config.password, socket_timeout=config.socket_timeout_s,
+            config.redis_url, password=config.redis_password, socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.socket_timeout_s, health_check_interval=5,
         )  # fmt: skip
 
@@ -85,13 +88,15 @@ class CheckpointStore:
         key = self._key(fingerprint, block_hash)
         with _redis_errors():
             fields = self.redis.hmget(key, [keys.FIELD_DATA, keys.FIELD_SHA256, keys.FIELD_FINGERPRINT])
-        data, digest, stored_fingerprint = fields
+        data, digest, stored_fingerprint = (_as_bytes(f) for f in fields)
         if data is None:
             return None
         if digest is None:
-            return self.discard(fingerprint, block_hash, "no checksum")
+            self.discard(fingerprint, block_hash, "no checksum")
+            return None
         if stored_fingerprint is None or stored_fingerprint.decode() != fingerprint:
-            return self.discard(fingerprint, block_hash, "fingerprint mismatch")
+            self.discard(fingerprint, block_hash, "fingerprint mismatch")
+            return None
         return data, digest.decode()
 
     def discard(self, fingerprint: str, block_hash: bytes, why: str) -> None:
@@ -112,13 +117,18 @@ class CheckpointStore:
         self.redis.close()
 
 
+def _as_bytes(value: bytes | str | None) -> bytes | None:
+    """A Redis reply field as bytes (the client is not set to decode, so it already is)."""
+    return value.encode() if isinstance(value, str) else value
+
+
 class _redis_errors:
     """Turns connection-level Redis failures into StoreUnavailable."""
 
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> Literal[False]:
         if exc is not None and isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
             raise StoreUnavailable(f"redis unavailable: {exc}") from exc
         return False

@@ -35,10 +35,10 @@ CPU_SCAN_CHUNK_TOKENS = 64  # a pure-Mamba model still gets page ids for account
 class RunnerConfig:
     """Worker-side model settings, built once from flags."""
 
-    memory_budget_bytes: int = 512 << 20  # KV pages + state slots + checkpoints (bytes)
+    memory_budget_bytes: int = 256 << 20  # KV pages + state slots + checkpoints (bytes)
     kv_page_size_tokens: int = 16  # tokens per KV page
-    max_num_seqs: int = 64  # live Mamba state slots = most requests running at once
-    num_checkpoint_slots: int = 32  # Mamba state checkpoints kept on the worker
+    max_num_seqs: int = 32  # live Mamba state slots = most requests running at once
+    num_checkpoint_slots: int = 64  # Mamba state checkpoints kept on the worker (one per cached block)
     device: str = "auto"  # auto | cpu | cuda[:i]
     dtype: str = "auto"  # auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
 

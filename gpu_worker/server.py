@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_worker.cache.manager import PrefixCacheManager
@@ -14,109 +14,87 @@ from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.service import GenerationServicer, add_to_server
-from gpu_worker.telemetry_observer import add_observability_arguments, observer_from_args
+from gpu_worker.telemetry_observer import observer_from_args
 from hybridserve import grpc_server
-from hybridserve.cliutil import env_default
-from hybridserve.service_telemetry import start_service_telemetry
+from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
+from hybridserve.settings import Flag, add_settings_arguments
+from hybridserve.settings import settings_from_args as settings_from_args_of
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.flags import add_config_arguments, config_from_args
 
 log = logging.getLogger("hybridserve.worker")
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerServerSettings:
+    """`hybridserve worker`'s own settings; with EngineSettings, RunnerConfig and SchedulerConfig, its
+    flags (or HYBRIDSERVE_WORKER_* variables)."""
+
+    model: Path | None = None  # checkpoint folder (Hugging Face Bamba format)
+    host: str = "127.0.0.1"  # bind address
+    port: int = 50052  # 0 picks a free port
+    prefix_caching: bool = True  # reuse cached prefixes (KV + Mamba state at block boundaries); ALIGN only
+    metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = a free port
+    record_steps: Path | None = None  # JSONL file of sampled steps' scheduler input and plan
+    record_sample_rate: float = 1.0  # fraction of steps recorded
+
+
+FLAGS = {
+    "model": Flag("checkpoint folder (Hugging Face Bamba format); see `hybridserve init-model`", metavar="DIR"),
+    "host": Flag("bind address"),
+    "port": Flag("0 picks a free port"),
+    "scheduler_addresses": Flag("scheduler address(es), comma separated: host:port[,host:port]", name="--scheduler"),
+    "cache_address": Flag("cache service host:port", name="--cache"),
+    "async_scheduling": Flag("plan step N+1 while step N runs"),
+    "max_queue_len": Flag("waiting requests at most; more get RESOURCE_EXHAUSTED"),
+    "default_max_tokens": Flag("max_tokens of a request that leaves it at 0"),
+    "max_model_len": Flag("prompt + max_tokens limit (0 = what the KV pool holds)"),
+    "scheduler_deadline_s": Flag("seconds one PlanStep call may take"),
+    "scheduler_give_up_s": Flag("fail in-flight requests when no scheduler answers for this long"),
+    "prefix_caching": Flag("reuse cached prefixes (KV + Mamba state at block boundaries); ALIGN mode only"),
+    "memory_budget_bytes": Flag(
+        "KV pages + Mamba state slots + checkpoints, MiB", name="--memory-budget-mb", scale=1 << 20
+    ),
+    "num_checkpoint_slots": Flag("Mamba state checkpoints kept on the worker (one per cached block)"),
+    "device": Flag("auto | cpu | cuda[:i]"),
+    "dtype": Flag("auto | float32 | bfloat16"),
+    "metrics_port": Flag(METRICS_PORT_HELP),
+    "record_steps": Flag(
+        "append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
+        metavar="FILE",
+    ),
+    "record_sample_rate": Flag("fraction of steps recorded (1.0 = every step)"),
+}
+ENGINE_FIELDS = (
+    "scheduler_addresses", "cache_address", "async_scheduling", "max_queue_len", "default_max_tokens",
+    "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s",
+)  # fmt: skip
+RUNNER_FIELDS = ("memory_budget_bytes", "num_checkpoint_slots", "device", "dtype")  # the rest follow the config
+OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
+SERVICE = "WORKER"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=env_default("MODEL", None, Path),
-        required=False,
-        help="checkpoint folder (Hugging Face Bamba format); see `hybridserve init-model`",
-    )
-    parser.add_argument(
-        "--scheduler",
-        default=env_default("SCHEDULER", "127.0.0.1:50051"),
-        help="scheduler address(es), comma separated: host:port[,host:port]",
-    )
-    parser.add_argument("--cache", default=env_default("CACHE", None), help="cache service host:port")
-    parser.add_argument("--host", default=env_default("WORKER_HOST", "127.0.0.1"), help="bind address")
-    parser.add_argument("--port", type=int, default=env_default("WORKER_PORT", 50052, int), help="0 = free port")
-    add_config_arguments(parser)
+    add_settings_arguments(parser, WorkerServerSettings, SERVICE, flags=FLAGS, exclude=OBSERVABILITY_FIELDS)
+    add_config_arguments(parser, SERVICE)
     group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=env_default("ASYNC_SCHEDULING", True, _bool),
-        help="plan step N+1 while step N runs (default on)",
-    )
-    group.add_argument("--max-queue-len", type=int, default=env_default("MAX_QUEUE_LEN", 1024, int))
-    group.add_argument("--default-max-tokens", type=int, default=env_default("DEFAULT_MAX_TOKENS", 256, int))
-    group.add_argument(
-        "--max-model-len",
-        type=int,
-        default=env_default("MAX_MODEL_LEN", 0, int),
-        help="prompt + max_tokens limit (0 = what the KV pool holds)",
-    )
-    group.add_argument("--scheduler-deadline-s", type=float, default=env_default("SCHEDULER_DEADLINE_S", 2.0, float))
-    group.add_argument(
-        "--scheduler-give-up-s",
-        type=float,
-        default=env_default("SCHEDULER_GIVE_UP_S", 30.0, float),
-        help="fail in-flight requests when no scheduler answers for this long",
-    )
-    group.add_argument(
-        "--prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=env_default("PREFIX_CACHING", True, _bool),
-        help="reuse cached prefixes (KV + Mamba state at block boundaries); ALIGN mode only",
-    )
+    add_settings_arguments(
+        group, EngineSettings, SERVICE, flags=FLAGS, only=ENGINE_FIELDS,
+        defaults={"scheduler_addresses": ("127.0.0.1:50051",)},
+    )  # fmt: skip
     group = parser.add_argument_group("model runner")
-    group.add_argument(
-        "--memory-budget-mb",
-        type=int,
-        default=env_default("MEMORY_BUDGET_MB", 256, int),
-        help="KV pages + Mamba state slots + checkpoints, MiB",
-    )
-    group.add_argument(
-        "--num-checkpoint-slots",
-        type=int,
-        default=env_default("NUM_CHECKPOINT_SLOTS", 64, int),
-        help="Mamba state checkpoints kept on the worker (one per cached block)",
-    )
-    group.add_argument("--device", default=env_default("DEVICE", "auto"), help="auto | cpu | cuda[:i]")
-    group.add_argument("--dtype", default=env_default("DTYPE", "auto"), help="auto | float32 | bfloat16")
-    add_observability_arguments(parser)
-
-
-def _bool(raw: str) -> bool:
-    if raw.lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
+    add_settings_arguments(group, RunnerConfig, SERVICE, flags=FLAGS, only=RUNNER_FIELDS)
+    group = parser.add_argument_group("observability (tracing: the standard OTEL_* variables)")
+    add_settings_arguments(group, WorkerServerSettings, SERVICE, flags=FLAGS, only=OBSERVABILITY_FIELDS)
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
-    scheduler = replace(config_from_args(args), prefix_caching=bool(args.prefix_caching))
-    runner = RunnerConfig(
-        memory_budget_bytes=args.memory_budget_mb << 20,
-        kv_page_size_tokens=scheduler.kv_page_size,
-        max_num_seqs=scheduler.max_num_seqs,
-        num_checkpoint_slots=args.num_checkpoint_slots,
-        device=args.device,
-        dtype=args.dtype,
+    server = settings_from_args_of(WorkerServerSettings, args)
+    scheduler = config_from_args(args, stop_at_last_boundary=server.prefix_caching)
+    runner = settings_from_args_of(
+        RunnerConfig, args, kv_page_size_tokens=scheduler.kv_page_size, max_num_seqs=scheduler.max_num_seqs
     )
-    return EngineSettings(
-        scheduler=scheduler,
-        runner=runner,
-        scheduler_addresses=tuple(a.strip() for a in args.scheduler.split(",") if a.strip()),
-        cache_address=args.cache,
-        async_scheduling=args.async_scheduling,
-        max_queue_len=args.max_queue_len,
-        default_max_tokens=args.default_max_tokens,
-        max_model_len=args.max_model_len,
-        scheduler_deadline_s=args.scheduler_deadline_s,
-        scheduler_give_up_s=args.scheduler_give_up_s,
-    )
+    return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner)
 
 
 def build_prefix_cache(runner: ModelRunner, settings: EngineSettings, enabled: bool) -> PrefixCacheManager | None:
@@ -130,31 +108,46 @@ def build_prefix_cache(runner: ModelRunner, settings: EngineSettings, enabled: b
     return PrefixCacheManager(runner, settings.scheduler.block_size, shared)
 
 
+def engine_alive(engine: Engine) -> bool:
+    """Liveness: the engine's step thread still runs (the server is created once the model loaded,
+    so readiness needs no probe of its own)."""
+    is_alive = getattr(engine, "is_alive", None)
+    if callable(is_alive):
+        return bool(is_alive())
+    thread = getattr(engine, "_thread", None)  # until Engine reports it itself
+    return thread is None or bool(thread.is_alive())
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.model is None:
+    server_settings = settings_from_args_of(WorkerServerSettings, args)
+    if server_settings.model is None:
         raise SystemExit("--model DIR is required (write the default model with `hybridserve init-model DIR`)")
     settings = settings_from_args(args)
     keep_freed_memory()  # glibc: reuse freed activation memory instead of page-faulting it back each step
-    stop_telemetry = start_service_telemetry("hybridserve-worker", args.metrics_port, args.host)
+    stop_telemetry = start_service_telemetry("hybridserve-worker", server_settings.metrics_port, server_settings.host)
     observer = observer_from_args(args)
-    runner = ModelRunner.from_model_dir(args.model, settings.runner)
-    log.info("model %s loaded: %s", args.model, runner.describe())
+    runner = ModelRunner.from_model_dir(server_settings.model, settings.runner)
+    log.info("model %s loaded: %s", server_settings.model, runner.describe())
     client = SchedulerClient(
         settings.scheduler_addresses,
         deadline_s=settings.scheduler_deadline_s,
         give_up_after_s=settings.scheduler_give_up_s,
     )
-    prefix = build_prefix_cache(runner, settings, args.prefix_caching)
+    prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching)
     engine = Engine(runner, client.plan, settings, observer=observer, prefix=prefix)
     if observer is not None:
         observer.watch(engine)
     engine.start()
-    servicer = GenerationServicer(engine, model_name=Path(args.model).name)
-    server, port, health = grpc_server.create_server([add_to_server(servicer)], host=args.host, port=args.port)
+    servicer = GenerationServicer(engine, model_name=server_settings.model.name)
+    server, port, health = grpc_server.create_server(
+        [add_to_server(servicer)], host=server_settings.host, port=server_settings.port
+    )
+    stop_watching = grpc_server.watch_health(health, is_alive=lambda: engine_alive(engine))
     server.start()
-    grpc_server.announce(args.host, port)
+    grpc_server.announce(server_settings.host, port)
 
     def stop() -> None:
+        stop_watching.set()
         engine.stop()
         client.close()
         if observer is not None:

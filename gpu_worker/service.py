@@ -16,6 +16,22 @@ from hybridserve.v1 import generation_pb2 as pb
 
 POLL_S = 0.25  # how often a waiting stream checks that its client is still there
 
+# The engine's finish reason (gpu_worker.engine.FinishReason, a str enum, or its string value; "" while
+# more follows) -> the wire enum.
+FINISH_REASON_PB: dict[str, pb.FinishReason] = {
+    "": pb.FINISH_REASON_UNSPECIFIED,
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+    "eos": pb.FINISH_REASON_EOS,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+
+def finish_reason_to_pb(reason: object) -> pb.FinishReason:
+    """The wire value of an engine finish reason, given as the enum member or its string value."""
+    return FINISH_REASON_PB[str(getattr(reason, "value", reason) or "")]
+
 
 class GenerationServicer:
     def __init__(self, engine: Engine, model_name: str) -> None:
@@ -25,7 +41,11 @@ class GenerationServicer:
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         req = build_request(request, self.engine.runner, self.engine.settings, context.time_remaining())
         self.engine.submit(req)
-        context.add_callback(lambda: self.engine.abort(req.request_id))  # cancel / disconnect
+
+        def on_cancel() -> None:  # the client cancelled or went away
+            self.engine.abort(req.request_id)
+
+        context.add_callback(on_cancel)
         while True:
             try:
                 event = req.events.get(timeout=POLL_S)
@@ -81,7 +101,7 @@ def output_to_pb(request_id: str, event: RequestOutput) -> pb.GenerateResponse:
         token_ids=list(event.token_ids),
         logprobs=list(event.logprobs),
         text=event.text,
-        finish_reason=event.finish_reason,
+        finish_reason=finish_reason_to_pb(event.finish_reason),
     )
     for top in event.top_logprobs:
         if top:

@@ -23,7 +23,6 @@ import base64
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opentelemetry import context as otel_context
@@ -33,9 +32,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.step_recorder import StepRecorder
 from hybridserve import telemetry
-from hybridserve.cliutil import env_default
 from hybridserve.metrics import WorkerMetrics, process_registry
-from hybridserve.service_telemetry import add_metrics_arguments
 from scheduler_svc.core import StepInput, StepPlan
 
 if TYPE_CHECKING:
@@ -285,24 +282,6 @@ def _input_event(request_bytes: bytes) -> dict[str, str | int]:
         "hybridserve.step.input_bytes": len(request_bytes),
         "hybridserve.step.plan_step_request_b64": base64.b64encode(request_bytes).decode("ascii"),
     }
-
-
-def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
-    """The worker's --metrics-port, --record-steps and --record-sample-rate."""
-    group = parser.add_argument_group("observability (tracing: the standard OTEL_* variables)")
-    add_metrics_arguments(group, "WORKER")
-    group.add_argument(
-        "--record-steps",
-        type=Path,
-        default=env_default("RECORD_STEPS", None, Path),
-        help="append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
-    )
-    group.add_argument(
-        "--record-sample-rate",
-        type=float,
-        default=env_default("RECORD_SAMPLE_RATE", 1.0, float),
-        help="fraction of steps recorded (1.0 = every step)",
-    )
 
 
 def observer_from_args(args: argparse.Namespace) -> TelemetryObserver | None:

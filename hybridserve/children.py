@@ -1,6 +1,7 @@
-"""Child processes for `hybridserve up` and the serving benchmark: start a `hybridserve ...` (or any)
-command, relay its output line by line with the service name in front, learn its address from its
-`listening on HOST:PORT` line, and stop it cleanly (SIGTERM, wait, then SIGKILL).
+"""Child processes, the one helper for `hybridserve up`, the embedded Redis (cache_svc.embedded_redis),
+the tests (tests/procs.py) and the benchmarks: start a `hybridserve ...` (or any) command, relay its
+output line by line with the service name in front, learn its address from its `listening on
+HOST:PORT` line, and stop it cleanly (SIGTERM, wait, then SIGKILL).
 
 Children run in their own session, so a Ctrl-C in the terminal reaches only the parent, which stops
 them in order (worker before scheduler). On Linux each child also gets SIGTERM when its parent dies,
@@ -87,7 +88,10 @@ class Child:
     """One running child process whose merged stdout/stderr is drained by a background thread.
 
     Each line is kept (the last `keep_lines` of them) and handed to `relay` (which may print it);
-    the first `listening on` line sets `host`/`port` and the `ready` event."""
+    the first `listening on` line sets `host`/`port` and the `ready` event.
+
+    `die_with_parent` needs a fork that runs Python before exec: a parent that runs gRPC (servers or
+    channels in-process, as tests do) must pass False, or gRPC's fork handlers may abort the child."""
 
     def __init__(
         self,
@@ -96,6 +100,7 @@ class Child:
         relay: Callable[[str, str], None] | None = None,
         env: dict[str, str] | None = None,
         keep_lines: int = 40,
+        die_with_parent: bool = True,
     ) -> None:
         self.name = name
         self.command = list(command)
@@ -113,7 +118,7 @@ class Child:
             errors="replace",
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=_die_with_parent() if die_with_parent else None,
         )
         self._drained = threading.Event()
         threading.Thread(target=self._drain, name=f"relay-{name}", daemon=True).start()
@@ -174,10 +179,15 @@ class Child:
         self._drained.wait(2.0)
         return self.proc.returncode
 
-    def stop(self, timeout_s: float = 15.0) -> int:
-        """SIGTERM, wait up to timeout_s, then SIGKILL; returns the exit code. Safe to call twice."""
+    @property
+    def output(self) -> str:
+        """The lines kept so far (the last `keep_lines`), joined."""
+        return "\n".join(self.lines)
+
+    def stop(self, timeout_s: float = 15.0, sig: int = signal.SIGTERM) -> int:
+        """`sig` (SIGTERM), wait up to timeout_s, then SIGKILL; returns the exit code. Safe to call twice."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

@@ -1,5 +1,6 @@
 """gRPC server plumbing shared by every service: one interceptor that maps domain errors to status
-codes, health and reflection on every server, port-0 binding, graceful shutdown."""
+codes, health (`liveness`, `readiness`) and reflection on every server, port-0 binding, graceful
+shutdown."""
 
 from __future__ import annotations
 
@@ -143,6 +144,63 @@ def _guard_stream(behaviour: Callable[..., Any], method: str) -> Callable[..., A
     return guarded
 
 
+LIVENESS = "liveness"  # the process can make progress; restart it if not
+READINESS = "readiness"  # it can serve now (the empty name means the same)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Health(health.HealthServicer):
+    """grpc.health.v1 with the two names every server reports (DESIGN §3): `liveness`, and
+    `readiness`, which the empty name and each served service's name follow.
+
+    Draining (graceful shutdown) ends readiness for good and keeps liveness: the process is still
+    making progress, finishing the calls in flight."""
+
+    def __init__(self, service_names: Iterable[str] = ()) -> None:
+        super().__init__()
+        self._ready_names = ["", READINESS, *service_names]
+        self._draining = False
+        self.set(LIVENESS, SERVING)
+        self.set_ready(True)
+
+    def set_ready(self, ready: bool) -> None:
+        """Readiness (and "" and every service name): SERVING or NOT_SERVING; True is ignored
+        once draining."""
+        if ready and self._draining:
+            return
+        for name in self._ready_names:
+            self.set(name, SERVING if ready else NOT_SERVING)
+
+    def set_alive(self, alive: bool) -> None:
+        self.set(LIVENESS, SERVING if alive else NOT_SERVING)
+
+    def enter_graceful_shutdown(self) -> None:
+        self._draining = True
+        self.set_ready(False)
+
+
+def watch_health(
+    health_servicer: Health,
+    is_alive: Callable[[], bool],
+    is_ready: Callable[[], bool] = lambda: True,
+    interval_s: float = 1.0,
+) -> threading.Event:
+    """Polls the probes every interval_s on a daemon thread and reports them (a process that is not
+    alive is not ready either); set the returned event to stop."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            alive = is_alive()
+            health_servicer.set_alive(alive)
+            health_servicer.set_ready(alive and is_ready())
+            stop.wait(interval_s)
+
+    threading.Thread(target=poll, name="health", daemon=True).start()
+    return stop
+
+
 def create_server(
     adders: Iterable[Callable[[grpc.Server], str]],
     host: str = "127.0.0.1",
@@ -150,8 +208,9 @@ def create_server(
     max_workers: int = 32,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     tracer_provider: Any = None,
-) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Builds a started-ready (not started) server with health and reflection.
+) -> tuple[grpc.Server, int, Health]:
+    """Builds a ready-to-start (not started) server with health (liveness, readiness; both SERVING
+    until told otherwise) and reflection.
 
     Each adder registers one servicer and returns its full service name. Port 0 picks a free port;
     the bound port is returned. Calls are traced (and counted) when this process has tracing (or a
@@ -167,10 +226,8 @@ def create_server(
         ],
     )
     names = [add(server) for add in adders]
-    health_servicer = health.HealthServicer()
+    health_servicer = Health(names)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ["", *names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
     )
@@ -186,11 +243,11 @@ def _bracket(host: str) -> str:
 
 def serve_until_signal(
     server: grpc.Server,
-    health_servicer: health.HealthServicer,
+    health_servicer: Health,
     grace_s: float = 5.0,
     on_stop: Callable[[], None] | None = None,
 ) -> None:
-    """Blocks until SIGTERM or SIGINT, then stops taking calls (health NOT_SERVING), lets calls in
+    """Blocks until SIGTERM or SIGINT, then stops taking calls (readiness NOT_SERVING), lets calls in
     flight finish within grace_s, runs on_stop and returns."""
     stop = threading.Event()
 

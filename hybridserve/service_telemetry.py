@@ -1,7 +1,8 @@
-"""Observability wiring every server command shares: the `--metrics-port` flag, start-up of tracing
+"""Observability wiring every server command shares: start-up of tracing
 and the metrics endpoint, and the server interceptors.
 
-A server's `run()` calls, before it builds its gRPC server:
+Each server's settings dataclass has a `metrics_port` field (-1 = off, 0 = a free port, printed as
+`metrics on HOST:PORT`). A server's `run()` calls, before it builds its gRPC server:
 
     stop_telemetry = start_service_telemetry("hybridserve-cache", args.metrics_port, args.host)
 
@@ -12,26 +13,15 @@ cache service (cache_svc/server.py) is meant to do the same, and to wrap its cli
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 
 import grpc
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from hybridserve import metrics, telemetry
-from hybridserve.cliutil import env_default
+from hybridserve import grpc_telemetry, metrics, telemetry
 
-
-def add_metrics_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, env_prefix: str) -> None:
-    """--metrics-port (env HYBRIDSERVE_<env_prefix>_METRICS_PORT): -1 (default) = off, 0 = a free
-    port (printed as `metrics on HOST:PORT`)."""
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=env_default(f"{env_prefix}_METRICS_PORT", -1, int),
-        help="serve Prometheus /metrics on this port (-1 = off, 0 = a free port)",
-    )
+METRICS_PORT_HELP = "serve Prometheus /metrics on this port (-1 = off, 0 = a free port)"
 
 
 def start_service_telemetry(service_name: str, metrics_port: int, metrics_host: str) -> Callable[[], None]:
@@ -46,9 +36,12 @@ def start_service_telemetry(service_name: str, metrics_port: int, metrics_host: 
 def server_interceptors(
     tracer_provider: trace.TracerProvider | None = None, registry: CollectorRegistry | None = None
 ) -> list[grpc.ServerInterceptor]:  # type: ignore[type-arg]
-    """The telemetry interceptor, or none when tracing and metrics are both off."""
-    tracer = telemetry.get_tracer(tracer_provider) if telemetry.tracing_enabled(tracer_provider) else None
+    """OpenTelemetry's tracing interceptor when tracing is on, the RPC metrics one when metrics are;
+    none when both are off (an untraced process pays nothing)."""
+    interceptors: list[grpc.ServerInterceptor] = []  # type: ignore[type-arg]
+    if telemetry.tracing_enabled(tracer_provider):
+        interceptors.append(grpc_telemetry.server_tracing_interceptor(telemetry.resolve(tracer_provider)))
     rpc = metrics.rpc_metrics(registry)
-    if tracer is None and rpc is None:
-        return []
-    return [telemetry.ServerTelemetryInterceptor(tracer, rpc)]
+    if rpc is not None:
+        interceptors.append(grpc_telemetry.ServerMetricsInterceptor(rpc))
+    return interceptors

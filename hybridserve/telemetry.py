@@ -1,5 +1,6 @@
 """OpenTelemetry tracing for every service: the SDK set up once per process from the standard
-OTEL_* variables, and a pair of gRPC interceptors that carry the W3C trace context over metadata.
+OTEL_* variables; gRPC calls are traced by OpenTelemetry's gRPC instrumentation
+(hybridserve/grpc_telemetry.py), which carries the W3C trace context over metadata.
 
 Which exporter runs is chosen by OTEL_TRACES_EXPORTER (otlp, console, none; comma separated) and,
 for otlp, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL (grpc, http/protobuf).
@@ -29,13 +30,11 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
-from hybridserve.grpc_tracing import ClientTracingInterceptor, ServerTelemetryInterceptor
+from hybridserve.grpc_telemetry import traced_channel
 
 log = logging.getLogger("hybridserve.telemetry")
 
 __all__ = [
-    "ClientTracingInterceptor",
-    "ServerTelemetryInterceptor",
     "TracingConfig",
     "get_tracer",
     "intercept_channel",
@@ -130,4 +129,4 @@ def intercept_channel(channel: grpc.Channel, provider: trace.TracerProvider | No
     channel itself when tracing is off. For every client of another service (scheduler, cache)."""
     if not tracing_enabled(provider):
         return channel
-    return grpc.intercept_channel(channel, ClientTracingInterceptor(get_tracer(provider)))
+    return traced_channel(channel, resolve(provider))

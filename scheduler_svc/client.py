@@ -1,15 +1,33 @@
-"""The client the worker uses to plan its steps: a deadline per call, retries across several
-scheduler replicas (the service is stateless, so any replica answers any step), and a clear
-UnavailableError when none answers within the time allowed."""
+"""The client the worker uses to plan its steps.
+
+Replicas, balancing and retries are gRPC's own: one channel whose target lists every replica,
+`round_robin` across those that are connected (the service is stateless, so any replica answers
+any step), and a retry policy (gRFC A6) that re-sends a call that failed with UNAVAILABLE or
+RESOURCE_EXHAUSTED, which with round_robin lands on another replica. INTERNAL and UNKNOWN are never
+retried: the planner is deterministic, so the same input would fail again.
+
+What gRPC has no setting for is this client's give-up deadline: a worker keeps its requests while
+the schedulers restart, for up to `give_up_after_s`. Each call waits for a connected replica
+(`wait_for_ready`) for at most `deadline_s`; calls that find none are repeated until
+`give_up_after_s` has passed since the first one, and then UnavailableError is raised.
+
+Addresses: IP literals (host:port) become one `ipv4:` (or `ipv6:`) target. One host name is
+resolved by gRPC's DNS resolver (every address it returns is a replica: a headless service); several
+host names are resolved once, here, to their addresses.
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import logging
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from hybridserve import telemetry
 from hybridserve.errors import InvalidArgumentError, UnavailableError
@@ -20,25 +38,75 @@ from scheduler_svc.core import SchedulerConfig, StepInput, StepPlan
 
 log = logging.getLogger("hybridserve.scheduler.client")
 
-_RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.INTERNAL,
-    }
-)
+RETRYABLE_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")  # never INTERNAL or UNKNOWN: the planner is deterministic
+MAX_ATTEMPTS = 5  # gRPC caps a retry policy at 5 attempts per call
+# The call found no replica within its deadline: ask again until the give-up deadline.
+_WAIT_AGAIN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+
+
+def _split_host_port(address: str) -> tuple[str, str]:
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise InvalidArgumentError(f"scheduler address {address!r} is not host:port")
+    return host.removeprefix("[").removesuffix("]"), port
+
+
+def _ip_version(host: str) -> int | None:
+    try:
+        return ipaddress.ip_address(host).version
+    except ValueError:
+        return None
+
+
+def channel_target(addresses: Sequence[str]) -> str:
+    """The gRPC target naming every replica (see the module docstring)."""
+    pairs = [_split_host_port(a) for a in addresses]
+    if len(pairs) == 1 and _ip_version(pairs[0][0]) is None:
+        return f"dns:///{addresses[0].strip()}"
+    resolved: list[tuple[str, str]] = []
+    for host, port in pairs:
+        if _ip_version(host) is not None:
+            resolved.append((host, port))
+            continue
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise InvalidArgumentError(f"scheduler host {host!r} does not resolve: {exc}") from None
+        resolved += sorted({(str(info[4][0]), port) for info in infos})
+    versions = {_ip_version(host) for host, _ in resolved}
+    if len(versions) > 1:
+        raise InvalidArgumentError("scheduler addresses mix IPv4 and IPv6; give addresses of one family")
+    if versions == {6}:
+        return "ipv6:" + ",".join(f"[{host}]:{port}" for host, port in resolved)
+    return "ipv4:" + ",".join(f"{host}:{port}" for host, port in resolved)
+
+
+def service_config(backoff_s: float, max_backoff_s: float) -> str:
+    """round_robin across the replicas and the retry policy, as gRPC's service config JSON."""
+    return json.dumps(
+        {
+            "loadBalancingConfig": [{"round_robin": {}}],
+            "methodConfig": [
+                {
+                    "name": [{"service": "hybridserve.v1.Scheduler"}],
+                    "retryPolicy": {
+                        "maxAttempts": MAX_ATTEMPTS,
+                        "initialBackoff": f"{backoff_s}s",
+                        "maxBackoff": f"{max_backoff_s}s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": list(RETRYABLE_CODES),
+                    },
+                }
+            ],
+        }
+    )
 
 
 class SchedulerClient:
     """Plans steps over gRPC. Thread-safe; one instance per worker.
 
-    Each call tries the replicas in turn starting from the last one that answered; a retryable
-    failure moves to the next one after a short backoff, until `give_up_after_s` has passed since
-    the call began. INVALID_ARGUMENT is never retried: it raises InvalidArgumentError at once.
-    """
+    INVALID_ARGUMENT raises InvalidArgumentError at once; no replica answering for
+    `give_up_after_s` raises UnavailableError, and so does any other failure (not retried)."""
 
     def __init__(
         self,
@@ -47,61 +115,57 @@ class SchedulerClient:
         give_up_after_s: float = 30.0,
         backoff_s: float = 0.05,
         max_backoff_s: float = 1.0,
-        tracer_provider: Any = None,
+        tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("at least one scheduler address is required")
         self.addresses = list(addresses)
         self.deadline_s = deadline_s
         self.give_up_after_s = give_up_after_s
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self._channels = [grpc.insecure_channel(a) for a in self.addresses]
-        traced = [telemetry.intercept_channel(c, tracer_provider) for c in self._channels]  # trace context
-        self._stubs = [pb_grpc.SchedulerStub(c) for c in traced]  # type: ignore[no-untyped-call]
-        self._preferred = 0
+        reconnect_ms = max(1, int(max_backoff_s * 1000))
+        self._channel = grpc.insecure_channel(
+            channel_target(self.addresses),
+            options=[
+                ("grpc.enable_retries", 1),
+                ("grpc.service_config", service_config(backoff_s, max_backoff_s)),
+                # A restarted replica is found within max_backoff_s (gRPC's default waits up to 120 s).
+                ("grpc.initial_reconnect_backoff_ms", min(reconnect_ms, max(1, int(backoff_s * 1000)))),
+                ("grpc.min_reconnect_backoff_ms", min(reconnect_ms, max(1, int(backoff_s * 1000)))),
+                ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+            ],
+        )
+        traced = telemetry.intercept_channel(self._channel, tracer_provider)  # spans + trace context
+        self._stub = pb_grpc.SchedulerStub(traced)  # type: ignore[no-untyped-call]
 
     def plan(self, step: StepInput) -> StepPlan:
         return convert.plan_from_pb(self.plan_pb(convert.step_to_pb(step)))
 
     def plan_pb(self, request: pb.PlanStepRequest) -> pb.PlanStepResponse:
-        response: pb.PlanStepResponse = self._call("PlanStep", request)
+        response: pb.PlanStepResponse = self._call(self._stub.PlanStep, request)
         return response
 
     def validate_config(self, config: SchedulerConfig) -> pb.ValidateConfigResponse:
-        response: pb.ValidateConfigResponse = self._call("ValidateConfig", convert.config_to_pb(config))
+        response: pb.ValidateConfigResponse = self._call(self._stub.ValidateConfig, convert.config_to_pb(config))
         return response
 
-    def _call(self, method: str, request: Any) -> Any:
-        started = time.monotonic()
-        backoff = self.backoff_s
-        attempt = 0
-        last_error = ""
+    def _call(self, method: Any, request: Any) -> Any:
+        give_up_at = time.monotonic() + self.give_up_after_s
         while True:
-            index = (self._preferred + attempt) % len(self._stubs)
+            timeout_s = min(self.deadline_s, max(0.0, give_up_at - time.monotonic()))
             try:
-                response = getattr(self._stubs[index], method)(request, timeout=self.deadline_s)
-                self._preferred = index
-                return response
+                return method(request, timeout=timeout_s, wait_for_ready=True)
             except grpc.RpcError as err:
-                code = err.code()
+                code, details = err.code(), err.details()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise InvalidArgumentError(err.details()) from None
-                if code not in _RETRYABLE:
-                    raise UnavailableError(f"scheduler {self.addresses[index]}: {code.name}: {err.details()}") from None
-                last_error = f"{self.addresses[index]}: {code.name}: {err.details()}"
-                log.warning("scheduler call failed (%s); trying the next replica", last_error)
-            attempt += 1
-            if attempt % len(self._stubs) == 0:  # a full round failed: back off before the next one
-                elapsed = time.monotonic() - started
-                if elapsed + backoff > self.give_up_after_s:
+                    raise InvalidArgumentError(details) from None
+                if code not in _WAIT_AGAIN:
+                    raise UnavailableError(f"scheduler call failed: {code.name}: {details}") from None
+                if time.monotonic() >= give_up_at:
                     raise UnavailableError(
                         f"no scheduler answered within {self.give_up_after_s:.1f}s"
-                        f" (tried {', '.join(self.addresses)}; last error {last_error})"
-                    )
-                time.sleep(backoff)
-                backoff = min(backoff * 2, self.max_backoff_s)
+                        f" (tried {', '.join(self.addresses)}; last error {code.name}: {details})"
+                    ) from None
+                log.warning("no scheduler answered (%s: %s); waiting for one", code.name, details)
 
     def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
+        self._channel.close()

@@ -32,7 +32,7 @@ def config_from_pb(msg: pb.SchedulerConfig) -> SchedulerConfig:
         mamba_block_size=msg.mamba_block_size,
         mamba_cache_mode=mode,
         kv_page_size=msg.kv_page_size,
-        prefix_caching=msg.prefix_caching,
+        stop_at_last_boundary=msg.stop_at_last_boundary,
     )
 
 
@@ -46,7 +46,7 @@ def config_to_pb(config: SchedulerConfig) -> pb.SchedulerConfig:
         mamba_block_size=config.mamba_block_size,
         mamba_cache_mode=int(config.mamba_cache_mode),  # type: ignore[arg-type]
         kv_page_size=config.kv_page_size,
-        prefix_caching=config.prefix_caching,
+        stop_at_last_boundary=config.stop_at_last_boundary,
     )
 
 

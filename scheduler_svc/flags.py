@@ -1,43 +1,34 @@
 """Command-line flags named after the SchedulerConfig fields (`--block-size`, `--kv-page-size`, ...),
-with HYBRIDSERVE_<FIELD> environment variables as the alternative. Used by the worker, which sends
-the config with every PlanStep."""
+with HYBRIDSERVE_<SERVICE>_<FIELD> environment variables as the alternative (for the worker, which
+sends the config with every PlanStep: HYBRIDSERVE_WORKER_BLOCK_SIZE, ...). Defaults are the
+dataclass's."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from hybridserve.cliutil import env_default
-from scheduler_svc.core import MambaCacheMode, SchedulerConfig
+from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
+from scheduler_svc.core import SchedulerConfig
 
-# field -> (default, help)
-DEFAULTS: dict[str, tuple[int, str]] = {
-    "max_num_batched_tokens": (2048, "tokens (prefill + decode) one step may compute"),
-    "max_num_seqs": (32, "requests one step may run (also the worker's Mamba state slots)"),
-    "long_prefill_token_threshold": (0, "per-request cap on a prefill chunk, tokens (0 = none)"),
-    "max_num_prefill_tokens_per_step": (0, "micro-slicing budget of a step with decodes (0 = off)"),
-    "block_size": (256, "checkpoint / prefix-cache grid, tokens"),
-    "mamba_block_size": (64, "recurrent block, tokens (divides --block-size)"),
-    "kv_page_size": (16, "KV cache page, tokens (divides --block-size)"),
+CONFIG_FLAGS = {
+    "max_num_batched_tokens": Flag("tokens (prefill + decode) one step may compute"),
+    "max_num_seqs": Flag("requests one step may run (also the worker's Mamba state slots)"),
+    "long_prefill_token_threshold": Flag("per-request cap on a prefill chunk, tokens (0 = none)"),
+    "max_num_prefill_tokens_per_step": Flag("micro-slicing budget of a step with decodes (0 = off)"),
+    "block_size": Flag("checkpoint / prefix-cache grid, tokens"),
+    "mamba_block_size": Flag("recurrent block, tokens (divides --block-size)"),
+    "mamba_cache_mode": Flag("align: non-final prefill chunks end on the block grid (hybrid models); none: no grid"),
+    "kv_page_size": Flag("KV cache page, tokens (divides --block-size)"),
 }
+DERIVED = ("stop_at_last_boundary",)  # set by the worker from --prefix-caching
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, service: str = "WORKER") -> None:
     group = parser.add_argument_group("scheduler config (sent with every step)")
-    for name, (default, text) in DEFAULTS.items():
-        group.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=env_default(name.upper(), default, int), help=text
-        )
-    group.add_argument(
-        "--mamba-cache-mode",
-        choices=["align", "none"],
-        default=env_default("MAMBA_CACHE_MODE", "align"),
-        help="align: non-final prefill chunks end on the block grid (hybrid models); none: no grid",
-    )
+    add_settings_arguments(group, SchedulerConfig, service, flags=CONFIG_FLAGS, exclude=DERIVED)
 
 
-def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+def config_from_args(args: argparse.Namespace, **derived: Any) -> SchedulerConfig:
     """The validated config; raises InvalidArgumentError naming the bad flag's field."""
-    return SchedulerConfig(
-        **{name: getattr(args, name) for name in DEFAULTS},
-        mamba_cache_mode=MambaCacheMode.ALIGN if args.mamba_cache_mode == "align" else MambaCacheMode.NONE,
-    ).validate()
+    return settings_from_args(SchedulerConfig, args, **derived).validate()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health
 
 from hybridserve import grpc_server
-from hybridserve.cliutil import env_default
-from hybridserve.service_telemetry import add_metrics_arguments, start_service_telemetry
+from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
+from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 from scheduler_svc import service
 
 log = logging.getLogger("hybridserve.scheduler")
@@ -21,10 +21,13 @@ def create_server(
     port: int = 0,
     max_workers: int = 32,
     max_message_bytes: int = grpc_server.DEFAULT_MAX_MESSAGE_BYTES,
-) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """The Scheduler service with health and reflection, bound but not started."""
+    bench_service: bool = False,
+) -> tuple[grpc.Server, int, grpc_server.Health]:
+    """The Scheduler service with health and reflection (and SchedulerBench when asked), bound but
+    not started."""
+    adders = [service.add_to_server] + ([service.add_bench_to_server] if bench_service else [])
     return grpc_server.create_server(
-        [service.add_to_server],
+        adders,
         host=host,
         port=port,
         max_workers=max_workers,
@@ -32,30 +35,39 @@ def create_server(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerServerSettings:
+    """`hybridserve scheduler`'s settings: flags --host, --port, ... or HYBRIDSERVE_SCHEDULER_* variables."""
+
+    host: str = "127.0.0.1"  # bind address
+    port: int = 50051  # 0 picks a free port
+    max_workers: int = 32  # threads serving calls
+    max_message_bytes: int = grpc_server.DEFAULT_MAX_MESSAGE_BYTES  # largest request accepted, bytes
+    bench_service: bool = False  # also serve the benchmark-only SchedulerBench service
+    metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = a free port
+
+
+FLAGS = {
+    "host": Flag("bind address"),
+    "port": Flag("0 picks a free port"),
+    "max_workers": Flag("threads serving calls"),
+    "max_message_bytes": Flag("largest request accepted (bigger ones get RESOURCE_EXHAUSTED)"),
+    "bench_service": Flag("also serve the benchmark-only SchedulerBench service (Echo)"),
+    "metrics_port": Flag(METRICS_PORT_HELP),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default=env_default("SCHEDULER_HOST", "127.0.0.1"), help="bind address")
-    parser.add_argument(
-        "--port", type=int, default=env_default("SCHEDULER_PORT", 50051, int), help="0 picks a free port"
-    )
-    parser.add_argument(
-        "--max-workers",
-        type=int,
-        default=env_default("SCHEDULER_MAX_WORKERS", 32, int),
-        help="threads serving calls",
-    )
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=env_default("SCHEDULER_MAX_MESSAGE_BYTES", grpc_server.DEFAULT_MAX_MESSAGE_BYTES, int),
-        help="largest request accepted (bigger ones get RESOURCE_EXHAUSTED)",
-    )
-    add_metrics_arguments(parser, "SCHEDULER")
+    add_settings_arguments(parser, SchedulerServerSettings, "SCHEDULER", flags=FLAGS)
 
 
 def run(args: argparse.Namespace) -> int:
-    stop_telemetry = start_service_telemetry("hybridserve-scheduler", args.metrics_port, args.host)
-    server, port, health_servicer = create_server(args.host, args.port, args.max_workers, args.max_message_bytes)
+    settings = settings_from_args(SchedulerServerSettings, args)
+    stop_telemetry = start_service_telemetry("hybridserve-scheduler", settings.metrics_port, settings.host)
+    server, port, health_servicer = create_server(
+        settings.host, settings.port, settings.max_workers, settings.max_message_bytes, settings.bench_service
+    )
     server.start()
-    grpc_server.announce(args.host, port)
+    grpc_server.announce(settings.host, port)
     grpc_server.serve_until_signal(server, health_servicer, on_stop=stop_telemetry)
     return 0

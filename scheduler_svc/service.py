@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from hybridserve import grpc_server
+from hybridserve.v1 import scheduler_bench_pb2 as bench_pb
 from hybridserve.v1 import scheduler_pb2 as pb
 from hybridserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc import convert
@@ -24,9 +25,19 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             warnings=config.warnings(),
         )
 
-    def Echo(self, request: pb.EchoRequest, context: grpc.ServicerContext) -> pb.EchoRequest:
-        return request
+
+class SchedulerBenchServicer:
+    """The benchmark-only SchedulerBench service: the floor PlanStep's round trip is measured against."""
+
+    def Echo(self, request: bench_pb.EchoRequest, context: grpc.ServicerContext) -> bench_pb.EchoResponse:
+        return bench_pb.EchoResponse(payload=request.payload)
 
 
 def add_to_server(server: grpc.Server) -> str:
     return grpc_server.add_servicer(server, pb.DESCRIPTOR.services_by_name["Scheduler"], SchedulerServicer())
+
+
+def add_bench_to_server(server: grpc.Server) -> str:
+    return grpc_server.add_servicer(
+        server, bench_pb.DESCRIPTOR.services_by_name["SchedulerBench"], SchedulerBenchServicer()
+    )

@@ -121,8 +121,10 @@ class SharedTier:
         def fetch() -> tuple[bytes, bytes]:
             chunks, checksum = [], b""
             for chunk in self._stub.Fetch(request, timeout=self.deadline_s * 5):
-                checksum = checksum or chunk.checksum
-                chunks.append(chunk.data)
+                if chunk.WhichOneof("part") == "header":
+                    checksum = chunk.header.checksum
+                else:
+                    chunks.append(chunk.data)
             return b"".join(chunks), checksum
 
         got = self._call(fetch)

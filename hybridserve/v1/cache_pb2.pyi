@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -50,12 +50,18 @@ class FetchRequest(_message.Message):
     block_hash: bytes
     def __init__(self, model_fingerprint: _Optional[str] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
 
-class FetchChunk(_message.Message):
-    __slots__ = ("data", "total_bytes", "checksum")
-    DATA_FIELD_NUMBER: _ClassVar[int]
+class FetchHeader(_message.Message):
+    __slots__ = ("total_bytes", "checksum")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    data: bytes
     total_bytes: int
     checksum: bytes
-    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, total_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...
+
+class FetchChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: FetchHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[FetchHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -56,21 +56,24 @@ class BlockCacheServicer:
 
     def Lookup(self, request, context):
         """The longest run of leading block hashes whose checkpoint (KV of the attention layers and Mamba
-        state at the block boundary) is stored and intact.
+        state at the block boundary) is stored and intact. INVALID_ARGUMENT without a fingerprint or
+        with too many hashes; UNAVAILABLE when Redis does not answer (callers treat it as a miss).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Publish(self, request, context):
-        """Stores one block's metadata and checkpoint. Idempotent.
+        """Stores one block's metadata and checkpoint. Idempotent. INVALID_ARGUMENT when a field is
+        missing or the checksum does not match the bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """Streams one block's checkpoint in chunks. NOT_FOUND when absent or failing its checksum.
+        """Streams one block's checkpoint: a header first, then the bytes in chunks. NOT_FOUND when
+        absent; DATA_LOSS (after the bytes) when they fail their checksum, which also deletes them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -57,6 +57,8 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Streams the completion of one prompt: one message per step that produced tokens; the last one
         carries finish_reason and usage. Cancelling the call aborts the request and frees its cache.
+        INVALID_ARGUMENT for a bad request (the message says what to change); RESOURCE_EXHAUSTED when
+        the queue is full; UNAVAILABLE when no scheduler answers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -44,11 +44,6 @@ class SchedulerStub:
                 request_serializer=hybridserve_dot_v1_dot_scheduler__pb2.SchedulerConfig.SerializeToString,
                 response_deserializer=hybridserve_dot_v1_dot_scheduler__pb2.ValidateConfigResponse.FromString,
                 _registered_method=True)
-        self.Echo = channel.unary_unary(
-                '/hybridserve.v1.Scheduler/Echo',
-                request_serializer=hybridserve_dot_v1_dot_scheduler__pb2.EchoRequest.SerializeToString,
-                response_deserializer=hybridserve_dot_v1_dot_scheduler__pb2.EchoRequest.FromString,
-                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -70,13 +65,6 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Echo(self, request, context):
-        """Returns the request unchanged. The floor that PlanStep's round trip is benchmarked against.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,11 +77,6 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ValidateConfig,
                     request_deserializer=hybridserve_dot_v1_dot_scheduler__pb2.SchedulerConfig.FromString,
                     response_serializer=hybridserve_dot_v1_dot_scheduler__pb2.ValidateConfigResponse.SerializeToString,
-            ),
-            'Echo': grpc.unary_unary_rpc_method_handler(
-                    servicer.Echo,
-                    request_deserializer=hybridserve_dot_v1_dot_scheduler__pb2.EchoRequest.FromString,
-                    response_serializer=hybridserve_dot_v1_dot_scheduler__pb2.EchoRequest.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -150,33 +133,6 @@ class Scheduler:
             '/hybridserve.v1.Scheduler/ValidateConfig',
             hybridserve_dot_v1_dot_scheduler__pb2.SchedulerConfig.SerializeToString,
             hybridserve_dot_v1_dot_scheduler__pb2.ValidateConfigResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Echo(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/hybridserve.v1.Scheduler/Echo',
-            hybridserve_dot_v1_dot_scheduler__pb2.EchoRequest.SerializeToString,
-            hybridserve_dot_v1_dot_scheduler__pb2.EchoRequest.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,15 +23,16 @@ class MambaCacheMode(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int  # tokens (prefill + decode) one step may compute
-    max_num_seqs: int  # requests one step may run
-    long_prefill_token_threshold: int  # per-request cap on a prefill chunk, tokens; 0 = none
-    max_num_prefill_tokens_per_step: int  # micro-slicing budget of a mixed step, tokens; 0 = off
-    block_size: int  # checkpoint / prefix-cache grid, tokens
-    mamba_block_size: int  # recurrent block, tokens
-    mamba_cache_mode: MambaCacheMode
-    kv_page_size: int  # KV capacity unit, tokens
-    prefix_caching: bool = False  # stop the prompt-finishing chunk at the last block boundary
+    # The defaults are the worker's (its flags are derived from these fields: scheduler_svc/flags.py).
+    max_num_batched_tokens: int = 2048  # tokens (prefill + decode) one step may compute
+    max_num_seqs: int = 32  # requests one step may run (also the worker's Mamba state slots)
+    long_prefill_token_threshold: int = 0  # per-request cap on a prefill chunk, tokens; 0 = none
+    max_num_prefill_tokens_per_step: int = 0  # micro-slicing budget of a mixed step, tokens; 0 = off
+    block_size: int = 256  # checkpoint / prefix-cache grid, tokens
+    mamba_block_size: int = 64  # recurrent block, tokens
+    mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
+    kv_page_size: int = 16  # KV capacity unit, tokens
+    stop_at_last_boundary: bool = False  # ALIGN: the prompt-finishing chunk stops at its last block boundary
 
     @property
     def is_aligned(self) -> bool:
@@ -41,7 +42,7 @@ class SchedulerConfig:
     @property
     def checkpoints_prompt_blocks(self) -> bool:
         """Whether chunks stop at a prompt's last block boundary (rules.stop_at_last_boundary)."""
-        return self.prefix_caching and self.is_aligned
+        return self.stop_at_last_boundary and self.is_aligned
 
     @property
     def sub_block_exception(self) -> bool:

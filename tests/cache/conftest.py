@@ -33,7 +33,7 @@ class CacheService:
 
 @pytest.fixture
 def cache_service(redis_server) -> Iterator[CacheService]:
-    server, port, _, store = create_server(StoreConfig(url=redis_server.url, max_memory_bytes=64 << 20))
+    server, port, _, store = create_server(StoreConfig(redis_url=redis_server.url, max_memory_bytes=64 << 20))
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield CacheService(f"127.0.0.1:{port}", store, cache_pb2_grpc.BlockCacheStub(channel))

@@ -42,9 +42,10 @@ def test_lookup_counts_leading_blocks_and_fetch_streams_large_checkpoints(cache_
     gap = [hashes[0], hashes[3], hashes[1]]
     assert stub.Lookup(pb.LookupRequest(model_fingerprint=FP, block_hashes=gap), timeout=10).num_hit_blocks == 1
     chunks = list(stub.Fetch(pb.FetchRequest(model_fingerprint=FP, block_hash=hashes[1]), timeout=10))
-    assert len(chunks) == 2 and chunks[0].total_bytes == len(blobs[1])
+    assert [c.WhichOneof("part") for c in chunks] == ["header", "data", "data"]
+    assert chunks[0].header.total_bytes == len(blobs[1])
     assert b"".join(c.data for c in chunks) == blobs[1]
-    assert chunks[0].checksum == hashlib.sha256(blobs[1]).digest()
+    assert chunks[0].header.checksum == hashlib.sha256(blobs[1]).digest()
     other = stub.Lookup(pb.LookupRequest(model_fingerprint="0" * 64, block_hashes=hashes), timeout=10)
     assert other.num_hit_blocks == 0
 
@@ -87,7 +88,7 @@ def test_redis_down_is_unavailable_then_recovers(redis_server):
     from cache_svc.embedded_redis import RedisProcess
 
     port = redis_server.port
-    server, bound, _, store = create_server(StoreConfig(url=redis_server.url, max_memory_bytes=0))
+    server, bound, _, store = create_server(StoreConfig(redis_url=redis_server.url, max_memory_bytes=0))
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{bound}") as channel:
@@ -111,7 +112,7 @@ def test_redis_down_is_unavailable_then_recovers(redis_server):
 @pytest.mark.slow
 def test_memory_budget_holds_under_a_flood_of_distinct_prefixes(redis_server):
     budget = 8 << 20
-    server, bound, _, store = create_server(StoreConfig(url=redis_server.url, max_memory_bytes=budget))
+    server, bound, _, store = create_server(StoreConfig(redis_url=redis_server.url, max_memory_bytes=budget))
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{bound}") as channel:

@@ -67,7 +67,9 @@ class FakeGeneration:
                 text=string.ascii_lowercase[i % 26], top_logprobs=top,
             )  # fmt: skip
         usage = generation_pb2.Usage(prompt_tokens=num_prompt_tokens, cached_tokens=0, completion_tokens=num_tokens)
-        yield generation_pb2.GenerateResponse(request_id=request_id, finish_reason="length", usage=usage)
+        yield generation_pb2.GenerateResponse(
+            request_id=request_id, finish_reason=generation_pb2.FINISH_REASON_LENGTH, usage=usage
+        )
 
     def Abort(
         self, request: generation_pb2.AbortRequest, context: grpc.ServicerContext

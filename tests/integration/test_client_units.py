@@ -9,11 +9,10 @@ import statistics
 
 import pytest
 
-from hybridserve import generate, loadgen
+from gpu_worker.client import Completion
 from hybridserve.children import free_port
-from hybridserve.cli import build_parser
-from hybridserve.genclient import Completion
-from hybridserve.loadgen import RequestResult
+from hybridserve.cli import build_parser, generate, loadgen
+from hybridserve.cli.loadgen import RequestResult
 from tests.integration.fake_worker import start_fake_worker
 
 
@@ -57,9 +56,9 @@ def test_prompt_must_be_given_exactly_once(argv):
 
 
 def test_worker_address_defaults_to_env(monkeypatch):
-    monkeypatch.setenv("HYBRIDSERVE_WORKER", "10.0.0.1:7000")
+    monkeypatch.setenv("HYBRIDSERVE_GENERATE_WORKER", "10.0.0.1:7000")
     assert parse("generate", "x").worker == "10.0.0.1:7000"
-    monkeypatch.delenv("HYBRIDSERVE_WORKER")
+    monkeypatch.delenv("HYBRIDSERVE_GENERATE_WORKER")
     assert parse("generate", "x").worker == "127.0.0.1:50052"
 
 

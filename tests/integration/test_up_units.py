@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve import up
 from hybridserve.children import Child, ChildExited, Interrupted, connect_address, parse_listening
-from hybridserve.cli import build_parser
+from hybridserve.cli import build_parser, up
 
 
 def parse(*argv: str):
@@ -19,7 +18,7 @@ def parse(*argv: str):
 
 
 def test_flags_and_worker_pass_through(monkeypatch):
-    monkeypatch.delenv("HYBRIDSERVE_HOME", raising=False)
+    monkeypatch.delenv("HYBRIDSERVE_UP_HOME", raising=False)
     args = parse()
     assert (args.scheduler_port, args.worker_port, args.host, args.no_cache) == (50051, 50052, "127.0.0.1", False)
     assert args.home == Path("~/.cache/hybridserve") and args.model is None
@@ -31,7 +30,7 @@ def test_flags_and_worker_pass_through(monkeypatch):
 
 
 def test_home_defaults_to_env(monkeypatch):
-    monkeypatch.setenv("HYBRIDSERVE_HOME", "/srv/hs")
+    monkeypatch.setenv("HYBRIDSERVE_UP_HOME", "/srv/hs")
     assert parse().home == Path("/srv/hs")
 
 

@@ -23,7 +23,7 @@ def configs(draw: st.DrawFn, max_block: int = 512) -> SchedulerConfig:
         mamba_block_size=mamba_block,
         mamba_cache_mode=mode,
         kv_page_size=page,
-        prefix_caching=draw(st.booleans()),
+        stop_at_last_boundary=draw(st.booleans()),
     )
     micro = draw(st.one_of(st.just(0), st.integers(1, 6).map(lambda k: k * base.quantum)))
     from dataclasses import replace

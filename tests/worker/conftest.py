@@ -83,7 +83,7 @@ def start_worker(checkpoint, scheduler_address) -> Iterator[Callable[..., Worker
         prefix_caching: bool = False,
         **overrides,
     ) -> Worker:
-        scheduler = replace(scheduler, prefix_caching=prefix_caching)
+        scheduler = replace(scheduler, stop_at_last_boundary=prefix_caching)
         runner_config = RunnerConfig(
             memory_budget_bytes=16 << 20, kv_page_size_tokens=scheduler.kv_page_size,
             max_num_seqs=scheduler.max_num_seqs, num_checkpoint_slots=16, device="cpu", dtype="float32",

@@ -36,7 +36,7 @@ def test_greedy_output_equals_transformers_generate(start_worker, oracle, async_
         tokens, messages = collect(worker.stub.Generate(greedy_request(prompt_of(length, 1), 24), timeout=60))
         assert tokens == oracle(length, 1, 24), f"prompt length {length}"
         last = messages[-1]
-        assert last.finish_reason == "length"
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (length, 24)
         assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
         assert all(lp <= 0 for m in messages for lp in m.logprobs)
@@ -109,7 +109,7 @@ def test_abort_frees_pages_and_slots(start_worker):
     assert busy.num_running == 1 and busy.num_kv_pages_free < busy.num_kv_pages_total
     worker.stub.Abort(pb.AbortRequest(request_id="to-abort"), timeout=5)
     rest = list(stream)
-    assert rest[-1].finish_reason == "abort"
+    assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
     info = worker.info()
     assert info.num_kv_pages_free == info.num_kv_pages_total
     assert info.num_state_slots_free == info.num_state_slots_total

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridserve.children import Child, ChildExited, Interrupted, free_port, hybridserve_command, stop_all
-from hybridserve.cliutil import env_default
+from hybridserve.cli import COMMANDS
+from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 
 log = logging.getLogger("hybridserve.up")
 
@@ -56,29 +57,36 @@ class Stack:
         return child
 
 
+@dataclass(frozen=True, slots=True)
+class UpSettings:
+    """`hybridserve up`'s settings: flags, or HYBRIDSERVE_UP_* variables (HYBRIDSERVE_UP_HOME, ...)."""
+
+    home: Path = Path(DEFAULT_HOME)  # where the default model (and embedded Redis's folder) live
+    model: Path | None = None  # checkpoint folder to serve; None = HOME/models/default
+    host: str = "127.0.0.1"  # bind address of every service
+    scheduler_port: int = 50051  # 0 picks a free port
+    worker_port: int = 50052
+    cache_port: int = 50053
+    no_cache: bool = False  # do not start Redis and the cache service
+    start_timeout: float = 300.0  # seconds each service may take to start
+    stop_timeout: float = 15.0  # seconds after SIGTERM before SIGKILL
+
+
+FLAGS = {
+    "home": Flag("where the default model lives", metavar="DIR"),
+    "model": Flag("checkpoint folder to serve (default: HOME/models/default, written on first run)", metavar="DIR"),
+    "host": Flag("bind address of every service"),
+    "scheduler_port": Flag("0 picks a free port"),
+    "worker_port": Flag("0 picks a free port"),
+    "cache_port": Flag("0 picks a free port"),
+    "no_cache": Flag("do not start Redis and the cache service", switch=True),
+    "start_timeout": Flag("seconds each service may take to start"),
+    "stop_timeout": Flag("seconds after SIGTERM before SIGKILL"),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--home",
-        type=Path,
-        default=Path(env_default("HOME", DEFAULT_HOME)),
-        help=f"where the default model lives (env HYBRIDSERVE_HOME; default {DEFAULT_HOME})",
-    )
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=env_default("MODEL", None, Path),
-        help="checkpoint folder to serve (default: HOME/models/default, written on first run)",
-    )
-    parser.add_argument("--host", default=env_default("UP_HOST", "127.0.0.1"), help="bind address of every service")
-    parser.add_argument("--scheduler-port", type=int, default=env_default("UP_SCHEDULER_PORT", 50051, int),
-                        help="0 picks a free port")  # fmt: skip
-    parser.add_argument("--worker-port", type=int, default=env_default("UP_WORKER_PORT", 50052, int),
-                        help="0 picks a free port")  # fmt: skip
-    parser.add_argument("--cache-port", type=int, default=env_default("UP_CACHE_PORT", 50053, int),
-                        help="0 picks a free port")  # fmt: skip
-    parser.add_argument("--no-cache", action="store_true", help="do not start Redis and the cache service")
-    parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds each service may take to start")
-    parser.add_argument("--stop-timeout", type=float, default=15.0, help="seconds after SIGTERM before SIGKILL")
+    add_settings_arguments(parser, UpSettings, "UP", flags=FLAGS)
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after --: flags passed to the worker")
 
 
@@ -88,11 +96,12 @@ def relay_line(name: str, line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(UpSettings, args)
     stack = Stack()
     _install_stop_handlers(stack.stop)
     try:
-        model_dir = ensure_model(args, stack)
-        start_services(args, model_dir, stack)
+        model_dir = ensure_model(settings, stack)
+        start_services(settings, model_dir, worker_flags(args.worker_args), stack)
         print_endpoints(stack.endpoints)
         watch(stack)
         code = 0
@@ -105,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         code = 1
     log.info("stopping %d services", len([c for c in stack.children if c.is_running()]))
-    stop_all(list(reversed(stack.children)), args.stop_timeout)
+    stop_all(list(reversed(stack.children)), settings.stop_timeout)
     log.info("all services stopped")
     return code
 
@@ -125,7 +134,7 @@ def worker_flags(raw: list[str]) -> list[str]:
     return raw[1:] if raw[:1] == ["--"] else list(raw)
 
 
-def ensure_model(args: argparse.Namespace, stack: Stack) -> Path:
+def ensure_model(args: UpSettings, stack: Stack) -> Path:
     """The checkpoint to serve: --model as given, else HOME/models/default, written on first run."""
     if args.model is not None:
         model = Path(args.model).expanduser()
@@ -156,7 +165,7 @@ def ensure_model(args: argparse.Namespace, stack: Stack) -> Path:
     return model
 
 
-def start_services(args: argparse.Namespace, model_dir: Path, stack: Stack) -> None:
+def start_services(args: UpSettings, model_dir: Path, worker_args: list[str], stack: Stack) -> None:
     """Scheduler, then (optionally) Redis and the cache service, then the worker; each waited for."""
     scheduler = stack.start("scheduler", hybridserve_command("scheduler", "--host", args.host,
                                                               "--port", str(args.scheduler_port)))  # fmt: skip
@@ -167,15 +176,13 @@ def start_services(args: argparse.Namespace, model_dir: Path, stack: Stack) -> N
                "--host", args.host, "--port", str(args.worker_port)]  # fmt: skip
     if cache_address is not None:
         command += ["--cache", cache_address]
-    worker = stack.start("worker", hybridserve_command(*command, *worker_flags(args.worker_args)))
+    worker = stack.start("worker", hybridserve_command(*command, *worker_args))
     worker_address = worker.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("worker", worker_address, "(Generation API)"))
 
 
 def cache_service_available() -> bool:
     """True when the cache service is installed and `hybridserve cache` dispatches to it."""
-    from hybridserve.cli import COMMANDS
-
     try:
         found = importlib.util.find_spec("cache_svc.server") is not None
     except ImportError:
@@ -183,7 +190,7 @@ def cache_service_available() -> bool:
     return found and "cache" in COMMANDS
 
 
-def start_cache(args: argparse.Namespace, stack: Stack) -> str | None:
+def start_cache(args: UpSettings, stack: Stack) -> str | None:
     """Embedded Redis plus `hybridserve cache`; returns the cache service's address, or None."""
     if not cache_service_available():
         log.info("cache service not installed (no cache_svc.server): running without the shared cache")

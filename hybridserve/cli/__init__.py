@@ -1,6 +1,13 @@
-"""`hybridserve`: one command, one subcommand per role. Each subcommand lives with its service as a
-module exposing add_arguments(parser) and run(args) -> exit code; the module is imported only when
-its subcommand is built, so `hybridserve scheduler` never loads torch."""
+"""`hybridserve`: one command, one subcommand per role; the top layer of the import graph.
+
+A server's subcommand lives with its service (`scheduler_svc.server`, ...); the commands that belong
+to no one service (`up`, `generate`, `bench`) live in this package. Each is a module exposing
+add_arguments(parser) and run(args) -> exit code, imported only when its subcommand is built, so
+`hybridserve scheduler` never loads torch.
+
+Layering (tests/test_layering.py): this package may import every service; nothing outside it may
+import it, and the rest of `hybridserve/` (errors, gRPC plumbing, telemetry, settings, generated
+code, child processes) is a leaf that imports no service."""
 
 from __future__ import annotations
 
@@ -11,12 +18,12 @@ import sys
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("hybridserve.up", "start scheduler, worker (and cache) on this machine with embedded defaults"),
+    "up": ("hybridserve.cli.up", "start scheduler, worker (and cache) on this machine with embedded defaults"),
     "scheduler": ("scheduler_svc.server", "serve the stateless Scheduler (step planner)"),
     "worker": ("gpu_worker.server", "serve the Generation API on one GPU (or the CPU)"),
     "cache": ("cache_svc.server", "serve the BlockCache (prefix-cache checkpoints in Redis)"),
-    "generate": ("hybridserve.generate", "stream a completion from a running worker"),
-    "bench": ("hybridserve.loadgen", "drive N closed-loop clients against a worker and print a summary"),
+    "generate": ("hybridserve.cli.generate", "stream a completion from a running worker"),
+    "bench": ("hybridserve.cli.loadgen", "drive N closed-loop clients against a worker and print a summary"),
     "init-model": ("gpu_worker.init_model", "write the default tiny random Bamba model to a folder"),
     "replay": ("scheduler_svc.replay", "re-plan recorded engine steps offline; show the plan or a diff"),
 }
@@ -45,7 +52,3 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     return int(args.run(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

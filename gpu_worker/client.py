@@ -15,6 +15,13 @@ from hybridserve.v1 import generation_pb2, generation_pb2_grpc
 DEFAULT_WORKER = "127.0.0.1:50052"
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerTarget:
+    """Which worker a client command talks to (`--worker`)."""
+
+    worker: str = DEFAULT_WORKER  # host:port
+
+
 @dataclass(slots=True)
 class Completion:
     """One streamed completion and its timings (time.perf_counter seconds)."""
@@ -24,7 +31,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # the chosen token's, one per token
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # token id -> logprob, one per token
-    finish_reason: str = ""
+    finish_reason: str = ""  # "length", "stop", "eos", "abort", "error" (finish_reason_name); "" = unfinished
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -118,12 +125,17 @@ def _absorb(out: Completion, message: generation_pb2.GenerateResponse) -> None:
     out.logprobs.extend(message.logprobs)
     for top in message.top_logprobs:
         out.top_logprobs.append(dict(zip(top.token_ids, top.logprobs, strict=False)))
-    if message.finish_reason:
-        out.finish_reason = message.finish_reason
+    if message.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+        out.finish_reason = finish_reason_name(message.finish_reason)
     if message.HasField("usage"):
         out.prompt_tokens = message.usage.prompt_tokens
         out.cached_tokens = message.usage.cached_tokens
         out.completion_tokens = message.usage.completion_tokens
+
+
+def finish_reason_name(reason: generation_pb2.FinishReason) -> str:
+    """FINISH_REASON_LENGTH -> "length" (what the command line and JSON output show)."""
+    return generation_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 def describe_rpc_error(exc: grpc.RpcError, address: str) -> str:

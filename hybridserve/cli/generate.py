@@ -12,15 +12,15 @@ from typing import Any
 
 import grpc
 
-from hybridserve.cliutil import env_default
-from hybridserve.genclient import (
-    DEFAULT_WORKER,
+from gpu_worker.client import (
     Completion,
+    WorkerTarget,
     build_request,
     describe_rpc_error,
     generation_stub,
     stream_completion,
 )
+from hybridserve.settings import Flag, add_settings_arguments
 from hybridserve.v1 import generation_pb2
 
 EXIT_RPC_ERROR = 1
@@ -30,8 +30,7 @@ EXIT_INTERRUPTED = 130
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", help="prompt text (or use --token-ids)")
-    parser.add_argument("--worker", default=env_default("WORKER", DEFAULT_WORKER),
-                        help=f"worker address (env HYBRIDSERVE_WORKER; default {DEFAULT_WORKER})")  # fmt: skip
+    add_settings_arguments(parser, WorkerTarget, "GENERATE", flags={"worker": Flag("worker address (host:port)")})
     parser.add_argument("--token-ids", type=parse_token_ids, metavar="ID,ID,...",
                         help="prompt as comma-separated token ids instead of text")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=0, help="most tokens to generate (0 = the worker's default)")

@@ -18,14 +18,14 @@ from dataclasses import asdict, dataclass
 import grpc
 from tqdm import tqdm
 
-from hybridserve.cliutil import env_default
-from hybridserve.genclient import (
-    DEFAULT_WORKER,
+from gpu_worker.client import (
+    WorkerTarget,
     build_request,
     describe_rpc_error,
     generation_stub,
     stream_completion,
 )
+from hybridserve.settings import Flag, add_settings_arguments
 from hybridserve.v1 import generation_pb2, generation_pb2_grpc
 
 FIRST_ORDINARY_TOKEN_ID = 3  # ids 0-2 are pad, bos, eos in the default tokenizer and the Bamba config
@@ -217,8 +217,7 @@ def format_table(summary: LoadSummary) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worker", default=env_default("WORKER", DEFAULT_WORKER),
-                        help=f"worker address (env HYBRIDSERVE_WORKER; default {DEFAULT_WORKER})")  # fmt: skip
+    add_settings_arguments(parser, WorkerTarget, "BENCH", flags={"worker": Flag("worker address (host:port)")})
     parser.add_argument("--clients", type=int, default=8, help="concurrent closed-loop clients")
     parser.add_argument("--requests", type=int, default=64, help="requests in all")
     parser.add_argument("--prompt-len-min", type=int, default=16, help="shortest prompt, tokens")

