@@ -60,7 +60,7 @@ function chartRow() {
   let out = "";
   for (const s of data.steps) {
     const x0 = scale.x(s.position, s.start_s), w = Math.max(1, scale.x(s.position + 1, s.end_s) - x0 - 1);
-    const h = (n) => Math.min(CHART_H, (n / Math.max(s.budget_tokens, 1)) * CHART_H);
+    const h = (n) => (n > 0 ? Math.min(CHART_H, Math.max(2, (n / Math.max(s.budget_tokens, 1)) * CHART_H)) : 0);
     const dh = h(s.num_decode_tokens), ph = h(s.num_prefill_tokens), top = MARK_H, base = MARK_H + CHART_H;
     let marks = "", mx = x0;
     for (const [on, cls, label] of [[s.stalled, "stalled", "stalled"], [s.micro_sliced, "micro", "micro-sliced"],
@@ -211,5 +211,6 @@ document.addEventListener("mousemove", onHover);
 $("chart").addEventListener("click", onClick);
 $("search").addEventListener("input", filter);
 for (const r of document.querySelectorAll("input[name=axis]")) r.addEventListener("change", () => { axis = r.value; render(); });
+if (/axis=time/.test(location.hash)) { axis = "time"; document.querySelector("input[value=time]").checked = true; }
 selected = initialStep();
 render();

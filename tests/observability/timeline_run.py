@@ -33,19 +33,21 @@ class RecordedRun:
     info: pb.GetInfoResponse
 
 
-def record_run(workdir: Path, model_dir: Path | None = None) -> RecordedRun:
-    """Starts the processes, serves JOBS concurrently, stops them; the steps are in workdir."""
+def record_run(workdir: Path, model_dir: Path | None = None, env: dict[str, str] | None = None) -> RecordedRun:
+    """Starts the processes (with `env` added to theirs), serves JOBS concurrently, stops them;
+    the steps are in workdir."""
     if model_dir is None:
         model_dir = workdir / "model"
         cmd = [sys.executable, "-m", "hybridserve.cli", "init-model", str(model_dir)]
         subprocess.run(cmd, check=True, timeout=300, capture_output=True)
     steps = workdir / "steps.jsonl"
-    scheduler = ServerProcess(["scheduler", "--port", "0"])
+    scheduler = ServerProcess(["scheduler", "--port", "0"], env=env)
     worker = None
     try:
         worker = ServerProcess(
             ["worker", "--model", str(model_dir), "--scheduler", scheduler.address, "--port", "0",
-             "--record-steps", str(steps), *WORKER_FLAGS]
+             "--record-steps", str(steps), *WORKER_FLAGS],
+            env=env,
         )  # fmt: skip
         with grpc.insecure_channel(worker.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
