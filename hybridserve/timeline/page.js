@@ -211,6 +211,8 @@ document.addEventListener("mousemove", onHover);
 $("chart").addEventListener("click", onClick);
 $("search").addEventListener("input", filter);
 for (const r of document.querySelectorAll("input[name=axis]")) r.addEventListener("change", () => { axis = r.value; render(); });
+const query = /[#&]q=([^&]*)/.exec(location.hash);
+if (query) $("search").value = decodeURIComponent(query[1]);
 if (/axis=time/.test(location.hash)) { axis = "time"; document.querySelector("input[value=time]").checked = true; }
 selected = initialStep();
 render();

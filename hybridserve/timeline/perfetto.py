@@ -19,6 +19,11 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
+def _dur(start_s: float, end_s: float) -> float:
+    """Rounded from the rounded ends, so adjacent events stay adjacent."""
+    return round(_us(end_s) - _us(start_s), 3)
+
+
 def _metadata(pid: int, tid: int, kind: str, name: str) -> dict[str, Any]:
     return {"name": kind, "ph": "M", "ts": 0, "pid": pid, "tid": tid, "args": {"name": name}}
 
@@ -32,7 +37,7 @@ def step_event(step: StepView) -> dict[str, Any]:
         "cat": "step",
         "ph": "X",
         "ts": _us(step.start_s),
-        "dur": _us(step.end_s - step.start_s),
+        "dur": _dur(step.start_s, step.end_s),
         "pid": STEPS_PID,
         "tid": 0,
         "args": {
@@ -62,7 +67,7 @@ def lane_events(lane: Lane, tid: int) -> list[dict[str, Any]]:
                         token_start=seg.token_start, token_end=seg.token_end,
                         ends_on_checkpoint=seg.ends_on_checkpoint)  # fmt: skip
         events.append(
-            {"name": name, "cat": seg.kind, "ph": "X", "ts": _us(seg.start_s), "dur": _us(seg.end_s - seg.start_s),
+            {"name": name, "cat": seg.kind, "ph": "X", "ts": _us(seg.start_s), "dur": _dur(seg.start_s, seg.end_s),
              "pid": REQUESTS_PID, "tid": tid, "args": args}
         )  # fmt: skip
     for mark in lane.marks:

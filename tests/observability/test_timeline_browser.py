@@ -71,6 +71,8 @@ class Dom(HTMLParser):
         super().__init__()
         self.step_ids: list[str] = []  # data-step of each step column, in order
         self.lane_ids: list[str] = []
+        self.hidden_lane_ids: list[str] = []
+        self.untipped = 0  # drawn slices without a tooltip
         self.slices: Counter[str] = Counter()  # drawn prefill/decode slices per lane
         self.selected = ""
         self.plan = ""
@@ -86,8 +88,11 @@ class Dom(HTMLParser):
         if tag == "div" and "lane" in classes:
             self._lane = a["data-request-id"]
             self.lane_ids.append(self._lane)
+            if "hidden" in a:
+                self.hidden_lane_ids.append(self._lane)
         if tag == "rect" and "seg" in classes and ("prefill" in classes or "decode" in classes):
             self.slices[self._lane] += 1
+            self.untipped += "data-tip" not in a
         if a.get("id") == "selected-step":
             self.selected = a["data-step"]
         if a.get("id") in ("plan", "summary"):
@@ -119,7 +124,8 @@ def test_chromium_draws_every_step_and_lane_and_the_replayed_plan(run, pages, tm
     assert dom.step_ids == [str(r.step_index) for r in records]
     assert sorted(dom.lane_ids) == sorted(run.request_ids) == sorted(lane.request_id for lane in timeline.lanes)
     drawn = {lane.request_id: sum(s.kind in ("prefill", "decode") for s in lane.segments) for lane in timeline.lanes}
-    assert dict(dom.slices) == drawn and all(n > 0 for n in drawn.values())
+    assert dict(dom.slices) == drawn and all(n > 0 for n in drawn.values()) and dom.untipped == 0
+    assert dom.hidden_lane_ids == []
     assert f"{len(records)} steps, {len(run.request_ids)} of {len(run.request_ids)} requests" in dom.summary
 
     assert cli.main(["replay", str(run.steps_path), "--step", str(chosen)]) == 0
@@ -127,6 +133,16 @@ def test_chromium_draws_every_step_and_lane_and_the_replayed_plan(run, pages, tm
     assert dom.selected == str(chosen)
     assert dom.plan == printed[: printed.rindex("1 steps replayed")]  # the plan, as replay prints it
     assert "stalled yes" in dom.plan or "preempted: -" not in dom.plan
+
+
+def test_the_search_box_filters_lanes_by_request_id(run, pages, tmp_path):
+    html, _ = pages
+    wanted = run.request_ids[2]
+    dom = Dom()
+    dom.feed(chromium(tmp_path, "--dump-dom", f"{html.as_uri()}#q={wanted[:-1].upper()}").stdout)
+    assert sorted(dom.lane_ids) == sorted(run.request_ids)
+    assert sorted(dom.hidden_lane_ids) == sorted(set(run.request_ids) - {wanted})
+    assert f"1 of {len(run.request_ids)} requests" in dom.summary
 
 
 def png_size_and_colours(path: Path) -> tuple[int, int, int]:
