@@ -202,6 +202,13 @@ class _LaneBuilder:
     def freeze(self, clock: Clock) -> Lane:
         marks = list(self.marks)
         finish = self.finish
+        if self.queued_since is not None:  # still waiting when it finished (aborted) or at the end
+            if finish is not None and finish.finish_unix_s is not None:
+                end = (clock.position(finish.finish_unix_s), clock.seconds(finish.finish_unix_s))
+            else:
+                end = (float(len(clock.intervals)), clock.seconds(clock.intervals[-1][1]))
+            (pos, t_s), self.queued_since = self.queued_since, None
+            self.segments.append(Segment("queued", pos, max(pos, end[0]), t_s, max(t_s, end[1]), -1, 0, 0, False, 0))
         if finish is not None and finish.first_token_unix_s is not None:
             t = finish.first_token_unix_s
             marks.append(Mark("first_token", clock.position(t), clock.seconds(t), ""))
@@ -271,6 +278,15 @@ def step_view(
     )
 
 
+def _lane_of(lanes: dict[str, _LaneBuilder], request_id: str, k: int, start_s: float) -> _LaneBuilder:
+    """The request's lane; a new one is queued from step k until an event says when it arrived."""
+    lane = lanes.get(request_id)
+    if lane is None:
+        lane = lanes[request_id] = _LaneBuilder(request_id, (float(k), start_s))
+        lane.queued_since = lane.arrival
+    return lane
+
+
 def build_timeline(records: list[StepRecord]) -> Timeline:
     """The view model of recorded steps (in file order)."""
     if not records:
@@ -285,14 +301,10 @@ def build_timeline(records: list[StepRecord]) -> Timeline:
         span = (clock.seconds(start), clock.seconds(end))
         states = {s.request_id: s for s in (*record.step_input.running, *record.step_input.waiting)}
         for state in states.values():
-            if state.request_id not in lanes:
-                lane = lanes[state.request_id] = _LaneBuilder(state.request_id, (float(k), span[0]))
-                lane.queued_since, lane.prompt_tokens = lane.arrival, state.num_prompt_tokens
+            lane = _lane_of(lanes, state.request_id, k, span[0])
+            lane.prompt_tokens = lane.prompt_tokens or state.num_prompt_tokens
         for event in record.events:
-            if event.request_id not in lanes:
-                lanes[event.request_id] = _LaneBuilder(event.request_id, (float(k), span[0]))
-                lanes[event.request_id].queued_since = lanes[event.request_id].arrival
-            lanes[event.request_id].take_event(event, clock)
+            _lane_of(lanes, event.request_id, k, span[0]).take_event(event, clock)
         preempted = [r for r in record.plan.preempted_request_ids if r in lanes and ran(r, k, start, finished)]
         for request_id in preempted:
             lanes[request_id].preempted(k, span[0], record.step_index)

@@ -97,6 +97,21 @@ def test_lanes_follow_each_request_through_queue_chunks_decode_preemption_and_fi
     assert steps[1].micro_sliced and steps[2].stalled and steps[0].trace_id == f"{0:032x}"
 
 
+def test_a_request_aborted_while_queued_and_one_still_queued_at_the_end_keep_their_queue_stretch():
+    aborted = RequestEvent("finished", "c", "", None, None, T0 + 0.2, "abort", 0, 0, 0)
+    records = [
+        rec(0, waiting=[state("c", 30, 0)], events=[queued("c", 0.06, 30)]),
+        rec(1, waiting=[state("c", 30, 0), state("d", 30, 0)], events=[aborted]),
+    ]
+    c, d = build_timeline(records).lanes
+    assert [(g.kind, g.start_pos, g.end_pos) for g in c.segments] == [
+        ("queued", pytest.approx(0.1), pytest.approx(1.5))
+    ]
+    assert [(m.kind, m.label) for m in c.marks] == [("finished", "abort")] and c.finish_reason == "abort"
+    assert [(g.kind, g.start_pos, g.end_pos) for g in d.segments] == [("queued", 1.0, 2.0)]
+    assert d.marks == () and d.finish_reason == ""
+
+
 def test_both_axes_place_marks_inside_the_step_that_holds_them():
     timeline = build_timeline(story())
     assert timeline.origin_unix_s == T0  # a arrived before step 0 started (at T0 + 0.05)
