@@ -173,7 +173,7 @@ function filter() {
   let shown = 0;
   for (const lane of document.querySelectorAll(".lane")) {
     const on = !q || lane.dataset.requestId.toLowerCase().includes(q);
-    lane.hidden = !on;
+    lane.style.display = on ? "" : "none";
     shown += on;
   }
   const st = data.steps, count = (f) => st.filter(f).length;
@@ -216,3 +216,5 @@ if (query) $("search").value = decodeURIComponent(query[1]);
 if (/axis=time/.test(location.hash)) { axis = "time"; document.querySelector("input[value=time]").checked = true; }
 selected = initialStep();
 render();
+const shown = /[#&]request=([^&]*)/.exec(location.hash);
+if (shown) showRequest(decodeURIComponent(shown[1]));

@@ -75,6 +75,7 @@ class Dom(HTMLParser):
         self.untipped = 0  # drawn slices without a tooltip
         self.slices: Counter[str] = Counter()  # drawn prefill/decode slices per lane
         self.selected = ""
+        self.selected_request = ""
         self.plan = ""
         self.summary = ""
         self._lane = ""
@@ -88,18 +89,18 @@ class Dom(HTMLParser):
         if tag == "div" and "lane" in classes:
             self._lane = a["data-request-id"]
             self.lane_ids.append(self._lane)
-            if "hidden" in a:
+            if "display: none" in a.get("style", ""):
                 self.hidden_lane_ids.append(self._lane)
         if tag == "rect" and "seg" in classes and ("prefill" in classes or "decode" in classes):
             self.slices[self._lane] += 1
             self.untipped += "data-tip" not in a
         if a.get("id") == "selected-step":
             self.selected = a["data-step"]
-        if a.get("id") in ("plan", "summary"):
+        if a.get("id") in ("plan", "summary", "selected-request"):
             self._into = a["id"]
 
     def handle_endtag(self, tag: str) -> None:
-        if tag in ("pre", "span"):
+        if tag in ("pre", "span", "h2"):
             self._into = ""
 
     def handle_data(self, data: str) -> None:
@@ -107,6 +108,8 @@ class Dom(HTMLParser):
             self.plan += data
         elif self._into == "summary":
             self.summary += data
+        elif self._into == "selected-request":
+            self.selected_request += data
 
 
 def test_chromium_draws_every_step_and_lane_and_the_replayed_plan(run, pages, tmp_path, capsys):
@@ -135,11 +138,12 @@ def test_chromium_draws_every_step_and_lane_and_the_replayed_plan(run, pages, tm
     assert "stalled yes" in dom.plan or "preempted: -" not in dom.plan
 
 
-def test_the_search_box_filters_lanes_by_request_id(run, pages, tmp_path):
+def test_the_search_box_filters_lanes_by_request_id_and_a_request_shows_its_details(run, pages, tmp_path):
     html, _ = pages
     wanted = run.request_ids[2]
     dom = Dom()
-    dom.feed(chromium(tmp_path, "--dump-dom", f"{html.as_uri()}#q={wanted[:-1].upper()}").stdout)
+    dom.feed(chromium(tmp_path, "--dump-dom", f"{html.as_uri()}#q={wanted[:-1].upper()}&request={wanted}").stdout)
+    assert dom.selected_request == f"request {wanted}"
     assert sorted(dom.lane_ids) == sorted(run.request_ids)
     assert sorted(dom.hidden_lane_ids) == sorted(set(run.request_ids) - {wanted})
     assert f"1 of {len(run.request_ids)} requests" in dom.summary
