@@ -1,12 +1,20 @@
 """Records each step's exact scheduler input and the plan it got, one JSON object per line, for
-`hybridserve replay`:
+`hybridserve replay` and `hybridserve timeline`:
 
     {"step_index": N, "request": base64(PlanStepRequest), "plan": base64(PlanStepResponse),
-     "plan_latency_s": float, "time_unix_s": float}
+     "plan_latency_s": float, "time_unix_s": float,
+     "wall_s": float, "trace_id": hex, "request_events": [...]}   # optional, for the timeline
 
 Both messages are serialized deterministically, so a replay that re-plans the request can compare
 its plan with the recorded one byte for byte. Runs on the engine thread; each line is flushed so a
 crash loses at most the step in flight.
+
+The optional keys are what a timeline needs beyond the plan: how long the step ran (`wall_s`, so it
+started at `time_unix_s - wall_s`), the trace of its step span (`trace_id`, when tracing), and the
+request events seen since the previous recorded line (`request_events`: "queued" with the arrival,
+"finished" with the first token, the finish and its reason; times in Unix seconds). Events ride on
+step lines rather than lines of their own, so every line stays a step record that any `replay`
+reads; events after the last recorded step are not written. Preemptions are in the plans.
 """
 
 from __future__ import annotations
@@ -17,9 +25,16 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from scheduler_svc import convert
 from scheduler_svc.core import StepInput, StepPlan
+
+if TYPE_CHECKING:
+    from gpu_worker.engine.request import Request
 
 
 def encode_step(step_input: StepInput) -> bytes:
@@ -30,8 +45,51 @@ def encode_plan(plan: StepPlan) -> bytes:
     return convert.plan_to_pb(plan).SerializeToString(deterministic=True)
 
 
+def trace_id_of(context: object | None = None) -> str:
+    """The 32-hex trace id of the span in `context` (the current one when None), or ""."""
+    span = trace.get_current_span(context if isinstance(context, Context) else None)
+    span_context = span.get_span_context()
+    return format(span_context.trace_id, "032x") if span_context.is_valid else ""
+
+
+def _unix_s(monotonic_s: float | None, offset_s: float) -> float | None:
+    return None if monotonic_s is None else round(monotonic_s + offset_s, 6)
+
+
+def request_event(kind: str, request: Request, reason: str, monotonic_s: float, offset_s: float) -> dict[str, Any]:
+    """One request event as written: "queued" (arrival, sizes) or "finished" (first token, finish,
+    reason, usage); `offset_s` turns the engine's monotonic seconds into Unix seconds."""
+    traced = request.trace_context is not None  # else trace_id_of would read the step's span
+    event: dict[str, Any] = {
+        "event": kind,
+        "request_id": request.request_id,
+        "trace_id": trace_id_of(request.trace_context) if traced else "",
+    }
+    if kind == "queued":
+        event.update(
+            arrival_unix_s=_unix_s(request.arrival_time, offset_s),
+            prompt_tokens=len(request.prompt_token_ids),
+            max_tokens=request.params.max_tokens,
+            priority=request.params.priority,
+        )
+    else:
+        event.update(
+            reason=reason,
+            arrival_unix_s=_unix_s(request.arrival_time, offset_s),
+            first_token_unix_s=_unix_s(request.first_token_time, offset_s),
+            finish_unix_s=_unix_s(monotonic_s, offset_s),
+            **request.usage(),
+        )
+    return event
+
+
 class StepRecorder:
-    """Writes a sample of the steps (`sample_rate` 1.0 = every step, seeded so runs repeat)."""
+    """Writes a sample of the steps (`sample_rate` 1.0 = every step, seeded so runs repeat).
+
+    `request_queued` and `request_finished` take the engine observer's arguments; they only keep
+    a reference and a time (under a lock: queueing happens on the submitting thread), and the
+    events are built when the next sampled step is written. With `sample_rate` 0 they keep nothing.
+    """
 
     def __init__(self, path: Path | str, sample_rate: float = 1.0, seed: int = 0) -> None:
         if not 0.0 <= sample_rate <= 1.0:
@@ -41,24 +99,48 @@ class StepRecorder:
         self._rng = random.Random(seed)
         self._file = self.path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
+        self._pending: list[tuple[str, Request, str, float]] = []  # (kind, request, reason, monotonic s)
         self.num_recorded = 0
 
     def should_record(self) -> bool:
         return self.sample_rate >= 1.0 or (self.sample_rate > 0.0 and self._rng.random() < self.sample_rate)
 
-    def record(self, step_index: int, step_input: StepInput, plan: StepPlan, plan_latency_s: float) -> bytes:
-        """Writes one line; returns the serialized PlanStepRequest (for a span event)."""
+    def request_queued(self, request: Request) -> None:
+        self._keep("queued", request, "")
+
+    def request_finished(self, request: Request, reason: str, error: Exception | None = None) -> None:
+        self._keep("finished", request, reason)
+
+    def _keep(self, kind: str, request: Request, reason: str) -> None:
+        if self.sample_rate > 0.0:
+            with self._lock:
+                self._pending.append((kind, request, reason, time.monotonic()))
+
+    def record(
+        self, step_index: int, step_input: StepInput, plan: StepPlan, plan_latency_s: float, wall_s: float | None = None
+    ) -> bytes:
+        """Writes one line; returns the serialized PlanStepRequest (for a span event). Called inside
+        the step's span (the current span), whose trace id goes on the line."""
         request = encode_step(step_input)
-        line = json.dumps(
-            {
-                "step_index": step_index,
-                "request": base64.b64encode(request).decode("ascii"),
-                "plan": base64.b64encode(encode_plan(plan)).decode("ascii"),
-                "plan_latency_s": round(plan_latency_s, 6),
-                "time_unix_s": round(time.time(), 6),
-            },
-            separators=(",", ":"),
-        )
+        now = time.time()
+        record: dict[str, Any] = {
+            "step_index": step_index,
+            "request": base64.b64encode(request).decode("ascii"),
+            "plan": base64.b64encode(encode_plan(plan)).decode("ascii"),
+            "plan_latency_s": round(plan_latency_s, 6),
+            "time_unix_s": round(now, 6),
+        }
+        if wall_s is not None:
+            record["wall_s"] = round(wall_s, 6)
+        trace_id = trace_id_of()
+        if trace_id:
+            record["trace_id"] = trace_id
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if pending:
+            offset_s = now - time.monotonic()
+            record["request_events"] = [request_event(k, r, reason, t, offset_s) for k, r, reason, t in pending]
+        line = json.dumps(record, separators=(",", ":"))
         with self._lock:
             if not self._file.closed:
                 self._file.write(line + "\n")

@@ -82,6 +82,8 @@ class TelemetryObserver(EngineObserver):
 
     # ---- requests ---------------------------------------------------------------------------------
     def request_queued(self, request: Request) -> None:
+        if self.recorder is not None:
+            self.recorder.request_queued(request)
         if self._tracer is None:
             return
         span = self._request_spans[request.request_id] = self._tracer.start_span(
@@ -106,6 +108,8 @@ class TelemetryObserver(EngineObserver):
     def request_finished(self, request: Request, reason: str, error: Exception | None) -> None:
         now = time.monotonic()
         rid = request.request_id
+        if self.recorder is not None:
+            self.recorder.request_finished(request, reason, error)
         if self.metrics is not None:
             self._account_tokens(request, now)
             self.metrics.requests.labels(reason).inc()
@@ -173,7 +177,7 @@ class TelemetryObserver(EngineObserver):
         summary = summarize(plan, requests)
         recorded = None
         if self.recorder is not None and step_input is not None and self.recorder.should_record():
-            recorded = self.recorder.record(step_index, step_input, plan, plan_latency_s)
+            recorded = self.recorder.record(step_index, step_input, plan, plan_latency_s, wall_s)
         if self.metrics is not None:
             self._update_metrics(summary, plan, requests, plan_latency_s, wall_s)
         span = self._step_span

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("hybridserve.cli.loadgen", "drive N closed-loop clients against a worker and print a summary"),
     "init-model": ("gpu_worker.init_model", "write the default tiny random Bamba model to a folder"),
     "replay": ("scheduler_svc.replay", "re-plan recorded engine steps offline; show the plan or a diff"),
+    "timeline": ("hybridserve.cli.timeline.command", "recorded engine steps as an HTML timeline (and Perfetto JSON)"),
 }
 
 
