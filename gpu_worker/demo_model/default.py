@@ -56,34 +56,36 @@ def model_card(facts: dict[str, Any], spec: ModelSpec = DEMO_SPEC) -> str:
 A {facts["num_parameters"] / 1e6:.2f}M-parameter hybrid language model in the Hugging Face Bamba format:
 {spec.num_hidden_layers} layers ({num_attn} attention, at {list(spec.attn_layer_indices)}; \
 {spec.num_hidden_layers - num_attn} Mamba2), hidden size {spec.hidden_size}, a byte-level tokenizer
-(ids 0-2 are `<|pad|>`, `<|bos|>`, `<|eos|>`; ids 3-258 are the 256 byte values). Trained from scratch on CPU by
-`hybridserve train-demo`; `hybridserve init-model DIR` writes it. `transformers`' `BambaForCausalLM`
-loads this folder as well.
+(ids 0-2 are `<|pad|>`, `<|bos|>`, `<|eos|>`; ids 3-258 are the 256 byte values). Trained from
+scratch on CPU by `hybridserve train-demo`; `hybridserve init-model DIR` writes it. `transformers`'
+`BambaForCausalLM` loads this folder as well.
 
 ## Data
 
 The Python {c["python"]} standard library's own source (`*.py` files with their docstrings and comments;
 test suites, `site-packages` and the generated `encodings/` tables left out), each file framed as
-`<|bos|>` bytes `<|eos|>`. {c["train_files"]} files ({c["train_tokens"]} tokens) for training,
-{c["held_out_files"]} files ({c["held_out_tokens"]} tokens) held out. The split is by path: a file is held
-out when the first byte of sha256 of its path relative to the stdlib folder is below 16 (1/16 of files),
-so the same files are held out on every machine and Python version.
+`<|bos|>` bytes `<|eos|>`: {c["train_files"]} files ({c["train_tokens"]} tokens) for training,
+{c["held_out_files"]} files ({c["held_out_tokens"]} tokens) held out. The split is by path: a file is
+held out when the first byte of sha256 of its path relative to the stdlib folder is below 16 (1/16 of
+the files), so the same files are held out on every machine and Python version.
 
 Licence of the data: the Python Software Foundation License Agreement (version 2), which permits
-derivative works and their redistribution provided the PSF's notice is kept: "Copyright (c) 2001
-Python Software Foundation; All Rights Reserved". The weights are distributed under the same terms.
+derivative works and their redistribution provided the agreement and the PSF's copyright notice
+("Copyright (c) 2001 Python Software Foundation; All Rights Reserved", with the years of the release)
+are kept with them; the full text is `LICENSE.txt` in the standard library folder. The weights are
+distributed under the same terms.
 
 ## Training
 
-{s["steps"]} AdamW steps of {s["batch_windows"]} windows x {s["window_tokens"]} bytes ({facts["train_tokens"]} \
-tokens seen), peak learning rate {s["peak_lr"]} (warm-up {s["warmup_steps"]} steps, cosine decay),
-weight decay {s["weight_decay"]}, seed {s["seed"]}, {s["threads"]} CPU threads, torch {facts["torch"]}:
-{facts["train_wall_s"]} s of wall-clock time.
+{s["steps"]} AdamW steps of {s["batch_windows"]} windows x {s["window_tokens"]} bytes
+({facts["train_tokens"]} tokens seen), peak learning rate {s["peak_lr"]} (warm-up {s["warmup_steps"]}
+steps, cosine decay), weight decay {s["weight_decay"]}, seed {s["seed"]}, torch {facts["torch"]} with
+{s["threads"]} CPU thread(s): {facts["train_wall_s"]} s of wall-clock time on the machine that trained it.
 
 ## Result
 
-Held-out loss: **{facts["held_out_bits_per_byte"]} bits per byte** ({s["final_eval_windows"]} windows of
-{s["window_tokens"]} bytes at even offsets through the held-out files; a uniform guess over bytes is 8).
+Held-out loss: **{facts["held_out_bits_per_byte"]} bits per byte** ({s["final_eval_windows"]} windows
+of {s["window_tokens"]} bytes at even offsets through the held-out files; a uniform guess over bytes is 8).
 
 ## Good for
 
