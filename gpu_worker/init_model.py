@@ -1,8 +1,9 @@
-"""`hybridserve init-model DIR`: write the embedded default model, a tiny seeded random Bamba.
+"""`hybridserve init-model DIR`: write the default model (a small Bamba trained on the Python standard library,
+see `gpu_worker.demo_model`), or with `--random` a tiny seeded random Bamba for tests.
 
 The output is a regular Hugging Face checkpoint folder (config.json, model.safetensors,
 generation_config.json, tokenizer.json) that transformers' `BambaForCausalLM.from_pretrained` also loads.
-Weights are deterministic for a given spec and seed, and the Mamba parameters that shape the state
+Random weights are deterministic for a given spec and seed, and the Mamba parameters that shape the state
 (dt_bias, A_log, D, conv bias) are randomised so the recurrent state matters."""
 
 from __future__ import annotations
@@ -109,20 +110,19 @@ def random_weights(config: BambaConfig, seed: int, init_std: float) -> dict[str,
     return out
 
 
-def write_random_checkpoint(
-    out_dir: str | Path, spec: ModelSpec | None = None, seed: int = 0, with_tokenizer: bool = True
+def write_checkpoint(
+    out_dir: str | Path, spec: ModelSpec, weights: dict[str, torch.Tensor], with_tokenizer: bool = True
 ) -> Path:
-    """Write a random Bamba checkpoint into `out_dir` (created if needed) and return its path."""
-    spec = spec or ModelSpec()
+    """Write `weights` as a Bamba checkpoint of shape `spec` into `out_dir` (created if needed); return its path."""
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     raw = spec.to_hf_config()
-    config = BambaConfig.from_dict(raw)  # validates the spec
+    BambaConfig.from_dict(raw)  # validates the spec
     if with_tokenizer and spec.vocab_size < BYTE_VOCAB_SIZE:
         raise InvalidArgumentError(
             f"vocab_size={spec.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB_SIZE}"
         )
-    save_file(random_weights(config, seed, spec.init_std), str(root / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     (root / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -134,25 +134,43 @@ def write_random_checkpoint(
     return root
 
 
+def write_random_checkpoint(
+    out_dir: str | Path, spec: ModelSpec | None = None, seed: int = 0, with_tokenizer: bool = True
+) -> Path:
+    """Write a seeded random Bamba checkpoint into `out_dir` (created if needed) and return its path."""
+    spec = spec or ModelSpec()
+    weights = random_weights(BambaConfig.from_dict(spec.to_hf_config()), seed, spec.init_std)
+    return write_checkpoint(out_dir, spec, weights, with_tokenizer)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `hybridserve init-model`."""
     parser.add_argument("dir", type=Path, help="folder to write the default model into")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument(
+        "--random", action="store_true", help="write a seeded random model instead of the trained default (tests)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weight seed of --random (default 0)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing checkpoint in DIR")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the default model; returns the process exit code (2 when DIR already holds a checkpoint)."""
+    """Write the default (or random) model; returns the process exit code (2 when DIR already holds a checkpoint)."""
     root: Path = args.dir
     if (root / "config.json").exists() and not args.force:
         print(f"error: {root} already holds a checkpoint; pass --force to overwrite it", file=sys.stderr)
         return 2
-    write_random_checkpoint(root, ModelSpec(), seed=args.seed)
+    if args.random:
+        write_random_checkpoint(root, ModelSpec(), seed=args.seed)
+    else:
+        from gpu_worker.demo_model.default import write_default_checkpoint  # it builds on this module
+
+        write_default_checkpoint(root)
     from gpu_worker.model.loader import load_model  # the check below re-reads what was written
 
     loaded = load_model(root, device="cpu", dtype="float32")
     n_params = sum(p.numel() for p in loaded.model.parameters())
-    print(f"wrote default model to {root} ({n_params} parameters, fingerprint {loaded.fingerprint[:16]})")
+    kind = "random model" if args.random else "default model"
+    print(f"wrote {kind} to {root} ({n_params} parameters, fingerprint {loaded.fingerprint[:16]})")
     return 0
 
 

@@ -24,7 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cache": ("cache_svc.server", "serve the BlockCache (prefix-cache checkpoints in Redis)"),
     "generate": ("hybridserve.cli.generate", "stream a completion from a running worker"),
     "bench": ("hybridserve.cli.loadgen", "drive N closed-loop clients against a worker and print a summary"),
-    "init-model": ("gpu_worker.init_model", "write the default tiny random Bamba model to a folder"),
+    "init-model": ("gpu_worker.init_model", "write the default model (trained, or --random) to a folder"),
+    "train-demo": ("gpu_worker.demo_model.train", "train the default model from scratch on the Python stdlib"),
     "replay": ("scheduler_svc.replay", "re-plan recorded engine steps offline; show the plan or a diff"),
     "timeline": ("hybridserve.cli.timeline.command", "recorded engine steps as an HTML timeline (and Perfetto JSON)"),
 }

@@ -52,10 +52,10 @@ def test_incremental_detokenizer_equals_the_full_decode(text: str, push_sizes: l
     assert "".join(pieces) == tok.decode(ids) == text
 
 
-def _args(path: Path, force: bool = False) -> argparse.Namespace:
+def _args(path: Path, force: bool = False, *flags: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     init_model.add_arguments(parser)
-    return parser.parse_args([str(path), *(["--force"] if force else [])])
+    return parser.parse_args([str(path), *(["--force"] if force else []), *flags])
 
 
 def test_init_model_writes_a_loadable_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,3 +80,15 @@ def test_init_model_writes_a_loadable_default(tmp_path: Path, capsys: pytest.Cap
         ref = hf(torch.tensor([ids])).logits[0]
     got = run_schedule(make_runner(path), ids, [10, 1, len(ids) - 11])
     assert (got - ref).abs().max().item() <= 1e-4
+
+
+def test_init_model_random_writes_the_seeded_random_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--random` is the tiny random checkpoint (as `write_random_checkpoint` makes it), not the trained default."""
+    assert init_model.run(_args(tmp_path / "random", False, "--random", "--seed", "3")) == 0
+    assert "wrote random model" in capsys.readouterr().out
+    assert init_model.run(_args(tmp_path / "default")) == 0
+    init_model.write_random_checkpoint(tmp_path / "reference", seed=3)
+    names = ("random", "default", "reference")
+    fingerprints = {name: load_model(tmp_path / name, device="cpu").fingerprint for name in names}
+    assert fingerprints["random"] == fingerprints["reference"] != fingerprints["default"]
+    assert (tmp_path / "default" / "README.md").exists() and not (tmp_path / "random" / "README.md").exists()
