@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -101,7 +101,7 @@ class Dispatcher:
         prefix_hashes: tuple[int, ...],
         metadata: Sequence[tuple[str, str]] = (),
         timeout_s: float | None = None,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The worker's messages for `request` (its request_id set here when empty)."""
         if not request.request_id:
             request.request_id = uuid.uuid4().hex

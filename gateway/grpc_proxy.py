@@ -13,7 +13,8 @@ import logging
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer  # grpc_health.v1.health.aio, importable by name
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
@@ -94,7 +95,10 @@ class GenerationProxy(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request with id {request.request_id!r}")
         assert worker is not None
         try:
-            return await worker.stub.Abort(request, timeout=5.0, metadata=self.dispatcher.pool.metadata)
+            response: pb.AbortResponse = await worker.stub.Abort(
+                request, timeout=5.0, metadata=self.dispatcher.pool.metadata
+            )
+            return response
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "")
             raise
@@ -107,13 +111,14 @@ class GenerationProxy(pb_grpc.GenerationServicer):
         if not ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         info = pb.GetInfoResponse()
+        assert ready[0].info is not None
         info.CopyFrom(ready[0].info)
         info.num_running = sum(w.info.num_running for w in ready if w.info is not None)
         info.num_waiting = sum(w.info.num_waiting for w in ready if w.info is not None)
         return info
 
 
-async def watch_readiness(dispatcher: Dispatcher, servicer: health.aio.HealthServicer, interval_s: float) -> None:
+async def watch_readiness(dispatcher: Dispatcher, servicer: HealthServicer, interval_s: float) -> None:
     """The gateway is ready (grpc.health.v1, empty name) while at least one worker is."""
     last = None
     while True:
@@ -129,12 +134,10 @@ async def watch_readiness(dispatcher: Dispatcher, servicer: health.aio.HealthSer
         await asyncio.sleep(interval_s)
 
 
-def create_grpc_server(
-    proxy: GenerationProxy, host: str, port: int
-) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+def create_grpc_server(proxy: GenerationProxy, host: str, port: int) -> tuple[grpc.aio.Server, int, HealthServicer]:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerationServicer_to_server(proxy, server)
-    health_servicer = health.aio.HealthServicer()
+    pb_grpc.add_GenerationServicer_to_server(proxy, server)  # type: ignore[no-untyped-call]
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [
         pb.DESCRIPTOR.services_by_name["Generation"].full_name,

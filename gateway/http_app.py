@@ -171,7 +171,7 @@ class Generation:
                     remaining -= 1
                     if self.choices[index].finish_reason is None:
                         raise api_errors.upstream_failed("the worker aborted this request before it finished")
-                elif isinstance(item, Exception):
+                elif isinstance(item, UpstreamError | NoWorkerError):
                     raise upstream_to_api(item)
                 else:
                     if not self.first_token:

@@ -45,15 +45,15 @@ class WorkerState:
     health: health_pb2_grpc.HealthStub
     is_ready: bool = False
     num_in_flight: int = 0  # requests the gateway has open on it now
-    num_reported_active: int = 0  # running + waiting at the last poll (all clients)
+    num_other_active: int = 0  # running + waiting at the last poll, less the gateway's own then
     info: pb.GetInfoResponse | None = None
-    ever_ready: bool = False
 
     @property
     def num_active_requests(self) -> int:
-        """Load for routing: the larger of what the gateway sent and what the worker last reported
-        (the report lags; the gateway's own count misses other clients)."""
-        return max(self.num_in_flight, self.num_reported_active)
+        """Load for routing: the gateway's own open requests (exact, current) plus those of other
+        clients as of the last poll (a poll lags; counting the gateway's requests from it would make
+        a worker look busy with requests that just finished)."""
+        return self.num_in_flight + self.num_other_active
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -103,7 +103,7 @@ class WorkerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for worker in self.workers.values():
-            await worker.channel.close()
+            await worker.channel.close(None)
 
     def ready(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.is_ready]
@@ -162,14 +162,13 @@ class WorkerPool:
             wanted.update(await self._addresses(spec))
         for address in sorted(wanted - set(self.workers)):
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self.workers[address] = WorkerState(
-                address, channel, pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
-            )
+            stub = pb_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
+            self.workers[address] = WorkerState(address, channel, stub, health_pb2_grpc.HealthStub(channel))
             log.info("worker %s added", address)
         for address in sorted(set(self.workers) - wanted):
             worker = self.workers.pop(address)
             self.mark_down(address, "no longer resolved")
-            await worker.channel.close()
+            await worker.channel.close(None)
             log.info("worker %s removed", address)
 
     async def _poll_all(self) -> None:
@@ -188,8 +187,8 @@ class WorkerPool:
             self.mark_down(worker.address, f"{exc.code().name}: {exc.details()}")
             return
         worker.info = info
-        worker.num_reported_active = int(info.num_running + info.num_waiting)
+        worker.num_other_active = max(0, int(info.num_running + info.num_waiting) - worker.num_in_flight)
         if not worker.is_ready:
             log.info("worker %s in rotation (model %s, block size %d)", worker.address, info.model, info.block_size)
-            worker.is_ready = worker.ever_ready = True
+            worker.is_ready = True
             self._changed.set()

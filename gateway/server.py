@@ -20,7 +20,7 @@ from aiohttp import web
 
 from gateway.affinity import PrefixTable
 from gateway.auth import load_keys
-from gateway.chat_template import TemplateError, load_chat_template
+from gateway.chat_template import ChatTemplate, TemplateError, load_chat_template
 from gateway.dispatch import Dispatcher, RoutingSettings
 from gateway.grpc_proxy import GenerationProxy, create_grpc_server, watch_readiness
 from gateway.http_app import Gateway, build_app
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def serve(config: GatewayConfig, template: object) -> None:
+async def serve(config: GatewayConfig, template: ChatTemplate | None) -> None:
     metrics = GatewayMetrics()
     table = PrefixTable()
     metadata = (("authorization", f"Bearer {config.worker_api_key}"),) if config.worker_api_key else ()
@@ -164,7 +164,7 @@ async def serve(config: GatewayConfig, template: object) -> None:
     tokenizer = GatewayTokenizer.from_model_dir(config.model_dir)
     gateway = Gateway(
         dispatcher, metrics, config.api_keys, config.served_model_name, tokenizer, template, config.request_timeout_s
-    )  # type: ignore[arg-type]
+    )
     runner = web.AppRunner(build_app(gateway, config.max_body_bytes), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_port=False)

@@ -20,8 +20,14 @@ from tests.procs import ServerProcess
 
 # Small enough that two workers and a gateway share two CPU cores in a test; a 16-token cache block
 # makes caching show with prompts of a few dozen bytes (the byte tokenizer: one token per byte).
-SPEC = ModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, attn_layer_indices=(1, 3),
-                 mamba_n_heads=4, mamba_d_state=16)  # fmt: skip
+SPEC = ModelSpec(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    attn_layer_indices=(1, 3),
+    mamba_n_heads=4,
+    mamba_d_state=16,
+)
 BLOCK_SIZE = 16
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n"
@@ -48,9 +54,29 @@ def scheduler() -> Iterator[ServerProcess]:
 
 
 def worker_args(model_dir: Path, scheduler_address: str, port: int) -> list[str]:
-    return ["worker", "--model", str(model_dir), "--scheduler", scheduler_address, "--port", str(port),
-            "--device", "cpu", "--memory-budget-mb", "24", "--max-num-seqs", "2", "--block-size", str(BLOCK_SIZE),
-            "--mamba-block-size", "8", "--num-checkpoint-slots", "64", "--max-queue-len", "64"]  # fmt: skip
+    return [
+        "worker",
+        "--model",
+        str(model_dir),
+        "--scheduler",
+        scheduler_address,
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--memory-budget-mb",
+        "24",
+        "--max-num-seqs",
+        "2",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--mamba-block-size",
+        "8",
+        "--num-checkpoint-slots",
+        "64",
+        "--max-queue-len",
+        "64",
+    ]
 
 
 def start_worker(model_dir: Path, scheduler_address: str, port: int) -> ServerProcess:
@@ -58,8 +84,23 @@ def start_worker(model_dir: Path, scheduler_address: str, port: int) -> ServerPr
 
 
 def start_gateway(workers: list[str], model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> ServerProcess:
-    return ServerProcess(["gateway", "--workers", ",".join(workers), "--port", "0", "--grpc-port", "0",
-                          "--model", str(model_dir), "--served-model-name", MODEL_NAME, *extra], env=env)  # fmt: skip
+    return ServerProcess(
+        [
+            "gateway",
+            "--workers",
+            ",".join(workers),
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            MODEL_NAME,
+            *extra,
+        ],
+        env=env,
+    )
 
 
 def grpc_address(gateway: ServerProcess) -> str:

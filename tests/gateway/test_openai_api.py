@@ -16,6 +16,8 @@ from tests.gateway.conftest import API_KEY, MODEL_NAME, grpc_address
 
 pytestmark = pytest.mark.slow
 
+AUTH = [("authorization", f"Bearer {API_KEY}")]  # gRPC metadata
+
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
@@ -40,8 +42,14 @@ def test_models_lists_the_served_model(client):
 
 
 def test_completion_greedy_with_logprobs(client):
-    result = client.completions.create(model=MODEL_NAME, prompt="The gateway routes by prefix.", max_tokens=6,
-                                       temperature=0, logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    result = client.completions.create(
+        model=MODEL_NAME,
+        prompt="The gateway routes by prefix.",
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     choice = result.choices[0]
     assert choice.finish_reason == "length"
     assert result.usage.completion_tokens == 6 and result.usage.prompt_tokens == len("The gateway routes by prefix.")
@@ -56,9 +64,15 @@ def test_completion_greedy_with_logprobs(client):
 
 def test_chat_uses_the_model_template(client, stack):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
-    result = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=4,
-                                            temperature=0, logprobs=True, top_logprobs=2,
-                                            extra_body={"ignore_eos": True})  # fmt: skip
+    result = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_completion_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     rendered = "<|bos|><|system|>Be brief.\n<|user|>Hello!\n<|assistant|>"
     # the byte tokenizer: one token per byte, plus one for the <|bos|> special token
     assert result.usage.prompt_tokens == len(rendered.encode()) - len("<|bos|>") + 1
@@ -70,25 +84,36 @@ def test_chat_uses_the_model_template(client, stack):
 
 
 def test_streaming_chat_with_usage(client):
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Stream"}],
-                                            max_tokens=8, temperature=0, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Stream"}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert all(c.usage is None for c in chunks[:-1])
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
     text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
-    full = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Stream"}],
-                                          max_tokens=8, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    full = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Stream"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert text == full.choices[0].message.content
 
 
 def test_streaming_completion_ends_with_done(stack):
     body = json.dumps({"model": MODEL_NAME, "prompt": "abc", "max_tokens": 3, "stream": True}).encode()
-    request = urllib.request.Request(f"http://{stack.gateway.address}/v1/completions", data=body,
-                                     headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://{stack.gateway.address}/v1/completions", data=body, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.headers["Content-Type"].startswith("text/event-stream")
         events = [line for line in response.read().decode().split("\n\n") if line]
@@ -98,21 +123,36 @@ def test_streaming_completion_ends_with_done(stack):
 
 
 def test_stop_string_ends_the_choice(client):
-    free = client.completions.create(model=MODEL_NAME, prompt="Stop here:", max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True})  # fmt: skip
+    free = client.completions.create(
+        model=MODEL_NAME, prompt="Stop here:", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = free.choices[0].text
-    stop = next((text[i:i + 2] for i in range(3, len(text) - 1) if text[i:i + 2].isprintable() and text[i:i + 2].strip()), None)  # noqa: E501
+    pairs = (text[i : i + 2] for i in range(3, len(text) - 1))
+    stop = next((p for p in pairs if p.isprintable() and p.strip()), None)
     if stop is None:
         pytest.skip(f"the random model's output {text!r} holds no printable pair to stop at")
-    stopped = client.completions.create(model=MODEL_NAME, prompt="Stop here:", max_tokens=12, temperature=0,
-                                        stop=[stop], extra_body={"ignore_eos": True})  # fmt: skip
+    stopped = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Stop here:",
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == text[: text.index(stop)]
 
 
 def test_n_choices_and_seed(client):
-    kwargs = dict(model=MODEL_NAME, prompt="Sample me", max_tokens=8, temperature=1.0, seed=11, n=3,
-                  extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs = dict(
+        model=MODEL_NAME,
+        prompt="Sample me",
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
     first = client.completions.create(**kwargs)
     again = client.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1, 2]
@@ -128,12 +168,12 @@ def test_greedy_output_equals_the_workers_grpc_output(client, stack):
         direct = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
     direct_ids = [t for m in direct for t in m.token_ids]
     direct_text = "".join(m.text for m in direct)
-    http = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0,
-                                     extra_body={"ignore_eos": True})  # fmt: skip
+    http = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert http.choices[0].text == direct_text
     with grpc.insecure_channel(grpc_address(stack.gateway)) as channel:
-        proxied = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60,
-                                                                metadata=[("authorization", f"Bearer {API_KEY}")]))  # fmt: skip
+        proxied = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60, metadata=AUTH))
     assert [t for m in proxied for t in m.token_ids] == direct_ids
 
 
@@ -144,9 +184,9 @@ def test_grpc_proxy_requires_the_key_and_keeps_worker_status(stack):
             list(stub.Generate(pb.GenerateRequest(prompt="x"), timeout=30))
         assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as empty:
-            list(stub.Generate(pb.GenerateRequest(prompt=""), timeout=30, metadata=[("authorization", f"Bearer {API_KEY}")]))
+            list(stub.Generate(pb.GenerateRequest(prompt=""), timeout=30, metadata=AUTH))
         assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in empty.value.details()
-        info = stub.GetInfo(pb.GetInfoRequest(), timeout=30, metadata=[("authorization", f"Bearer {API_KEY}")])
+        info = stub.GetInfo(pb.GetInfoRequest(), timeout=30, metadata=AUTH)
         assert info.block_size == 16
 
 
