@@ -55,7 +55,7 @@ class UpstreamError(Exception):
 @dataclass(frozen=True, slots=True)
 class RoutingSettings:
     mode: str = "prefix"  # "prefix" (affinity weighed against load) or "round-robin"
-    request_cost_tokens: int = 256  # one active request, priced in prefill tokens (routing.RoutingPolicy)
+    request_cost_tokens: int = 64  # one active request, priced in prefill tokens (routing.RoutingPolicy)
 
 
 class Dispatcher:
@@ -87,7 +87,12 @@ class Dispatcher:
             address = round_robin([w.address for w in workers], next(self._counter))
         else:
             candidates = [
-                Candidate(w.address, self.table.num_matched_blocks(prefix_hashes, w.address), w.num_active_requests)
+                Candidate(
+                    w.address,
+                    self.table.num_matched_blocks(prefix_hashes, w.address),
+                    w.num_active_requests,
+                    w.num_queued_prefill_tokens,
+                )
                 for w in workers
             ]
             policy = RoutingPolicy(max(self.block_size(), 1), self.settings.request_cost_tokens)
@@ -99,6 +104,7 @@ class Dispatcher:
         self,
         request: pb.GenerateRequest,
         prefix_hashes: tuple[int, ...],
+        num_prompt_tokens: int,
         metadata: Sequence[tuple[str, str]] = (),
         timeout_s: float | None = None,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
@@ -119,12 +125,16 @@ class Dispatcher:
             self.metrics.routed(worker.address, matched > 0)
             self.table.record(prefix_hashes, worker.address)
             relayed = False
+            queued = max(0, num_prompt_tokens - matched * self.block_size())  # prefill ahead, until the 1st message
             worker.num_in_flight += 1
+            worker.num_queued_prefill_tokens += queued
             self.live[request.request_id] = worker.address
             call = worker.stub.Generate(request, metadata=[*self.pool.metadata, *metadata], timeout=timeout_s)
             try:
                 async for message in call:
-                    relayed = True
+                    if not relayed:
+                        relayed = True
+                        worker.num_queued_prefill_tokens -= queued
                     yield message
                 return
             except grpc.aio.AioRpcError as exc:
@@ -139,4 +149,6 @@ class Dispatcher:
             finally:
                 call.cancel()  # no-op when finished; aborts the worker's request when the consumer left
                 worker.num_in_flight -= 1
+                if not relayed:
+                    worker.num_queued_prefill_tokens -= queued
                 self.live.pop(request.request_id, None)

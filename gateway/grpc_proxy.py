@@ -55,12 +55,11 @@ class GenerationProxy(pb_grpc.GenerationServicer):
             )
         return metadata
 
-    def _prefix(self, request: pb.GenerateRequest) -> tuple[int, ...]:
+    def _prompt(self, request: pb.GenerateRequest) -> list[int] | str:
+        """The prompt as routing sees it: token ids when known (sent, or tokenized here), else text."""
         if request.WhichOneof("input") == "prompt_token_ids":
-            return self.dispatcher.prefix_hashes(list(request.prompt_token_ids.ids))
-        if self.tokenizer is not None:
-            return self.dispatcher.prefix_hashes(self.tokenizer.encode(request.prompt))
-        return self.dispatcher.prefix_hashes(request.prompt)
+            return list(request.prompt_token_ids.ids)
+        return self.tokenizer.encode(request.prompt) if self.tokenizer is not None else request.prompt
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         metadata = await self._check_key(context)
@@ -72,7 +71,9 @@ class GenerationProxy(pb_grpc.GenerationServicer):
         ):
             carrier: dict[str, str] = {}
             propagate.inject(carrier)
-            stream = self.dispatcher.generate(request, self._prefix(request), list(carrier.items()), timeout_s)
+            prompt = self._prompt(request)
+            prefix = self.dispatcher.prefix_hashes(prompt)
+            stream = self.dispatcher.generate(request, prefix, len(prompt), list(carrier.items()), timeout_s)
             status = "OK"
             try:
                 async with contextlib.aclosing(stream):

@@ -139,12 +139,15 @@ class Generation:
         self,
         request: pb.GenerateRequest,
         prefix: tuple[int, ...],
+        num_prompt_tokens: int,
         queue: asyncio.Queue[Any],
         index: int,
         metadata: list[tuple[str, str]],
     ) -> None:
         try:
-            stream = self.gateway.dispatcher.generate(request, prefix, metadata, self.gateway.request_timeout_s)
+            stream = self.gateway.dispatcher.generate(
+                request, prefix, num_prompt_tokens, metadata, self.gateway.request_timeout_s
+            )
             async with contextlib.aclosing(stream):
                 async for message in stream:
                     await queue.put((index, message))
@@ -160,7 +163,7 @@ class Generation:
         propagate.inject(carrier)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks = [
-            asyncio.create_task(self.run_choice(r, prefix, queue, i, list(carrier.items())))
+            asyncio.create_task(self.run_choice(r, prefix, len(prompt), queue, i, list(carrier.items())))
             for i, r in enumerate(generate_requests(self.api, prompt))
         ]
         remaining = len(tasks)

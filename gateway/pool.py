@@ -45,6 +45,7 @@ class WorkerState:
     health: health_pb2_grpc.HealthStub
     is_ready: bool = False
     num_in_flight: int = 0  # requests the gateway has open on it now
+    num_queued_prefill_tokens: int = 0  # estimated prompt tokens of those, not yet streaming
     num_other_active: int = 0  # running + waiting at the last poll, less the gateway's own then
     info: pb.GetInfoResponse | None = None
 

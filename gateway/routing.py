@@ -2,13 +2,18 @@
 
 The cost of sending a request to a worker is counted in prompt tokens of work:
 
-    cost(worker) = uncached_tokens(worker) + active_requests(worker) * request_cost_tokens
+    cost(worker) = uncached_tokens(worker) + queued_prefill_tokens(worker)
+                   + active_requests(worker) * request_cost_tokens
 
 where uncached_tokens is the prompt part the worker would have to prefill (its leading blocks that
-the gateway last sent to that worker count as cached) and request_cost_tokens prices one request
-already running or waiting there. The cheapest worker wins; ties go to the highest rendezvous weight
-of (prefix key, worker), so equal workers split distinct prefixes evenly and a given prefix keeps
-choosing the same worker while loads are equal."""
+the gateway last sent to that worker count as cached), queued_prefill_tokens the prefill still ahead
+of it there (requests sent but not yet streaming), and request_cost_tokens prices each request
+running or waiting there (a decode slows every step a little). A prefix sticks to its worker until
+the wait there costs more than computing the prefix elsewhere.
+
+The cheapest worker wins; ties go to the highest rendezvous weight of (prefix key, worker), so equal
+workers split distinct prefixes evenly and a given prefix keeps choosing the same worker while loads
+are equal."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ class Candidate:
     address: str  # host:port of the worker
     num_matched_blocks: int  # leading prompt blocks last sent to this worker (assumed cached there)
     num_active_requests: int  # requests running or waiting on it
+    num_queued_prefill_tokens: int = 0  # prompt tokens sent to it and not yet prefilled (estimated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +41,7 @@ class RoutingPolicy:
     """The weights of the cost function."""
 
     block_size_tokens: int  # tokens per prefix block (the workers' cache grid)
-    request_cost_tokens: int = 256  # one active request, priced in prefill tokens
+    request_cost_tokens: int = 64  # one active request, priced in prefill tokens
     prefix_aware: bool = True  # False: cached blocks are ignored (load and rendezvous only)
 
 
@@ -70,7 +76,7 @@ def cost_tokens(candidate: Candidate, num_prompt_blocks: int, policy: RoutingPol
     """Prefill tokens this worker would compute plus its load priced in tokens (see the module note)."""
     matched = min(candidate.num_matched_blocks, num_prompt_blocks) if policy.prefix_aware else 0
     uncached = (num_prompt_blocks - matched) * policy.block_size_tokens
-    return uncached + candidate.num_active_requests * policy.request_cost_tokens
+    return uncached + candidate.num_queued_prefill_tokens + candidate.num_active_requests * policy.request_cost_tokens
 
 
 def choose_worker(

@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-cost-tokens",
         type=int,
-        default=256,
+        default=64,
         help="routing: one active request on a worker weighs as much as this many uncached prompt tokens",
     )
     parser.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body, MiB")

@@ -26,7 +26,10 @@ policies = st.builds(RoutingPolicy, block_size_tokens=st.sampled_from([1, 16, 25
 def routing_cases(draw):
     names = draw(addresses)
     num_blocks = draw(st.integers(0, 64))
-    candidates = [Candidate(a, draw(st.integers(0, num_blocks)), draw(st.integers(0, 50))) for a in names]
+    candidates = [
+        Candidate(a, draw(st.integers(0, num_blocks)), draw(st.integers(0, 50)), draw(st.integers(0, 10_000)))
+        for a in names
+    ]
     return candidates, num_blocks, draw(st.integers(0, 2**64)), draw(policies)
 
 
@@ -126,3 +129,15 @@ def test_prefix_table_stays_bounded(max_entries):
         table.record(list(range(start, start + 10)), "a:1")
     assert len(table) <= max_entries
     assert table.num_matched_blocks(list(range(190, 200))[-min(max_entries, 10) :], "a:1") >= 1
+
+
+@given(routing_cases(), st.integers(1, 64))
+def test_a_prefix_sticks_until_the_queue_there_costs_more_than_its_prefill(case, num_blocks):
+    candidates, _, key, policy = case
+    assume(len(candidates) > 1 and policy.prefix_aware)
+    saved = num_blocks * policy.block_size_tokens
+    idle = Candidate(candidates[1].address, 0, 0)
+    shorter = Candidate(candidates[0].address, num_blocks, 0, saved - 1)
+    longer = Candidate(candidates[0].address, num_blocks, 0, saved + 1)
+    assert choose_worker([shorter, idle], key, num_blocks, policy) == shorter.address
+    assert choose_worker([longer, idle], key, num_blocks, policy) == idle.address
