@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
+import resource
 import sys
 import tempfile
 import threading
@@ -102,23 +104,26 @@ def run_http_load(
     lock = threading.Lock()
     next_index = [0]
 
-    def client() -> None:
-        with httpx.Client(timeout=600) as http:
-            while True:
-                with lock:
-                    index = next_index[0]
-                    next_index[0] += 1
-                if index >= len(prompts):
-                    return
-                results[index] = http_request(http, url, prompts[index], max_tokens)
+    def client(http: httpx.Client) -> None:
+        while True:
+            with lock:
+                index = next_index[0]
+                next_index[0] += 1
+            if index >= len(prompts):
+                return
+            results[index] = http_request(http, url, prompts[index], max_tokens)
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    # Made before the clock starts: an httpx client builds an SSL context, tens of milliseconds each.
+    https = [httpx.Client(timeout=600) for _ in range(clients)]
+    threads = [threading.Thread(target=client, args=(h,), daemon=True) for h in https]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wall_s = time.perf_counter() - start
+    for http in https:
+        http.close()
     done = [r if r is not None else HttpResult(RequestResult(ok=False, error="not sent"), 0) for r in results]
     return summarize([r.result for r in done], clients, wall_s), done
 
@@ -211,6 +216,17 @@ class Stack:
         stop_all(list(reversed(self.children)), 15.0)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
@@ -218,39 +234,50 @@ def _ms(seconds: float | None) -> str:
 def overhead(model_dir: Path, args: argparse.Namespace) -> None:
     prompts = make_prompts(args.requests, 16, 128, ModelSpec().vocab_size, seed=1)
     stack = Stack(model_dir, 1, ["--max-num-seqs", str(args.clients)], routing="prefix")
-    runs: dict[str, list[LoadSummary]] = {"direct gRPC": [], "gateway gRPC": [], "gateway HTTP": []}
+    names = ("direct gRPC", "gateway gRPC", "gateway HTTP")
+    runs: dict[str, list[LoadSummary]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in names}  # worker, gateway, client seconds
+    pids = (stack.workers[0].proc.pid, stack.gateway.proc.pid) if stack.gateway is not None else ()
     try:
         run_load(stack.worker_addresses[0], prompts[:8], 8, 4)  # warm-up
-        order = list(runs) + list(reversed(runs))  # A B C C B A: drift cancels in the mean
+        order = [*names, *reversed(names)]  # A B C C B A: drift cancels in the mean
         for _ in range(args.rounds):
             for name in order:
+                before = [*(cpu_seconds(p) for p in pids), own_cpu_seconds()]
                 if name == "direct gRPC":
                     summary = run_load(stack.worker_addresses[0], prompts, args.clients, args.max_tokens)
                 elif name == "gateway gRPC":
                     summary = run_load(stack.grpc_address, prompts, args.clients, args.max_tokens)
                 else:
                     summary, _ = run_http_load(stack.http_url, prompts, args.clients, args.max_tokens)
+                after = [*(cpu_seconds(p) for p in pids), own_cpu_seconds()]
+                cpu[name] = [c + a - b for c, a, b in zip(cpu[name], after, before, strict=True)]
                 runs[name].append(summary)
     finally:
         stack.stop()
     print(
         f"\n== gateway overhead: 1 worker, {args.clients} closed-loop clients, {args.requests} requests per run,"
-        f" {args.max_tokens} tokens each, {len(runs['direct gRPC'])} runs per path (order A B C C B A) =="
+        f" {args.max_tokens} tokens each, {len(runs[names[0]])} runs per path (order A B C C B A) =="
     )
     print(
-        f"{'path':<14}{'tok/s':>9}{'vs direct':>11}{'TTFT p50 ms':>13}{'vs direct':>11}{'TTFT p95 ms':>13}{'failed':>8}"
+        f"{'path':<14}{'tok/s':>9}{'vs direct':>11}{'TTFT p50 ms':>13}{'vs direct':>11}{'TTFT p95 ms':>13}"
+        f"{'failed':>8}   CPU s per 1k tokens: worker / gateway / client"
     )
-    base_tps = sum(s.output_tokens_per_s for s in runs["direct gRPC"]) / len(runs["direct gRPC"])
-    base_ttft = sum(s.ttft_p50_s or 0 for s in runs["direct gRPC"]) / len(runs["direct gRPC"])
+    base_tps = sum(s.output_tokens_per_s for s in runs[names[0]]) / len(runs[names[0]])
+    base_ttft = sum(s.ttft_p50_s or 0 for s in runs[names[0]]) / len(runs[names[0]])
     for name, summaries in runs.items():
         tps = sum(s.output_tokens_per_s for s in summaries) / len(summaries)
         p50 = sum(s.ttft_p50_s or 0 for s in summaries) / len(summaries)
         p95 = sum(s.ttft_p95_s or 0 for s in summaries) / len(summaries)
         failed = sum(s.requests_failed for s in summaries)
+        per_k = " / ".join(f"{c * 1000 / max(1, sum(s.output_tokens for s in summaries)):.2f}" for c in cpu[name])
         print(
             f"{name:<14}{tps:>9.1f}{tps / base_tps:>10.3f}x{p50 * 1000:>13.1f}{(p50 - base_ttft) * 1000:>+10.1f}ms"
-            f"{p95 * 1000:>13.1f}{failed:>8}"
+            f"{p95 * 1000:>13.1f}{failed:>8}   {per_k}"
         )
+    errors = {e for summaries in runs.values() for s in summaries for e in s.errors}
+    for error in sorted(errors):
+        print(f"error: {error}")
 
 
 def shared_prefix_prompts(args: argparse.Namespace) -> list[list[int]]:

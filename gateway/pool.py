@@ -3,9 +3,10 @@
 `--workers` lists addresses; a host name that resolves to several addresses (a compose service, a
 Kubernetes headless service) stands for one worker per address, re-resolved every
 `resolve_interval_s`. Every `poll_interval_s` each worker is asked for its readiness
-(grpc.health.v1, the empty service name) and its load (GetInfo: running + waiting); a worker that
-does not answer within `poll_timeout_s`, or whose call fails with UNAVAILABLE, is out of rotation at
-once and back when a poll succeeds again. Runs on the gateway's event loop only."""
+(grpc.health.v1, the empty service name) and its load (GetInfo: running + waiting). A worker that
+cannot be reached (UNAVAILABLE: dead, refused, reset) or says it is not serving is out of rotation at
+once; one that is only slow to answer (a busy worker answers late) is out after `max_slow_polls`
+polls in a row time out. Either is back when a poll succeeds again. Runs on the gateway's event loop only."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class WorkerState:
     num_in_flight: int = 0  # requests the gateway has open on it now
     num_queued_prefill_tokens: int = 0  # estimated prompt tokens of those, not yet streaming
     num_other_active: int = 0  # running + waiting at the last poll, less the gateway's own then
+    num_slow_polls: int = 0  # polls in a row that timed out
     info: pb.GetInfoResponse | None = None
 
     @property
@@ -80,7 +82,8 @@ def _join(host: str, port: int) -> str:
 class WorkerPool:
     specs: Sequence[str]  # the --workers entries, HOST:PORT each
     poll_interval_s: float = 0.25
-    poll_timeout_s: float = 0.5
+    poll_timeout_s: float = 1.0
+    max_slow_polls: int = 3
     resolve_interval_s: float = 5.0
     metadata: tuple[tuple[str, str], ...] = ()  # sent on every call (a worker API key)
     on_down: Callable[[str], None] | None = None  # called when a worker leaves the rotation
@@ -185,8 +188,12 @@ class WorkerPool:
                 return
             info = await worker.stub.GetInfo(pb.GetInfoRequest(), timeout=self.poll_timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
-            self.mark_down(worker.address, f"{exc.code().name}: {exc.details()}")
+            slow = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            worker.num_slow_polls = worker.num_slow_polls + 1 if slow else 0
+            if not slow or worker.num_slow_polls >= self.max_slow_polls:
+                self.mark_down(worker.address, f"{exc.code().name}: {exc.details()}")
             return
+        worker.num_slow_polls = 0
         worker.info = info
         worker.num_other_active = max(0, int(info.num_running + info.num_waiting) - worker.num_in_flight)
         if not worker.is_ready:
