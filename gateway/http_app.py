@@ -247,6 +247,8 @@ def generation_handler(kind: str) -> Callable[[web.Request], Awaitable[web.Strea
         with _traced(gateway, request) as span:
             api = parse(await read_json(request))
             served = gateway.served_model()
+            if not served:  # no worker has answered yet, so the model's name is not known
+                raise api_errors.unavailable("no worker is ready yet; retry shortly")
             if api.model != served:
                 raise api_errors.not_found(
                     f"the model '{api.model}' does not exist; this server serves '{served}'", "model", "model_not_found"
@@ -317,6 +319,9 @@ async def errors_and_auth(
         response = error_response(
             ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}", "invalid_request_error")
         )
+    except Exception as exc:  # a bug: still OpenAI's shape, and a traceback in the log
+        log.exception("internal error in %s %s", request.method, request.path)
+        response = error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
     gateway.metrics.finished(route, response.status)
     return response
 

@@ -18,6 +18,7 @@ MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings, as OpenAI
 MAX_TOP_LOGPROBS = 20  # the workers' limit
 OPENAI_COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+MAX_TOKEN_ID = 2**31  # token ids travel as int32; the worker checks them against its vocabulary
 
 _COMMON = frozenset(
     {
@@ -221,6 +222,9 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
             raise bad_request("'prompt' is empty", "prompt", "invalid_value")
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise bad_request(f"'prompt' holds the token id {bad}, not a valid id", "prompt", "invalid_value")
         return tuple(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise bad_request(

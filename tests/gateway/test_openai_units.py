@@ -208,3 +208,8 @@ def test_api_keys(tmp_path):
     assert bearer_token("Basic alpha") is None and bearer_token("") is None
     assert is_authorized(keys, "Bearer beta") and not is_authorized(keys, "Bearer gamma")
     assert not is_authorized(keys, None) and is_authorized(frozenset(), None)
+
+
+def test_token_id_prompts_must_fit_the_wire():
+    for bad in ([-1], [2**31], [3, 2**40]):
+        assert rejected(parse_completion, {"model": "m", "prompt": bad}).param == "prompt"
