@@ -317,12 +317,12 @@ def routing(model_dir: Path, args: argparse.Namespace) -> None:
         hit = sum(r.cached_tokens for r in ok) / max(1, sum(r.result.prompt_tokens for r in ok))
         hits = sum(r.cached_tokens > 0 for r in ok)
         rows.append((name, hit, hits, len(ok), summary, "/".join(f"{c:.0f}" for c in split)))
-    blocks = args.checkpoint_slots // max(1, args.system_len // args.block_size)
     print(
         f"\n== shared-prefix routing: {args.system_prompts} system prompts of {args.system_len} tokens,"
         f" {args.questions} questions of 8-24 tokens, {args.routing_clients} clients,"
         f" {args.routing_max_tokens} tokens each; block {args.block_size}, {args.checkpoint_slots} checkpoint"
-        f" slots per worker (about {blocks} system prompts) =="
+        f" slots per worker (a cached prefix holds one: {args.checkpoint_slots} of the {args.system_prompts}"
+        f" system prompts fit) =="
     )
     print(
         f"{'configuration':<26}{'hit rate':>9}{'requests hit':>14}{'TTFT p50 ms':>13}{'TTFT p95 ms':>13}"
@@ -355,7 +355,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--routing-clients", type=int, default=8)
     parser.add_argument("--routing-max-tokens", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--checkpoint-slots", type=int, default=20, help="per worker; 5 per 1500-token prompt")
+    parser.add_argument(
+        "--checkpoint-slots",
+        type=int,
+        default=4,
+        help="per worker; a cached prompt holds one (at its last block boundary)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.clients, args.requests, args.max_tokens = 8, 16, 8

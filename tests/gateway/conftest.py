@@ -53,7 +53,7 @@ def scheduler() -> Iterator[ServerProcess]:
         yield proc
 
 
-def worker_args(model_dir: Path, scheduler_address: str, port: int) -> list[str]:
+def worker_args(model_dir: Path, scheduler_address: str, port: int, *extra: str) -> list[str]:
     return [
         "worker",
         "--model",
@@ -76,11 +76,13 @@ def worker_args(model_dir: Path, scheduler_address: str, port: int) -> list[str]
         "64",
         "--max-queue-len",
         "64",
+        *extra,
     ]
 
 
-def start_worker(model_dir: Path, scheduler_address: str, port: int) -> ServerProcess:
-    return ServerProcess(worker_args(model_dir, scheduler_address, port), timeout_s=120)
+def start_worker(model_dir: Path, scheduler_address: str, port: int, *extra: str) -> ServerProcess:
+    """A worker; flags in `extra` override the defaults above (argparse keeps the last)."""
+    return ServerProcess(worker_args(model_dir, scheduler_address, port, *extra), timeout_s=120)
 
 
 def start_gateway(workers: list[str], model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> ServerProcess:

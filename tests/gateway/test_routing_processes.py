@@ -11,10 +11,13 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import openai
 import pytest
 
 from hybridserve.children import free_port
+from hybridserve.v1 import generation_pb2 as pb
+from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.gateway.conftest import MODEL_NAME, Stack, generated_tokens, start_gateway, start_worker, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -155,3 +158,32 @@ def test_kill_9_a_worker_mid_run_then_it_comes_back(routed, client, model_dir):
         list(pool.map(lambda i: complete(client, f"After the restart, prompt {i} {i * 31337}", 12), range(6)))
     deltas = [a - b for a, b in zip(tokens_by_worker(routed), before, strict=True)]
     assert min(deltas) > 0, deltas
+
+
+def test_a_full_queue_everywhere_is_a_429(model_dir, scheduler):
+    worker = start_worker(model_dir, scheduler.address, free_port(), "--max-num-seqs", "1", "--max-queue-len", "1")
+    gateway = start_gateway([worker.address], model_dir)
+    try:
+        wait_ready(gateway, 1)
+        client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
+        running = StreamWatch(client, "The one running request", 400)
+        while running.chunks == 0 and running.error is None:
+            time.sleep(0.02)
+        waiting = StreamWatch(client, "The one waiting request", 4)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with grpc.insecure_channel(worker.address) as channel:
+                info = pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest(), timeout=10)
+            if info.num_waiting == 1:
+                break
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError) as exc:
+            complete(client, "One too many", 4)
+        assert exc.value.status_code == 429 and "queue is full" in exc.value.message
+        assert exc.value.body["code"] == "queue_full"
+        running.join()
+        waiting.join()
+        assert running.error is None and waiting.error is None and waiting.finish_reason == "length"
+    finally:
+        gateway.stop()
+        worker.stop()
