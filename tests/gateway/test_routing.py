@@ -115,10 +115,12 @@ def test_prefix_table_matches_the_recorded_run(hashes, cut):
     table.record(hashes[:cut], "a:1")
     assert table.num_matched_blocks(hashes, "a:1") == min(cut, len(hashes))
     assert table.num_matched_blocks(hashes, "b:2") == 0
-    table.record(hashes, "b:2")
-    assert table.num_matched_blocks(hashes, "a:1") == min(cut, len(hashes))  # both hold the shared part
-    table.forget("a:1")
+    table.record(hashes, "b:2")  # the prefix moved: one owner per block
     assert table.num_matched_blocks(hashes, "a:1") == 0 and table.num_matched_blocks(hashes, "b:2") == len(hashes)
+    table.forget("a:1")
+    assert table.num_matched_blocks(hashes, "b:2") == len(hashes)
+    table.forget("b:2")
+    assert table.num_matched_blocks(hashes, "b:2") == 0 and len(table) == 0
 
 
 @settings(max_examples=50)
