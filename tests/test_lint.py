@@ -1,4 +1,4 @@
-"""Ruff over the tree and mypy (strict on hybridserve, scheduler_svc and cache_svc; pyproject.toml)."""
+"""Ruff over the tree and mypy (strict on hybridserve, scheduler_svc, cache_svc and gateway; pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -24,5 +24,5 @@ def test_ruff_clean():
 
 @pytest.mark.slow
 def test_mypy_clean():
-    result = run("mypy", "scheduler_svc", "hybridserve", "cache_svc")
+    result = run("mypy", "scheduler_svc", "hybridserve", "cache_svc", "gateway")
     assert result.returncode == 0, result.stdout + result.stderr

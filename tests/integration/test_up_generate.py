@@ -113,9 +113,11 @@ def assert_gone(pids: dict[str, int], output: str) -> None:
 @needs_worker
 def test_up_generate_and_stop(venv: Path, home: Path):
     up = UpProcess([str(venv / "bin" / "hybridserve"), "up", "--home", str(home), "--scheduler-port", "0",
-                    "--worker-port", "0", "--cache-port", "0"])  # fmt: skip
+                    "--worker-port", "0", "--cache-port", "0", "--gateway-port", "0",
+                    "--gateway-grpc-port", "0"])  # fmt: skip
     try:
         endpoints = up.endpoints(START_TIMEOUT_S)
+        assert re.search(r"hybridserve is up:\n\s+gateway\s", "".join(up.out)), up.text  # the front door first
         assert (home / "models" / "default" / "config.json").is_file()
         generate = [str(venv / "bin" / "hybridserve"), "generate", "--worker", endpoints["worker"]]
         result = subprocess.run([*generate, "Hello", "--max-tokens", "8"], capture_output=True, text=True, timeout=120)
@@ -133,13 +135,14 @@ def test_up_generate_and_stop(venv: Path, home: Path):
         code = up.stop()
     assert code == 0, up.text
     pids = up.child_pids()
-    assert {"scheduler", "worker", "cache", "redis"} <= set(pids), up.text
+    assert {"gateway", "scheduler", "worker", "cache", "redis"} <= set(pids), up.text
     assert_gone(pids, up.text)
 
 
 def test_a_worker_that_dies_stops_the_stack(home: Path):
     command = [sys.executable, "-m", "hybridserve.cli", "up", "--home", str(home), "--scheduler-port", "0",
-               "--worker-port", "0", "--no-cache", "--", "--no-such-worker-flag"]  # fmt: skip
+               "--worker-port", "0", "--gateway-port", "0", "--gateway-grpc-port", "0", "--no-cache", "--",
+               "--no-such-worker-flag"]  # fmt: skip
     up = UpProcess(command)
     try:
         code = up.proc.wait(START_TIMEOUT_S)

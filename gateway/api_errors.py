@@ -1,0 +1,69 @@
+"""Errors of the OpenAI HTTP API: an HTTP status and OpenAI's body shape,
+`{"error": {"message", "type", "param", "code"}}`. Pure: no web framework here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    """An error the client is shown as is; raise one of the constructors below."""
+
+    def __init__(
+        self, status: int, message: str, error_type: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """400: the request can never succeed as sent."""
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def unsupported(field: str, why: str = "") -> ApiError:
+    """400 for a field this server does not implement: refused, never silently ignored."""
+    detail = f": {why}" if why else ""
+    return bad_request(
+        f"'{field}' is not supported by this server{detail}; remove it from the request", field, "unsupported_parameter"
+    )
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, "invalid_request_error", None, "invalid_api_key")
+
+
+def not_found(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(404, message, "invalid_request_error", param, code)
+
+
+def too_large(max_bytes: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body is larger than this server's limit of {max_bytes} bytes",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
+
+
+def overloaded(message: str) -> ApiError:
+    """429: every worker's queue is full; the same request may succeed later."""
+    return ApiError(429, message, "rate_limit_error", None, "queue_full")
+
+
+def unavailable(message: str) -> ApiError:
+    """503: no worker can serve now (none ready, or each one failed)."""
+    return ApiError(503, message, "server_error", None, "service_unavailable")
+
+
+def upstream_failed(message: str) -> ApiError:
+    """502-like failure after generation began; OpenAI clients treat any 5xx as retryable, so 503."""
+    return ApiError(503, message, "server_error", None, "worker_failed")

@@ -1,0 +1,103 @@
+"""Chat messages -> prompt text with the model's Jinja chat template, rendered as transformers renders
+it (`apply_chat_template`): a sandboxed environment with trim_blocks and lstrip_blocks, the
+loopcontrols extension, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text, and
+the special tokens of tokenizer_config.json as variables (`bos_token`, `eos_token`, ...)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway.api_errors import bad_request
+from gateway.openai_request import Message
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+
+
+class TemplateError(Exception):
+    """The template cannot be loaded (a deployment problem, reported at start-up)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _template_source(raw: Any) -> str | None:
+    """`chat_template` is a string, or a list of {"name", "template"} of which "default" is used."""
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list):
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        chosen = named.get("default")
+        return chosen if isinstance(chosen, str) else None
+    return None
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    template: jinja2.Template
+    special_tokens: dict[str, str]  # bos_token, eos_token, ... as the template sees them
+
+    @staticmethod
+    def compile(source: str, special_tokens: dict[str, str]) -> ChatTemplate:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            return ChatTemplate(env.from_string(source), dict(special_tokens))
+        except jinja2.exceptions.TemplateError as exc:
+            raise TemplateError(f"the chat template does not compile: {exc}") from exc
+
+    def render(self, messages: Sequence[Message]) -> str:
+        """The prompt for these messages, ending with the assistant's turn opened."""
+        data = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return self.template.render(
+                messages=data, add_generation_prompt=True, tools=None, documents=None, **self.special_tokens
+            )
+        except jinja2.exceptions.TemplateError as exc:  # raise_exception() in the template: the messages' fault
+            raise bad_request(f"the chat template refused these messages: {exc}", "messages") from exc
+
+
+def load_chat_template(model_dir: Path | None, override: Path | None = None) -> ChatTemplate | None:
+    """The template of `override` (a Jinja file) or of model_dir/tokenizer_config.json's
+    `chat_template` (or model_dir/chat_template.jinja); None when there is none."""
+    config: dict[str, Any] = {}
+    if model_dir is not None and (model_dir / "tokenizer_config.json").is_file():
+        try:
+            config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise TemplateError(f"{model_dir / 'tokenizer_config.json'} is not readable JSON: {exc}") from exc
+    specials = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name))) is not None}
+    if override is not None:
+        return ChatTemplate.compile(override.read_text(), specials)
+    source = _template_source(config.get("chat_template"))
+    if source is None and model_dir is not None and (model_dir / "chat_template.jinja").is_file():
+        source = (model_dir / "chat_template.jinja").read_text()
+    return None if source is None else ChatTemplate.compile(source, specials)

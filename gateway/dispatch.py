@@ -1,0 +1,154 @@
+"""Sends one generation to a worker: choose (routing.py), call, relay; retry elsewhere on failure
+before the first message.
+
+A worker that fails before it streamed anything (UNAVAILABLE: dead or unreachable; RESOURCE_EXHAUSTED:
+its queue is full; INTERNAL, UNKNOWN, ABORTED) is tried no more for this request, and the next best
+worker gets it: the client never sees the failure. A request refused as invalid is not retried. After
+the first message, a failure ends the request with `UpstreamError(after_first_message=True)`: the
+tokens already relayed cannot be taken back. Cancelling the consumer cancels the worker call, which
+aborts the request on the worker at once."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.affinity import PrefixTable
+from gateway.metrics import GatewayMetrics
+from gateway.pool import WorkerPool, WorkerState
+from gateway.routing import Candidate, RoutingPolicy, choose_worker, prefix_block_hashes, round_robin
+from hybridserve.v1 import generation_pb2 as pb
+
+log = logging.getLogger("hybridserve.gateway.dispatch")
+
+RETRY_ON = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+
+class NoWorkerError(Exception):
+    """No worker is ready (or every one was tried)."""
+
+
+class UpstreamError(Exception):
+    """A worker ended the call with a status; `after_first_message` says whether output was relayed."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, address: str, after_first_message: bool) -> None:
+        super().__init__(f"worker {address}: {code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.address = address
+        self.after_first_message = after_first_message
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    mode: str = "prefix"  # "prefix" (affinity weighed against load) or "round-robin"
+    request_cost_tokens: int = 64  # one active request, priced in prefill tokens (routing.RoutingPolicy)
+
+
+class Dispatcher:
+    def __init__(
+        self, pool: WorkerPool, table: PrefixTable, settings: RoutingSettings, metrics: GatewayMetrics
+    ) -> None:
+        self.pool = pool
+        self.table = table
+        self.settings = settings
+        self.metrics = metrics
+        self.live: dict[str, str] = {}  # request id -> worker address, while the call runs
+        self._counter = itertools.count()
+
+    def block_size(self) -> int:
+        """The workers' cache grid, from the first ready worker's GetInfo (0 when unknown)."""
+        for worker in self.pool.ready():
+            if worker.info is not None and worker.info.block_size > 0:
+                return int(worker.info.block_size)
+        return 0
+
+    def prefix_hashes(self, prompt: Sequence[int] | str) -> tuple[int, ...]:
+        return prefix_block_hashes(prompt, self.block_size())
+
+    def choose(self, prefix_hashes: tuple[int, ...], excluded: set[str]) -> WorkerState:
+        workers = [w for w in self.pool.ready() if w.address not in excluded]
+        if not workers:
+            raise NoWorkerError("no worker is ready" if not excluded else "every ready worker failed this request")
+        if self.settings.mode == "round-robin":
+            address = round_robin([w.address for w in workers], next(self._counter))
+        else:
+            candidates = [
+                Candidate(
+                    w.address,
+                    self.table.num_matched_blocks(prefix_hashes, w.address),
+                    w.num_active_requests,
+                    w.num_queued_prefill_tokens,
+                )
+                for w in workers
+            ]
+            policy = RoutingPolicy(max(self.block_size(), 1), self.settings.request_cost_tokens)
+            key = prefix_hashes[0] if prefix_hashes else next(self._counter)
+            address = choose_worker(candidates, key, len(prefix_hashes), policy)
+        return self.pool.workers[address]
+
+    async def generate(
+        self,
+        request: pb.GenerateRequest,
+        prefix_hashes: tuple[int, ...],
+        num_prompt_tokens: int,
+        metadata: Sequence[tuple[str, str]] = (),
+        timeout_s: float | None = None,
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The worker's messages for `request` (its request_id set here when empty)."""
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        tried: set[str] = set()
+        last_error: UpstreamError | None = None
+        while True:
+            try:
+                worker = self.choose(prefix_hashes, tried)
+            except NoWorkerError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            tried.add(worker.address)
+            matched = self.table.num_matched_blocks(prefix_hashes, worker.address)
+            self.metrics.routed(worker.address, matched > 0)
+            self.table.record(prefix_hashes, worker.address)
+            relayed = False
+            queued = max(0, num_prompt_tokens - matched * self.block_size())  # prefill ahead, until the 1st message
+            worker.num_in_flight += 1
+            worker.num_queued_prefill_tokens += queued
+            self.live[request.request_id] = worker.address
+            call = worker.stub.Generate(request, metadata=[*self.pool.metadata, *metadata], timeout=timeout_s)
+            try:
+                async for message in call:
+                    if not relayed:
+                        relayed = True
+                        worker.num_queued_prefill_tokens -= queued
+                    yield message
+                return
+            except grpc.aio.AioRpcError as exc:
+                error = UpstreamError(exc.code(), exc.details() or "", worker.address, relayed)
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.pool.mark_down(worker.address, f"Generate failed: {exc.details()}")
+                if relayed or exc.code() not in RETRY_ON:
+                    raise error from None
+                log.info("retrying request %s elsewhere: %s", request.request_id, error)
+                self.metrics.retried(exc.code().name)
+                last_error = error
+            finally:
+                call.cancel()  # no-op when finished; aborts the worker's request when the consumer left
+                worker.num_in_flight -= 1
+                if not relayed:
+                    worker.num_queued_prefill_tokens -= queued
+                self.live.pop(request.request_id, None)

@@ -1,0 +1,152 @@
+"""The Generation gRPC API, proxied: a gRPC client needs only the gateway's address.
+
+Generate is routed and retried as the HTTP API is (dispatch.py); a worker's own status (for example
+INVALID_ARGUMENT) reaches the client unchanged. Abort goes to the worker serving that request id.
+GetInfo answers with a ready worker's info, its load summed over all ready workers. The server
+offers grpc.health.v1 (ready while some worker is) and reflection, as every server does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer  # grpc_health.v1.health.aio, importable by name
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
+
+from gateway.auth import is_authorized
+from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
+from gateway.metrics import GatewayMetrics
+from gateway.tokens import GatewayTokenizer
+from hybridserve import telemetry
+from hybridserve.v1 import generation_pb2 as pb
+from hybridserve.v1 import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger("hybridserve.gateway.grpc")
+
+_FORWARDED_METADATA = ("traceparent", "tracestate", "baggage")
+
+
+class GenerationProxy(pb_grpc.GenerationServicer):
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        metrics: GatewayMetrics,
+        api_keys: frozenset[str],
+        tokenizer: GatewayTokenizer | None,
+        timeout_s: float,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.api_keys = api_keys
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+
+    async def _check_key(self, context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, str]:
+        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        if not is_authorized(self.api_keys, metadata.get("authorization")):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key; send authorization: Bearer KEY"
+            )
+        return metadata
+
+    def _prompt(self, request: pb.GenerateRequest) -> list[int] | str:
+        """The prompt as routing sees it: token ids when known (sent, or tokenized here), else text."""
+        if request.WhichOneof("input") == "prompt_token_ids":
+            return list(request.prompt_token_ids.ids)
+        return self.tokenizer.encode(request.prompt) if self.tokenizer is not None else request.prompt
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        metadata = await self._check_key(context)
+        remaining = context.time_remaining()
+        timeout_s = self.timeout_s if remaining is None else min(remaining, self.timeout_s)
+        tracer = telemetry.get_tracer()
+        with tracer.start_as_current_span(
+            "hybridserve.v1.Generation/Generate", context=propagate.extract(metadata), kind=SpanKind.SERVER
+        ):
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            prompt = self._prompt(request)
+            prefix = self.dispatcher.prefix_hashes(prompt)
+            stream = self.dispatcher.generate(request, prefix, len(prompt), list(carrier.items()), timeout_s)
+            status = "OK"
+            try:
+                async with contextlib.aclosing(stream):
+                    async for message in stream:
+                        yield message
+            except UpstreamError as exc:
+                status = exc.code.name
+                await context.abort(exc.code, exc.details if not exc.after_first_message else str(exc))
+            except NoWorkerError as exc:
+                status = "UNAVAILABLE"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker can serve this request now: {exc}")
+            finally:
+                self.metrics.finished("grpc Generate", status)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AbortResponse:
+        await self._check_key(context)
+        address = self.dispatcher.live.get(request.request_id)
+        worker = self.dispatcher.pool.workers.get(address or "")
+        if worker is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request with id {request.request_id!r}")
+        assert worker is not None
+        try:
+            response: pb.AbortResponse = await worker.stub.Abort(
+                request, timeout=5.0, metadata=self.dispatcher.pool.metadata
+            )
+            return response
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+            raise
+
+    async def GetInfo(
+        self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetInfoResponse:
+        await self._check_key(context)
+        ready = [w for w in self.dispatcher.pool.ready() if w.info is not None]
+        if not ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        info = pb.GetInfoResponse()
+        assert ready[0].info is not None
+        info.CopyFrom(ready[0].info)
+        info.num_running = sum(w.info.num_running for w in ready if w.info is not None)
+        info.num_waiting = sum(w.info.num_waiting for w in ready if w.info is not None)
+        return info
+
+
+async def watch_readiness(dispatcher: Dispatcher, servicer: HealthServicer, interval_s: float) -> None:
+    """The gateway is ready (grpc.health.v1, empty name) while at least one worker is."""
+    last = None
+    while True:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if dispatcher.pool.ready()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        if status != last:
+            for name in ("", "readiness", pb.DESCRIPTOR.services_by_name["Generation"].full_name):
+                await servicer.set(name, status)
+            last = status
+        await asyncio.sleep(interval_s)
+
+
+def create_grpc_server(proxy: GenerationProxy, host: str, port: int) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(proxy, server)  # type: ignore[no-untyped-call]
+    health_servicer = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [
+        pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    ]
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return server, bound, health_servicer

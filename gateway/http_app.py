@@ -1,0 +1,344 @@
+"""The OpenAI HTTP API on aiohttp: /v1/completions, /v1/chat/completions (JSON or server-sent
+events), /v1/models, and /health, /ready, /metrics.
+
+Every error leaves as OpenAI's body shape with its status (api_errors.py). A client that disconnects
+cancels its handler (the runner is built with handler_cancellation), which cancels the worker calls:
+the worker aborts the request at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from aiohttp import web
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from gateway import api_errors
+from gateway.api_errors import ApiError
+from gateway.auth import is_authorized
+from gateway.chat_template import ChatTemplate
+from gateway.convert import generate_requests
+from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
+from gateway.metrics import GatewayMetrics
+from gateway.openai_request import ApiRequest, parse_chat, parse_completion
+from gateway.openai_response import ChoiceState, envelope, final_body, new_id, total_usage
+from gateway.tokens import GatewayTokenizer, token_id_text
+from hybridserve import telemetry
+from hybridserve.v1 import generation_pb2 as pb
+
+log = logging.getLogger("hybridserve.gateway.http")
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+_DONE = object()  # a choice's stream ended
+
+
+@dataclass
+class Gateway:
+    """Everything the handlers share; built once by server.py."""
+
+    dispatcher: Dispatcher
+    metrics: GatewayMetrics
+    api_keys: frozenset[str]
+    model_name: str  # served under this name ("" = the workers' GetInfo model)
+    tokenizer: GatewayTokenizer | None
+    chat_template: ChatTemplate | None
+    request_timeout_s: float
+
+    def served_model(self) -> str:
+        if self.model_name:
+            return self.model_name
+        for worker in self.dispatcher.pool.workers.values():
+            if worker.info is not None and worker.info.model:
+                return str(worker.info.model)
+        return ""
+
+
+def upstream_to_api(exc: UpstreamError | NoWorkerError) -> ApiError:
+    """A worker's (or the router's) failure as the client sees it."""
+    if isinstance(exc, NoWorkerError):
+        return api_errors.unavailable(f"no worker can serve this request now: {exc}")
+    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+        return api_errors.bad_request(exc.details)
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return api_errors.overloaded(f"every worker's queue is full; retry later ({exc.details})")
+    if exc.after_first_message:
+        return api_errors.upstream_failed(f"the worker serving this request failed during generation: {exc}")
+    return api_errors.unavailable(f"no worker could serve this request: {exc}")
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise api_errors.too_large(request.app["max_body_bytes"]) from None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise api_errors.bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _traced(gateway: Gateway, request: web.Request) -> Any:
+    """The request's SERVER span, the root of its trace unless the client sent a traceparent."""
+    return telemetry.get_tracer().start_as_current_span(
+        f"{request.method} {request.path}",
+        context=propagate.extract(dict(request.headers)),
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": request.method, "url.path": request.path},
+        record_exception=False,
+    )
+
+
+class Generation:
+    """One /v1/completions or /v1/chat/completions request: n choices, each a worker call."""
+
+    def __init__(self, gateway: Gateway, api: ApiRequest, started_s: float) -> None:
+        self.gateway = gateway
+        self.api = api
+        self.started_s = started_s
+        self.response_id = new_id(api.kind)
+        self.model = api.model
+        token_text = gateway.tokenizer.token_text if gateway.tokenizer is not None else token_id_text
+        # completions: `logprobs: k` asks for k alternatives per token (0 too); chat: top_logprobs
+        with_top = api.logprobs if api.kind == "completion" else api.top_logprobs > 0
+        self.choices = [ChoiceState(i, api.kind, api.logprobs, with_top, token_text) for i in range(api.n)]
+        self.first_token = False
+
+    def prompt(self) -> str | tuple[int, ...] | list[int]:
+        api, gateway = self.api, self.gateway
+        text = api.prompt
+        if api.kind == "chat":
+            if gateway.chat_template is None:
+                raise api_errors.bad_request(
+                    "this model has no chat template (tokenizer_config.json has no 'chat_template'); use"
+                    " /v1/completions, or start the gateway with --chat-template FILE",
+                    "messages",
+                    "no_chat_template",
+                )
+            text = gateway.chat_template.render(api.messages)
+        if isinstance(text, str) and gateway.tokenizer is not None:
+            return gateway.tokenizer.encode(text)
+        return text
+
+    async def run_choice(
+        self,
+        request: pb.GenerateRequest,
+        prefix: tuple[int, ...],
+        num_prompt_tokens: int,
+        queue: asyncio.Queue[Any],
+        index: int,
+        metadata: list[tuple[str, str]],
+    ) -> None:
+        try:
+            stream = self.gateway.dispatcher.generate(
+                request, prefix, num_prompt_tokens, metadata, self.gateway.request_timeout_s
+            )
+            async with contextlib.aclosing(stream):
+                async for message in stream:
+                    await queue.put((index, message))
+            await queue.put((index, _DONE))
+        except (UpstreamError, NoWorkerError) as exc:
+            await queue.put((index, exc))
+
+    async def events(self) -> Any:
+        """(choice index, worker message) pairs from all choices as they come; raises ApiError."""
+        prompt = self.prompt()
+        prefix = self.gateway.dispatcher.prefix_hashes(prompt)
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        tasks = [
+            asyncio.create_task(self.run_choice(r, prefix, len(prompt), queue, i, list(carrier.items())))
+            for i, r in enumerate(generate_requests(self.api, prompt))
+        ]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                    if self.choices[index].finish_reason is None:
+                        raise api_errors.upstream_failed("the worker aborted this request before it finished")
+                elif isinstance(item, UpstreamError | NoWorkerError):
+                    raise upstream_to_api(item)
+                else:
+                    if not self.first_token:
+                        self.first_token = True
+                        self.gateway.metrics.ttft_seconds.observe(time.perf_counter() - self.started_s)
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def record_usage(self) -> dict[str, Any]:
+        usage = total_usage([c.usage for c in self.choices if c.usage is not None])
+        self.gateway.metrics.usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+        span = trace.get_current_span()
+        span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
+        span.set_attribute("hybridserve.cached_tokens", usage.cached_tokens)
+        return usage.to_json()
+
+    async def respond_json(self) -> web.Response:
+        async with contextlib.aclosing(self.events()) as events:
+            async for index, message in events:
+                self.choices[index].apply(message)
+        body = final_body(self.api.kind, self.response_id, self.model, self.choices)
+        self.record_usage()
+        return web.json_response(body)
+
+    async def respond_stream(self, request: web.Request) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        created = int(time.time())
+        async with contextlib.aclosing(self.events()) as events:
+            try:
+                async for index, message in events:
+                    chunk = envelope(self.api.kind, self.response_id, self.model, created, chunk=True)
+                    chunk["choices"] = [self.choices[index].apply(message)]
+                    if self.api.include_usage:
+                        chunk["usage"] = None
+                    if response is None:  # errors before the first token still get their HTTP status
+                        response = web.StreamResponse(
+                            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                        )
+                        await response.prepare(request)
+                    await response.write(_sse(chunk))
+            except ApiError as exc:
+                if response is None:
+                    raise
+                log.warning("stream %s ended with an error: %s", self.response_id, exc.message)
+                await response.write(_sse(exc.body()))
+                return response
+        assert response is not None  # a finished choice sent at least its last message
+        if self.api.include_usage:
+            chunk = envelope(self.api.kind, self.response_id, self.model, created, chunk=True)
+            chunk["choices"] = []
+            chunk["usage"] = self.record_usage()
+            await response.write(_sse(chunk))
+        else:
+            self.record_usage()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def generation_handler(kind: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    parse = parse_chat if kind == "chat" else parse_completion
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        gateway: Gateway = request.app["gateway"]
+        started_s = time.perf_counter()
+        with _traced(gateway, request) as span:
+            api = parse(await read_json(request))
+            served = gateway.served_model()
+            if not served:  # no worker has answered yet, so the model's name is not known
+                raise api_errors.unavailable("no worker is ready yet; retry shortly")
+            if api.model != served:
+                raise api_errors.not_found(
+                    f"the model '{api.model}' does not exist; this server serves '{served}'", "model", "model_not_found"
+                )
+            span.set_attribute("gen_ai.request.model", api.model)
+            span.set_attribute("gen_ai.operation.name", "chat" if kind == "chat" else "text_completion")
+            gateway.metrics.in_flight.inc()
+            try:
+                generation = Generation(gateway, api, started_s)
+                if api.stream:
+                    return await generation.respond_stream(request)
+                return await generation.respond_json()
+            except ApiError as exc:
+                span.set_status(Status(StatusCode.ERROR, exc.message))
+                raise
+            finally:
+                gateway.metrics.in_flight.dec()
+
+    return handle
+
+
+async def list_models(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app["gateway"]
+    served = gateway.served_model()
+    models = [{"id": served, "object": "model", "created": 0, "owned_by": "hybridserve"}] if served else []
+    name = request.match_info.get("model")
+    if name is not None:
+        if name != served:
+            raise api_errors.not_found(f"the model '{name}' does not exist", "model", "model_not_found")
+        return web.json_response(models[0])
+    return web.json_response({"object": "list", "data": models})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app["gateway"]
+    workers = gateway.dispatcher.pool.workers.values()
+    body = {"ready": any(w.is_ready for w in workers), "workers": {w.address: w.is_ready for w in workers}}
+    return web.json_response(body, status=200 if body["ready"] else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app["gateway"]
+    gateway.metrics.workers_ready.set(len(gateway.dispatcher.pool.ready()))
+    return web.Response(body=gateway.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+@web.middleware
+async def errors_and_auth(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Authentication, OpenAI-shaped errors for everything (including 404/405 of unknown routes), and
+    the request counter."""
+    gateway: Gateway = request.app["gateway"]
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    try:
+        if request.path not in OPEN_PATHS and not _authorized(gateway, request):
+            raise api_errors.unauthorized("missing or wrong API key; send 'Authorization: Bearer KEY'")
+        response = await handler(request)
+    except ApiError as exc:
+        response = error_response(exc)
+    except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method, ...
+        if exc.status < 400:
+            raise
+        response = error_response(
+            ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}", "invalid_request_error")
+        )
+    except Exception as exc:  # a bug: still OpenAI's shape, and a traceback in the log
+        log.exception("internal error in %s %s", request.method, request.path)
+        response = error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+    gateway.metrics.finished(route, response.status)
+    return response
+
+
+def _authorized(gateway: Gateway, request: web.Request) -> bool:
+    return is_authorized(gateway.api_keys, request.headers.get("Authorization"))
+
+
+def build_app(gateway: Gateway, max_body_bytes: int) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_and_auth])
+    app["gateway"] = gateway
+    app["max_body_bytes"] = max_body_bytes
+    app.router.add_post("/v1/completions", generation_handler("completion"))
+    app.router.add_post("/v1/chat/completions", generation_handler("chat"))
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    return app

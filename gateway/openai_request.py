@@ -1,0 +1,305 @@
+"""The OpenAI request bodies, validated into one frozen `ApiRequest`. Pure: JSON in, dataclass out,
+`ApiError` (400) with the offending field named for anything else.
+
+Fields we do not implement are refused (400 naming the field) unless they hold their no-op value
+(`presence_penalty: 0`, `tools: []`, `echo: false`, ...), which some clients always send. Fields
+OpenAI does not know are refused as OpenAI refuses them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.api_errors import bad_request, unsupported
+
+MAX_N = 16  # choices per request
+MAX_STOP = 4  # stop strings, as OpenAI
+MAX_TOP_LOGPROBS = 20  # the workers' limit
+OPENAI_COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+MAX_TOKEN_ID = 2**31  # token ids travel as int32; the worker checks them against its vocabulary
+
+_COMMON = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "seed",
+        "user",
+        "logprobs",
+        "top_k",
+        "ignore_eos",
+    }
+)
+_COMPLETION = _COMMON | {"prompt"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+
+# field -> values that mean "off" (accepted and ignored, since they change nothing)
+_NO_OP: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},),
+    "store": (False,),
+    "metadata": ({},),
+    "modalities": (["text"],),
+    "service_tier": ("auto", "default"),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "min_p": (0, 0.0),
+}
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """One validated /v1/completions or /v1/chat/completions request."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompt: str | tuple[int, ...]  # completions: text or token ids; chat: "" (rendered from messages)
+    messages: tuple[Message, ...]  # chat only
+    max_tokens: int  # 0 = the worker's default
+    temperature: float  # 0 = greedy
+    top_p: float  # 1 = off
+    top_k: int  # 0 = off (an extension beside OpenAI's fields)
+    seed: int | None
+    stop: tuple[str, ...]
+    n: int  # choices
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    logprobs: bool  # return the chosen tokens' log-probabilities
+    top_logprobs: int  # alternatives per token, 0..MAX_TOP_LOGPROBS
+    ignore_eos: bool  # an extension: generate max_tokens even past EOS (benchmarks)
+
+
+def _fail_type(name: str, expected: str, value: Any) -> Exception:
+    return bad_request(f"'{name}' must be {expected}, got {type(value).__name__} {value!r:.60}", name, "invalid_type")
+
+
+def _int(body: Mapping[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail_type(name, "an integer", value)
+    if not low <= value <= high:
+        raise bad_request(f"'{name}' must be in [{low}, {high}], got {value}", name, "invalid_value")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _fail_type(name, "a number", value)
+    if not low <= value <= high:
+        raise bad_request(f"'{name}' must be in [{low:g}, {high:g}], got {value}", name, "invalid_value")
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _fail_type(name, "a boolean", value)
+    return value
+
+
+def check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    """Refuses unimplemented fields (unless at their no-op value) and fields OpenAI does not know."""
+    for name, value in body.items():
+        if name in allowed:
+            continue
+        if name in _NO_OP:
+            if value is None or value in _NO_OP[name]:
+                continue
+            raise unsupported(name)
+        raise bad_request(f"unrecognized request argument supplied: '{name}'", name, "unknown_parameter")
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _fail_type("stop", "a string or a list of strings", value)
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"'stop' holds {len(stops)} strings; at most {MAX_STOP} are allowed", "stop")
+    if any(s == "" for s in stops):
+        raise bad_request("'stop' holds an empty string", "stop", "invalid_value")
+    return tuple(stops)
+
+
+def _model(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("'model' is required; GET /v1/models lists the served model", "model", "missing_required")
+    if not isinstance(model, str):
+        raise _fail_type("model", "a string", model)
+    return model
+
+
+def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(options, dict):
+        raise _fail_type("stream_options", "an object", options)
+    check_fields(options, frozenset({"include_usage", "continuous_usage_stats"}))
+    if options.get("continuous_usage_stats"):
+        raise unsupported("stream_options.continuous_usage_stats")
+    return _bool(options, "include_usage", False)
+
+
+def _common(
+    body: Mapping[str, Any],
+    kind: str,
+    prompt: str | tuple[int, ...],
+    messages: tuple[Message, ...],
+    max_tokens: int,
+    logprobs: bool,
+    top_logprobs: int,
+) -> ApiRequest:
+    stream = _bool(body, "stream", False)
+    seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+    return ApiRequest(
+        kind=kind,
+        model=_model(body),
+        prompt=prompt,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_int(body, "top_k", 0, -1, 1 << 20) or 0,
+        seed=seed,
+        stop=_stop(body),
+        n=_int(body, "n", 1, 1, MAX_N) or 1,
+        stream=stream,
+        include_usage=_include_usage(body, stream),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        ignore_eos=_bool(body, "ignore_eos", False),
+    )
+
+
+def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("'prompt' is required", "prompt", "missing_required")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' is empty", "prompt", "invalid_value")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise bad_request(f"'prompt' holds the token id {bad}, not a valid id", "prompt", "invalid_value")
+        return tuple(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise bad_request(
+            "a batch of several prompts is not supported; send one prompt per request"
+            " (use 'n' for several completions of one prompt)",
+            "prompt",
+        )
+    raise _fail_type("prompt", "a string or a non-empty list of token ids", prompt)
+
+
+def parse_completion(body: Any) -> ApiRequest:
+    """POST /v1/completions."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    check_fields(body, _COMPLETION)
+    logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    max_tokens = _int(body, "max_tokens", OPENAI_COMPLETION_DEFAULT_MAX_TOKENS, 1, 1 << 30)
+    return _common(body, "completion", _prompt(body), (), max_tokens or 0, logprobs is not None, logprobs or 0)
+
+
+def _content(value: Any, index: int) -> str:
+    """A message's content: a string, or a list of text parts (other part types are refused)."""
+    name = f"messages[{index}].content"
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _fail_type(name, "a string or a list of content parts", value)
+    texts = []
+    for part in value:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise _fail_type(name, "a list of content parts ({'type': 'text', 'text': ...})", part)
+        if part["type"] != "text":
+            raise unsupported(f"{name} part of type '{part['type']}'", "only text parts are served")
+        if not isinstance(part.get("text"), str):
+            raise _fail_type(f"{name}.text", "a string", part.get("text"))
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
+    raw = body.get("messages")
+    if raw is None:
+        raise bad_request("'messages' is required", "messages", "missing_required")
+    if not isinstance(raw, list) or not raw:
+        raise _fail_type("messages", "a non-empty list of messages", raw)
+    messages = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise _fail_type(f"messages[{i}]", "an object", item)
+        role = item.get("role")
+        if role not in _CHAT_ROLES:
+            raise bad_request(
+                f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {role!r:.40}",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
+        for key in item:
+            if key not in ("role", "content", "name"):
+                raise unsupported(f"messages[{i}].{key}")
+        messages.append(Message(role=str(role), content=_content(item.get("content"), i)))
+    return tuple(messages)
+
+
+def parse_chat(body: Any) -> ApiRequest:
+    """POST /v1/chat/completions."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    check_fields(body, _CHAT)
+    max_tokens = _int(body, "max_completion_tokens", None, 1, 1 << 30)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 0, 1, 1 << 30)
+    logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
+    if top and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return _common(body, "chat", "", _messages(body), max_tokens or 0, logprobs, top)

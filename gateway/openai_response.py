@@ -1,0 +1,193 @@
+"""Worker messages -> OpenAI response bodies and stream chunks. Pure: no I/O, no framework.
+
+A worker streams `GenerateResponse` messages (new token ids, their log-probabilities, new text, and on
+the last one finish_reason and usage). One `ChoiceState` per choice accumulates them into the
+non-streaming body or turns each into one stream chunk."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridserve.v1 import generation_pb2 as pb
+
+TokenText = Callable[[int], str]  # token id -> its text (as decoded alone)
+
+
+def openai_finish_reason(reason: int) -> str | None:
+    """The worker's finish reason (a `pb.FinishReason`) in OpenAI's words: the token budget ran out
+    -> "length"; a stop string or the end-of-sequence token -> "stop". Anything else (an aborted or
+    failed request) is not a normal end: None, and the caller reports an error instead of a choice."""
+    if reason == pb.FINISH_REASON_LENGTH:
+        return "length"
+    if reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_EOS):
+        return "stop"
+    return None
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class UsageCount:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a worker's prefix cache
+    completion_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def total_usage(usages: Sequence[UsageCount]) -> UsageCount:
+    """n choices of one prompt: the prompt counted once (as OpenAI does), completions summed."""
+    if not usages:
+        return UsageCount()
+    return UsageCount(usages[0].prompt_tokens, usages[0].cached_tokens, sum(u.completion_tokens for u in usages))
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(msg: pb.GenerateResponse, token_text: TokenText) -> list[dict[str, Any]]:
+    """OpenAI chat `logprobs.content` entries of this message's tokens."""
+    entries = []
+    for i, (token_id, logprob) in enumerate(zip(msg.token_ids, msg.logprobs, strict=False)):
+        top = msg.top_logprobs[i] if i < len(msg.top_logprobs) else None
+        alternatives = (
+            []
+            if top is None
+            else [
+                {"token": token_text(t), "logprob": lp, "bytes": _bytes(token_text(t))}
+                for t, lp in zip(top.token_ids, top.logprobs, strict=False)
+            ]
+        )
+        text = token_text(token_id)
+        entries.append({"token": text, "logprob": logprob, "bytes": _bytes(text), "top_logprobs": alternatives})
+    return entries
+
+
+@dataclass(slots=True)
+class CompletionLogprobs:
+    """OpenAI completions `logprobs` (parallel lists); text_offset counts characters of token texts."""
+
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    offset: int = 0  # characters of the completion so far
+
+    def add(self, msg: pb.GenerateResponse, token_text: TokenText, with_top: bool) -> CompletionLogprobs:
+        """Appends this message's tokens; returns a CompletionLogprobs of just them (for a chunk)."""
+        part = CompletionLogprobs(offset=self.offset)
+        for i, (token_id, logprob) in enumerate(zip(msg.token_ids, msg.logprobs, strict=False)):
+            text = token_text(token_id)
+            part.tokens.append(text)
+            part.token_logprobs.append(logprob)
+            part.text_offset.append(part.offset)
+            part.offset += len(text)
+            if with_top:
+                top = msg.top_logprobs[i] if i < len(msg.top_logprobs) else None
+                pairs = () if top is None else zip(top.token_ids, top.logprobs, strict=False)
+                part.top_logprobs.append({token_text(t): lp for t, lp in pairs})
+        self.tokens += part.tokens
+        self.token_logprobs += part.token_logprobs
+        self.top_logprobs += part.top_logprobs
+        self.text_offset += part.text_offset
+        self.offset = part.offset
+        return part
+
+    def to_json(self, with_top: bool) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs if with_top else None,
+            "text_offset": self.text_offset,
+        }
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice's text, log-probabilities, finish reason and usage, as messages arrive."""
+
+    index: int
+    kind: str  # "completion" or "chat"
+    want_logprobs: bool
+    with_top: bool
+    token_text: TokenText
+    text: list[str] = field(default_factory=list)
+    completion_logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    chat_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: UsageCount | None = None
+    sent_role: bool = False
+
+    def apply(self, msg: pb.GenerateResponse) -> dict[str, Any]:
+        """Takes one worker message; returns this choice's stream chunk entry for it."""
+        self.text.append(msg.text)
+        entry: dict[str, Any] = {"index": self.index}
+        logprobs: Any = None
+        if self.want_logprobs and self.kind == "chat":
+            content = chat_logprobs(msg, self.token_text)
+            self.chat_logprobs += content
+            logprobs = {"content": content, "refusal": None}
+        elif self.want_logprobs:
+            logprobs = self.completion_logprobs.add(msg, self.token_text, self.with_top).to_json(self.with_top)
+        if msg.finish_reason:
+            self.finish_reason = openai_finish_reason(msg.finish_reason)
+            u = msg.usage
+            self.usage = UsageCount(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"content": msg.text} if msg.text or not msg.finish_reason else {}
+            if not self.sent_role:
+                delta = {"role": "assistant", "content": msg.text}
+                self.sent_role = True
+            entry["delta"] = delta
+        else:
+            entry["text"] = msg.text
+        entry["logprobs"] = logprobs
+        entry["finish_reason"] = self.finish_reason
+        return entry
+
+    def final_json(self) -> dict[str, Any]:
+        """This choice in the non-streaming body."""
+        text = "".join(self.text)
+        logprobs: Any = None
+        if self.want_logprobs and self.kind == "chat":
+            logprobs = {"content": self.chat_logprobs, "refusal": None}
+        elif self.want_logprobs:
+            logprobs = self.completion_logprobs.to_json(self.with_top)
+        if self.kind == "chat":
+            message = {"role": "assistant", "content": text, "refusal": None}
+            return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+
+
+def envelope(
+    kind: str, response_id: str, model: str, created: int | None = None, chunk: bool = False
+) -> dict[str, Any]:
+    """The fields every body and chunk starts with."""
+    obj = ("chat.completion.chunk" if chunk else "chat.completion") if kind == "chat" else "text_completion"
+    return {
+        "id": response_id,
+        "object": obj,
+        "created": created or int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+    }
+
+
+def final_body(kind: str, response_id: str, model: str, choices: Sequence[ChoiceState]) -> dict[str, Any]:
+    body = envelope(kind, response_id, model)
+    body["choices"] = [c.final_json() for c in choices]
+    body["usage"] = total_usage([c.usage for c in choices if c.usage is not None]).to_json()
+    return body

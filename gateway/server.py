@@ -1,0 +1,200 @@
+"""`hybridserve gateway`: the OpenAI HTTP API and the proxied gRPC Generation API in front of workers.
+
+    hybridserve gateway --workers HOST:PORT[,HOST:PORT...] [--port 8000] [--grpc-port 50050]
+                        [--model DIR] [--api-key-file FILE] [--routing prefix|round-robin]
+
+Prints `listening on HOST:PORT` (HTTP) first, then `grpc listening on HOST:PORT`. SIGTERM or Ctrl-C:
+readiness turns NOT_SERVING, calls in flight get --grace-s to finish, then the process exits 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.affinity import PrefixTable
+from gateway.auth import load_keys
+from gateway.chat_template import ChatTemplate, TemplateError, load_chat_template
+from gateway.dispatch import Dispatcher, RoutingSettings
+from gateway.grpc_proxy import GenerationProxy, create_grpc_server, watch_readiness
+from gateway.http_app import Gateway, build_app
+from gateway.metrics import GatewayMetrics
+from gateway.pool import WorkerPool, split_host_port
+from gateway.tokens import GatewayTokenizer
+from hybridserve import telemetry
+from hybridserve.settings import (
+    API_KEYS_ENV,
+    Flag,
+    add_settings_arguments,
+    env_name,
+    secret_from_env,
+    settings_from_args,
+)
+
+log = logging.getLogger("hybridserve.gateway")
+
+SERVICE = "GATEWAY"  # HYBRIDSERVE_GATEWAY_<FIELD>
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """The gateway's flags, or HYBRIDSERVE_GATEWAY_<FIELD> variables (hybridserve/settings.py)."""
+
+    workers: str = ""  # HOST:PORT[,HOST:PORT...]; a name may resolve to several workers (required)
+    host: str = "127.0.0.1"  # bind address
+    port: int = 8000  # HTTP; 0 = a free port
+    grpc_port: int = 50050  # the proxied Generation API; 0 = a free port
+    model: Path | None = None  # the workers' model folder: tokenizer.json and the chat template
+    served_model_name: str = ""  # the name clients send; "" = the workers' model name
+    chat_template: Path | None = None  # a Jinja template file overriding the model's
+    api_key_file: Path | None = None  # accepted API keys, one per line
+    routing: str = "prefix"  # "prefix" (affinity weighed against load) or "round-robin" (the baseline)
+    request_cost_tokens: int = 64  # one active request on a worker, priced in uncached prompt tokens
+    max_body_bytes: int = 16 << 20  # largest request body
+    request_timeout_s: float = 600.0  # longest a request may run
+    poll_interval_s: float = 0.25  # worker health and load poll period
+    grace_s: float = 5.0  # on SIGTERM, time for calls in flight
+
+
+FLAGS = {
+    "workers": Flag("worker addresses, comma separated; a name may resolve to several", metavar="HOST:PORT[,...]"),
+    "host": Flag("bind address"),
+    "port": Flag("HTTP; 0 = a free port"),
+    "grpc_port": Flag("the proxied gRPC Generation API; 0 = a free port"),
+    "model": Flag("the workers' model folder: its tokenizer (prefix routing, logprob tokens) and chat template",
+                  metavar="DIR"),  # fmt: skip
+    "served_model_name": Flag("the model name clients send (default: the workers' model name)"),
+    "chat_template": Flag("a Jinja chat template file", metavar="FILE"),
+    "api_key_file": Flag(f"accepted API keys, one per line (or {API_KEYS_ENV}, comma separated)", metavar="FILE"),
+    "routing": Flag("prefix: affinity weighed against load; round-robin: the baseline"),
+    "request_cost_tokens": Flag("routing: one active request weighs as much as this many uncached prompt tokens"),
+    "max_body_bytes": Flag("largest request body, MiB", name="--max-body-mb", scale=1 << 20),
+    "request_timeout_s": Flag("longest a request may run"),
+    "poll_interval_s": Flag("worker health and load poll period"),
+    "grace_s": Flag("on SIGTERM, time for calls in flight"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything the gateway runs on, built once at start-up from its settings and secrets."""
+
+    workers: tuple[str, ...]  # HOST:PORT each; a name may resolve to several workers
+    host: str
+    port: int  # HTTP; 0 = a free port
+    grpc_port: int  # the proxied Generation API; 0 = a free port
+    model_dir: Path | None  # tokenizer.json and the chat template
+    served_model_name: str  # "" = the workers' model name
+    chat_template: Path | None  # overrides the model's template
+    api_keys: frozenset[str]
+    worker_api_key: str  # sent to the workers when they require a key
+    routing: RoutingSettings
+    max_body_bytes: int
+    request_timeout_s: float
+    poll_interval_s: float
+    grace_s: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser, GatewaySettings, SERVICE, flags=FLAGS)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    settings = settings_from_args(GatewaySettings, args)
+    workers = tuple(a.strip() for a in settings.workers.split(",") if a.strip())
+    if not workers:
+        raise SystemExit(f"--workers HOST:PORT[,HOST:PORT] is required (or {env_name(SERVICE, 'workers')})")
+    try:
+        for address in workers:
+            split_host_port(address)
+    except ValueError as exc:
+        raise SystemExit(f"--workers: {exc}") from None
+    if settings.routing not in ("prefix", "round-robin"):
+        raise SystemExit(f"--routing {settings.routing!r}: use prefix or round-robin")
+    if settings.request_cost_tokens < 0 or settings.max_body_bytes <= 0 or settings.poll_interval_s <= 0:
+        raise SystemExit("--request-cost-tokens must be >= 0; --max-body-mb and --poll-interval-s > 0")
+    try:
+        keys = load_keys(settings.api_key_file, secret_from_env(API_KEYS_ENV))
+    except OSError as exc:
+        raise SystemExit(f"--api-key-file: {exc}") from None
+    return GatewayConfig(
+        workers=workers,
+        host=settings.host,
+        port=settings.port,
+        grpc_port=settings.grpc_port,
+        model_dir=settings.model,
+        served_model_name=settings.served_model_name,
+        chat_template=settings.chat_template,
+        api_keys=keys,
+        worker_api_key=secret_from_env(env_name(SERVICE, "worker_api_key")) or "",
+        routing=RoutingSettings(settings.routing, settings.request_cost_tokens),
+        max_body_bytes=settings.max_body_bytes,
+        request_timeout_s=settings.request_timeout_s,
+        poll_interval_s=settings.poll_interval_s,
+        grace_s=settings.grace_s,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    try:
+        template = load_chat_template(config.model_dir, config.chat_template)
+    except (TemplateError, OSError) as exc:
+        raise SystemExit(f"chat template: {exc}") from None
+    if template is None:
+        log.warning("no chat template (give --model DIR or --chat-template FILE): /v1/chat/completions answers 400")
+    stop_tracing = telemetry.setup_tracing("hybridserve-gateway")
+    try:
+        asyncio.run(serve(config, template))
+    finally:
+        stop_tracing()
+    return 0
+
+
+async def serve(config: GatewayConfig, template: ChatTemplate | None) -> None:
+    metrics = GatewayMetrics()
+    table = PrefixTable()
+    metadata = (("authorization", f"Bearer {config.worker_api_key}"),) if config.worker_api_key else ()
+    pool = WorkerPool(config.workers, poll_interval_s=config.poll_interval_s, metadata=metadata, on_down=table.forget)
+    await pool.start()
+    dispatcher = Dispatcher(pool, table, config.routing, metrics)
+    tokenizer = GatewayTokenizer.from_model_dir(config.model_dir)
+    gateway = Gateway(
+        dispatcher, metrics, config.api_keys, config.served_model_name, tokenizer, template, config.request_timeout_s
+    )
+    runner = web.AppRunner(build_app(gateway, config.max_body_bytes), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=False)
+    await site.start()
+    http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    print(f"listening on {config.host}:{http_port}", flush=True)
+    proxy = GenerationProxy(dispatcher, metrics, config.api_keys, tokenizer, config.request_timeout_s)
+    grpc_server, grpc_port, health_servicer = create_grpc_server(proxy, config.host, config.grpc_port)
+    await grpc_server.start()
+    print(f"grpc listening on {config.host}:{grpc_port}", flush=True)
+    log.info("routing %s over %s", config.routing.mode, ", ".join(config.workers))
+    readiness = asyncio.create_task(watch_readiness(dispatcher, health_servicer, config.poll_interval_s))
+    await _until_signal()
+    log.info("shutting down")
+    readiness.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await readiness
+    await health_servicer.enter_graceful_shutdown()
+    await grpc_server.stop(config.grace_s)
+    await runner.cleanup()
+    await pool.close()
+    log.info("stopped")
+
+
+async def _until_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
