@@ -29,8 +29,8 @@ class Router(nn.Module):
         return self._sigmoid_grouped(x, self.bias)
 
     def _softmax_topk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Granite: top-k of the logits, then a softmax over just those k."""
-        logits = F.linear(x, self.weight).float()  # [T, E]
+        """Granite: top-k of the logits, then a softmax over just those k (float32 whatever the model dtype)."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
         top, index = logits.topk(self.moe.top_k, dim=-1)
         return torch.softmax(top, dim=-1), index
 

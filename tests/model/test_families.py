@@ -186,3 +186,22 @@ def test_init_model_writes_each_family(tmp_path: Path, arch: str, moe: bool, cap
 def test_init_model_rejects_moe_for_bamba(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="--moe needs"):
         init_model.write_random_checkpoint(tmp_path / "x", init_model.ModelSpec(moe=True))
+
+
+def test_nemotron_mtp_weights_and_model_prefix_are_accepted(checkpoints, tmp_path: Path) -> None:
+    """A checkpoint with multi-token-prediction layers (not served: their weights are skipped) and the
+    `model.` prefix transformers uses in memory loads and gives the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    hf, path = checkpoints["nemotron_moe"]
+    variant = tmp_path / "mtp"
+    shutil.copytree(path, variant)
+    tensors = {k.replace("backbone.", "model.", 1): v for k, v in load_file(str(path / "model.safetensors")).items()}
+    tensors["mtp.layers.0.norm.weight"] = torch.ones(hf.config.hidden_size)
+    save_file(tensors, str(variant / "model.safetensors"))
+    raw = json.loads((variant / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (variant / "config.json").write_text(json.dumps(raw))
+    ids = _prompt(hf.config.vocab_size, 20, 8)
+    got = run_schedule(make_runner(variant), ids, [20])
+    assert (got - hf_logits(hf, ids)).abs().max().item() <= TOL
