@@ -79,15 +79,21 @@ def run_vllm(python: Path, model: Path, prompts: list[list[int]], max_tokens: in
     job.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
                                "max_model_len": max_len}))  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log.open("w") as err:
-        done = subprocess.run([str(python), __file__, "--vllm-side", str(job)], stdout=subprocess.PIPE, stderr=err,
+    with log.open("w") as out:
+        done = subprocess.run([str(python), __file__, "--vllm-side", str(job)], stdout=out, stderr=subprocess.STDOUT,
                               text=True, env=env, timeout=VLLM_TIMEOUT_S, check=False)  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = log.read_text().strip().splitlines()[-15:]
-        raise RuntimeError(f"vLLM exited with {done.returncode}:\n    " + "\n    ".join(tail))
-    result: dict[str, Any] = json.loads(lines[-1])
+    lines = log.read_text().splitlines()
+    results = [line for line in lines if line.startswith("{")]
+    if done.returncode != 0 or not results:
+        raise RuntimeError(f"vLLM exited with {done.returncode}: {root_cause(lines)}")
+    result: dict[str, Any] = json.loads(results[-1])
     return result
+
+
+def root_cause(lines: list[str]) -> str:
+    """The first exception message in vLLM's log (its engine processes log theirs before the generic one)."""
+    errors = [line.split("] ", 1)[-1].strip() for line in lines if "Error: " in line or "Exception: " in line]
+    return errors[0] if errors else (lines[-1] if lines else "no output")
 
 
 def hybridserve_tokens(address: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -160,16 +166,19 @@ def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: st
     print(f"\n== {label}: blocks {letters} (M Mamba2, * attention, - MLP, E MoE), hidden {args.hidden_size}, "
           f"vocab {args.vocab_size} ==", flush=True)  # fmt: skip
     try:
-        theirs = run_vllm(vllm, model, prompts, args.max_tokens, tmp / f"{label}-vllm.log")
+        theirs: dict[str, Any] | None = run_vllm(vllm, model, prompts, args.max_tokens, tmp / f"{label}-vllm.log")
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"vLLM could not serve it: {exc}", flush=True)
-        return
+        theirs = None
     ours, ours_tps = run_hybridserve(model, scheduler, prompts, args.max_tokens)
-    vllm_tps = args.requests * args.max_tokens / theirs["wall_s"]
-    print(f"same greedy tokens: {compare(ours, theirs['tokens'])} requests identical", flush=True)
     print(f"{'side':<13}{'out tok/s':>11}{'ratio':>8}{'vLLM load s':>13}")
-    print(f"{'hybridserve':<13}{ours_tps:>11.1f}{ours_tps / vllm_tps:>7.2f}x{'':>13}")
-    print(f"{'vLLM':<13}{vllm_tps:>11.1f}{'1.00x':>8}{theirs['load_s']:>13.1f}", flush=True)
+    if theirs is None:
+        print(f"{'hybridserve':<13}{ours_tps:>11.1f}{'-':>8}", flush=True)
+        return
+    vllm_tps = args.requests * args.max_tokens / theirs["wall_s"]
+    print(f"{'hybridserve':<13}{ours_tps:>11.1f}{ours_tps / vllm_tps:>7.2f}x")
+    print(f"{'vLLM':<13}{vllm_tps:>11.1f}{'1.00x':>8}{theirs['load_s']:>13.1f}")
+    print(f"same greedy tokens: {compare(ours, theirs['tokens'])} requests identical", flush=True)
 
 
 def parse_args() -> argparse.Namespace:

@@ -102,8 +102,7 @@ def read_config(path: Path) -> tuple[Family, ModelConfig]:
 def parse_config(raw: dict[str, Any], source: str = "config.json") -> tuple[Family, ModelConfig]:
     """The family of a config.json dict and its parsed, validated config."""
     family = family_for(raw, source)
-    config: ModelConfig = family.parse(raw, source)
-    return family, config
+    return family, family.parse(raw, source)
 
 
 def read_weights(root: Path) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from gpu_worker.model.config import ModelConfig
 from hybridserve.errors import InvalidArgumentError
 
 Combine = Literal["one", "cat", "stack"]
@@ -92,8 +93,8 @@ class Family:
     name: str  # the `--arch` name, e.g. "granitemoehybrid"
     architecture: str  # config.json's architectures entry, e.g. "GraniteMoeHybridForCausalLM"
     model_type: str  # config.json's model_type
-    parse: Callable[[dict[str, Any], str], Any]  # (raw config, source) -> ModelConfig
-    source_of: Callable[[str, Any], Source]  # (our parameter name, ModelConfig) -> checkpoint tensors
+    parse: Callable[[dict[str, Any], str], ModelConfig]  # (raw config.json, its path for messages)
+    source_of: Callable[[str, ModelConfig], Source]  # our parameter name -> the checkpoint tensors
     tiny_hf_config: Callable[[SpecLike], dict[str, Any]]  # a small config.json for init-model and tests
     ignored: tuple[str, ...] = ()  # regexes of checkpoint tensors that are not served (and why, in the module)
     renames: tuple[tuple[str, str], ...] = ()  # (regex, replacement) applied to checkpoint names first
