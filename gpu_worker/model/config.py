@@ -35,6 +35,7 @@ class MoEConfig:
     router: RouterKind
     shared_intermediate_size: int  # 0 = no shared expert
     shared_activation: Activation
+    shared_bias: bool = False  # the shared expert's projections have biases
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = False

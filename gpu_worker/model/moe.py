@@ -66,7 +66,7 @@ class MoE(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
         self.shared: MLP | None = None
         if moe.shared_intermediate_size:
-            self.shared = MLP(hidden_size, moe.shared_intermediate_size, moe.shared_activation, bias=False)
+            self.shared = MLP(hidden_size, moe.shared_intermediate_size, moe.shared_activation, moe.shared_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""

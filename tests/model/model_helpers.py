@@ -107,6 +107,7 @@ def hf_config(spec: TinySpec):
             n_routed_experts=max(spec.num_experts, 1), num_experts_per_tok=spec.top_k,
             moe_intermediate_size=spec.intermediate_size // 2, moe_shared_expert_intermediate_size=40,
             n_group=spec.n_group, topk_group=spec.topk_group, routed_scaling_factor=2.5,
+            mlp_bias=spec.num_experts > 0,  # MLP and shared-expert biases in the MoE spec
         )  # fmt: skip
     return HFBambaConfig(
         **common, num_hidden_layers=spec.num_hidden_layers, intermediate_size=spec.intermediate_size,
@@ -133,6 +134,8 @@ def make_hf_model(spec: TinySpec) -> PreTrainedModel:
                 p.copy_(torch.randn(p.shape, generator=g))
             elif name.endswith("conv1d.bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("proj.bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             elif name.endswith(("router.weight", "gate.weight")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1 * spec.router_scale)
             elif name.endswith("norm.weight") or name.endswith("layernorm.weight") or name.endswith("norm_f.weight"):

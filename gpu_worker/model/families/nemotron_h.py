@@ -51,6 +51,7 @@ def _moe(get: Getter) -> MoEConfig:
         router="sigmoid_grouped",
         shared_intermediate_size=get.integer("moe_shared_expert_intermediate_size", default=7688),
         shared_activation="relu2",
+        shared_bias=get.flag("mlp_bias", default=False),
         n_group=get.integer("n_group", default=1),
         topk_group=get.integer("topk_group", default=1),
         norm_topk_prob=get.flag("norm_topk_prob", default=True),
