@@ -17,7 +17,7 @@ import torch
 from gpu_worker.batch import Batch, ForwardOutput
 from gpu_worker.input_builder import build_inputs
 from gpu_worker.kv_pool import KVPagePool
-from gpu_worker.model.config import BambaConfig
+from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.state_pool import MambaStatePool
@@ -89,7 +89,7 @@ class ModelRunner:
         return cls(load_model(model_dir, device=config.device, dtype=config.dtype), config)
 
     @property
-    def config(self) -> BambaConfig:
+    def config(self) -> ModelConfig:
         return self.loaded.config
 
     @property
@@ -106,13 +106,13 @@ class ModelRunner:
         if packed.fresh_slots is not None:
             self.state_pool.zero_slots(packed.fresh_slots)
         hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]
-        lm_head = self.model.lm_head
+        logits_of = self.model.compute_logits
         for seq in batch.sequences:
             if seq.save_checkpoint_id is not None:
                 self.state_pool.save_checkpoint(seq.state_slot, seq.save_checkpoint_id)
         if not batch.return_all_logits:
-            return ForwardOutput(logits=lm_head(hidden.index_select(0, packed.last_index)).float())
-        all_logits = lm_head(hidden).float()  # [T, vocab]
+            return ForwardOutput(logits=logits_of(hidden.index_select(0, packed.last_index)))
+        all_logits = logits_of(hidden)  # [T, vocab] float32
         per_seq = tuple(
             all_logits[start : start + len(seq.token_ids)]
             for start, seq in zip(packed.token_start, batch.sequences, strict=True)
@@ -122,6 +122,7 @@ class ModelRunner:
     def describe(self) -> dict[str, int | str]:
         """Sizes for logs and GetInfo."""
         return {
+            "architecture": self.config.architecture,
             "device": str(self.device),
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_bytes_per_token,

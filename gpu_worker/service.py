@@ -69,6 +69,7 @@ class GenerationServicer:
         counters, settings = engine.counters, engine.settings
         return pb.GetInfoResponse(
             model=self.model_name,
+            architecture=runner.config.architecture,
             model_fingerprint=runner.loaded.fingerprint,
             device=str(runner.device),
             dtype=str(runner.loaded.dtype).removeprefix("torch."),

@@ -1,1 +1,2 @@
-"""Hugging Face Bamba-format hybrid model: config parsing, the module tree, layers and the checkpoint loader."""
+"""Hybrid (Mamba2 + attention) models of several Hugging Face families: the family-neutral config, the
+shared blocks, the architecture adapters (`families/`) and the checkpoint loader."""

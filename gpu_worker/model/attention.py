@@ -17,13 +17,15 @@ from gpu_worker.model.layers import apply_rope
 
 
 class PagedAttention(nn.Module):
-    """q/k/v/o projections (HF names), RoPE on the first rotary_dim dims, scale head_dim^-0.5."""
+    """q/k/v/o projections, RoPE on the first rotary_dim dims (none when the family has no positional
+    embedding), softmax scale `attention_scale`."""
 
     def __init__(self, config: BambaConfig) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.group = self.num_heads // self.num_kv_heads
+        self.scale = c.attention_scale
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
@@ -33,15 +35,18 @@ class PagedAttention(nn.Module):
         self,
         hidden: torch.Tensor,
         ctx: ForwardContext,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """hidden [T, hidden] -> [T, hidden]; writes this batch's K/V into k_cache/v_cache."""
+        """hidden [T, hidden] -> [T, hidden]; writes this batch's K/V into k_cache/v_cache. cos/sin are
+        None for a model without RoPE."""
         n = hidden.shape[0]
-        q = apply_rope(self.q_proj(hidden).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(hidden).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        if cos is not None and sin is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
         k_cache.index_copy_(0, ctx.kv_write_slots, k)
         v_cache.index_copy_(0, ctx.kv_write_slots, v)
@@ -65,7 +70,7 @@ class PagedAttention(nn.Module):
         k = k_cache.view(-1, ps, self.num_kv_heads, self.head_dim)[table].view(b, width, self.num_kv_heads, -1)
         v = v_cache.view(-1, ps, self.num_kv_heads, self.head_dim)[table].view(b, width, self.num_kv_heads, -1)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, kvh, max_pages * ps, d]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=ctx.decode_kv_mask)  # [b, kvh, g, d]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=ctx.decode_kv_mask, scale=self.scale)  # [b, kvh, g, d]
         return out.reshape(b, self.num_heads * self.head_dim)
 
     def _prefill(
@@ -78,11 +83,11 @@ class PagedAttention(nn.Module):
         k = k_cache[span.kv_slots].transpose(0, 1)  # [kvh, ctx, d]
         v = v_cache[span.kv_slots].transpose(0, 1)
         if start == 0 and self.group == 1:
-            out = F.scaled_dot_product_attention(qg, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=self.scale)
         else:
             key_pos = torch.arange(start + L, device=q.device)
             query_pos = torch.arange(start, start + L, device=q.device)
             mask = (key_pos[None, :] <= query_pos[:, None]).repeat(self.group, 1)  # [g * L, ctx]
-            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         out = out.view(self.num_kv_heads, self.group, L, self.head_dim).permute(2, 0, 1, 3)
         return out.reshape(L, self.num_heads * self.head_dim)

@@ -1,12 +1,12 @@
-"""Small building blocks shared by both layer kinds: RMS norms, the SwiGLU MLP and rotary embeddings.
-
-Parameter names match the Hugging Face Bamba checkpoint so a state dict loads without renaming."""
+"""Small building blocks shared by every family: RMS norms, the dense MLP and rotary embeddings."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gpu_worker.model.config import Activation
 
 
 class RMSNorm(nn.Module):
@@ -43,18 +43,28 @@ class GatedRMSNorm(nn.Module):
         return self.weight * g.view(num_tokens, width).to(dtype)
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+class MLP(nn.Module):
+    """down(act(up(x))). For `swiglu` the up projection is the fused [gate; up] and act is silu(gate) * up;
+    for `relu2` it is relu(x)^2 (no gate)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: Activation, bias: bool) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.activation = activation
+        width = 2 * intermediate_size if activation == "swiglu" else intermediate_size
+        self.up_proj = nn.Linear(hidden_size, width, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(activate(self.up_proj(x), self.activation))
         return out
+
+
+def activate(h: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """The MLP nonlinearity on an up projection: [.., 2I] -> [.., I] for swiglu, [.., I] -> [.., I] for relu2."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return torch.square(F.relu(h))
 
 
 def rope_cos_sin(

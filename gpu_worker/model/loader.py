@@ -1,9 +1,9 @@
-"""Loads a Hugging Face Bamba checkpoint from a local folder.
+"""Loads a Hugging Face checkpoint of any supported family (`gpu_worker.model.families`) from a local folder.
 
 Folder layout: `config.json`; `model.safetensors` or `model.safetensors.index.json` + its shards;
 optional `generation_config.json` and `tokenizer.json`. Every failure is an InvalidArgumentError that names
-the file and what to do. The returned model is in eval mode on the requested device/dtype; Mamba's
-A_log, D and dt_bias stay float32 (they feed the float32 scan)."""
+the file and what to do; weight errors name the checkpoint tensors. The returned model is in eval mode on
+the requested device/dtype; Mamba's A_log, D and dt_bias and the MoE routers stay float32."""
 
 from __future__ import annotations
 
@@ -11,20 +11,22 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from gpu_worker.model.config import BambaConfig
-from gpu_worker.model.model import BambaForCausalLM
+from gpu_worker.model.config import ModelConfig
+from gpu_worker.model.families import family_for
+from gpu_worker.model.families.base import Family, Source
+from gpu_worker.model.model import HybridForCausalLM, rope_inv_freq
 from gpu_worker.tokenizer import Tokenizer, load_tokenizer
 from hybridserve.errors import InvalidArgumentError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-FLOAT32_PARAMS = ("mamba.A_log", "mamba.D", "mamba.dt_bias")
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some exporters still write
+FLOAT32_PARAMS = ("mixer.A_log", "mixer.D", "mixer.dt_bias", "router.weight", "router.bias")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +34,9 @@ class LoadedModel:
     """A ready model and what the worker needs to serve it. Immutable after load."""
 
     model_dir: Path
-    config: BambaConfig
-    model: BambaForCausalLM  # eval mode, on `device`
+    config: ModelConfig
+    family: Family  # the adapter that read the checkpoint
+    model: HybridForCausalLM  # eval mode, on `device`
     tokenizer: Tokenizer | None  # None: the checkpoint has no tokenizer.json (token-id prompts only)
     eos_token_ids: tuple[int, ...]  # from generation_config.json, else config.json
     fingerprint: str  # sha256 hex of config + weights; the prefix-cache model identity
@@ -66,15 +69,16 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     config_path = root / "config.json"
     if not config_path.exists():
         raise InvalidArgumentError(f"{root}: config.json is missing; this is not a Hugging Face checkpoint folder")
-    config = BambaConfig.from_json_file(config_path)
+    family, config = read_config(config_path)
     tensors = read_weights(root)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     fingerprint = fingerprint_weights(config, tensors)
-    model = build_model(config, tensors, torch_device, torch_dtype)
+    model = build_model(family, config, tensors, torch_device, torch_dtype)
     return LoadedModel(
         model_dir=root,
         config=config,
+        family=family,
         model=model,
         tokenizer=load_tokenizer(root),
         eos_token_ids=_generation_eos(root, config),
@@ -82,6 +86,23 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
         device=torch_device,
         dtype=torch_dtype,
     )
+
+
+def read_config(path: Path) -> tuple[Family, ModelConfig]:
+    """The family and the parsed, validated config of a `config.json`."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise InvalidArgumentError(f"{path}: expected a JSON object at the top level")
+    return parse_config(raw, str(path))
+
+
+def parse_config(raw: dict[str, Any], source: str = "config.json") -> tuple[Family, ModelConfig]:
+    """The family of a config.json dict and its parsed, validated config."""
+    family = family_for(raw, source)
+    return family, family.parse(raw, source)
 
 
 def read_weights(root: Path) -> dict[str, torch.Tensor]:
@@ -117,41 +138,64 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(
-    config: BambaConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
-) -> BambaForCausalLM:
-    """Check names and shapes against the architecture, then place the weights (no random init)."""
+    family: Family, config: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> HybridForCausalLM:
+    """Check the checkpoint's names and shapes against the architecture, then place the weights (no random init)."""
     with torch.device("meta"):
-        model = BambaForCausalLM(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    given = {k: v for k, v in tensors.items() if not k.endswith(IGNORED_SUFFIXES)}
+        model = HybridForCausalLM(config)
+    ours = weight_sources(family, config, model)
+    given = {n: t for name, t in tensors.items() if (n := family.normalise(name)) is not None}
     if config.tie_word_embeddings:
         given.pop("lm_head.weight", None)
-    missing, unexpected = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    wanted = {
+        name: shape for _, source, shapes in ours.values() for name, shape in zip(source.names, shapes, strict=True)
+    }
+    missing, unexpected = sorted(set(wanted) - set(given)), sorted(set(given) - set(wanted))
     if missing or unexpected:
         raise InvalidArgumentError(
-            f"checkpoint weights do not match config.json: missing {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+            f"checkpoint weights do not match config.json ({config.architecture}): missing {_few(missing)}, "
+            f"unexpected {_few(unexpected)}"
         )
-    for name, shape in expected.items():
+    for name, shape in wanted.items():
         if tuple(given[name].shape) != shape:
             raise InvalidArgumentError(
                 f"checkpoint tensor {name} has shape {list(given[name].shape)} but config.json implies {list(shape)}"
             )
-    placed = {
-        k: v.to(device=device, dtype=torch.float32 if k.endswith(FLOAT32_PARAMS) else dtype) for k, v in given.items()
-    }
+    placed = {}
+    for ours_name, (_, source, _) in ours.items():
+        parts = [given[n] for n in source.names]
+        tensor = (
+            parts[0] if source.combine == "one" else torch.cat(parts) if source.combine == "cat" else torch.stack(parts)
+        )
+        placed[ours_name] = tensor.to(
+            device=device, dtype=torch.float32 if ours_name.endswith(FLOAT32_PARAMS) else dtype
+        )
     model.load_state_dict(placed, strict=not config.tie_word_embeddings, assign=True)
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    rd = config.rotary_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
-    model.inv_freq = inv_freq  # buffers are not in the state dict; recompute on the real device
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inv_freq(config, device)  # buffers are not in the state dict; recompute on the real device
     return model.eval().requires_grad_(False)
 
 
-def fingerprint_weights(config: BambaConfig, tensors: dict[str, torch.Tensor]) -> str:
+def weight_sources(
+    family: Family, config: ModelConfig, model: HybridForCausalLM
+) -> dict[str, tuple[tuple[int, ...], Source, tuple[tuple[int, ...], ...]]]:
+    """Our parameter name -> (its shape, the checkpoint tensors it is built from, their shapes)."""
+    out = {}
+    for name, param in model.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        shape = tuple(param.shape)
+        source = family.source_of(name, config)
+        out[name] = (shape, source, source.shapes(shape))
+    return out
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+
+
+def fingerprint_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over the canonical config and every tensor (name, dtype, shape, bytes) in name order.
 
     Independent of sharding and of config.json keys the model does not read."""
@@ -163,7 +207,7 @@ def fingerprint_weights(config: BambaConfig, tensors: dict[str, torch.Tensor]) -
     return h.hexdigest()
 
 
-def _generation_eos(root: Path, config: BambaConfig) -> tuple[int, ...]:
+def _generation_eos(root: Path, config: ModelConfig) -> tuple[int, ...]:
     path = root / "generation_config.json"
     if path.exists():
         try:

@@ -1,7 +1,9 @@
-"""The Bamba module tree, with parameter names identical to the Hugging Face checkpoint.
+"""The model: embeddings, a stack of residual blocks, final norm, LM head — the same module tree for
+every family (the family adapters in `gpu_worker.model.families` map checkpoint names onto it).
 
-`BambaForCausalLM.forward` runs the packed batch through every layer and returns final hidden states;
-the runner applies `lm_head` only to the rows it needs (last token per sequence, or all in tests)."""
+Block i computes `x + residual_multiplier * mixer(norm(x))`, the mixer being a Mamba2 mixer, paged
+attention, a dense MLP or an MoE (`ModelConfig.blocks`). `forward` runs the packed batch and returns
+final hidden states; the runner applies `compute_logits` only to the rows it needs."""
 
 from __future__ import annotations
 
@@ -11,76 +13,88 @@ import torch
 from torch import nn
 
 from gpu_worker.model.attention import PagedAttention
-from gpu_worker.model.config import BambaConfig
+from gpu_worker.model.config import BlockKind, ModelConfig
 from gpu_worker.model.context import ForwardContext
-from gpu_worker.model.layers import RMSNorm, SwiGLU, rope_cos_sin
+from gpu_worker.model.layers import MLP, RMSNorm, rope_cos_sin
 from gpu_worker.model.mamba2 import Mamba2Mixer
+from gpu_worker.model.moe import MoE
 
-# Pool tensors handed to the model per forward, indexed by the layer's ordinal within its kind:
-# kv_caches[i] = (k, v) of the i-th attention layer; states[j] = (conv, ssm) of the j-th Mamba layer.
+# Pool tensors handed to the model per forward, indexed by the block's ordinal within its kind:
+# kv_caches[i] = (k, v) of the i-th attention block; states[j] = (conv, ssm) of the j-th Mamba block.
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 StateTensors = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class DecoderLayer(nn.Module):
-    """x + mixer(norm(x)), then x + mlp(norm(x)); the mixer is attention or Mamba2."""
+class Block(nn.Module):
+    """One residual block: an RMS norm and a mixer of one kind."""
 
-    def __init__(self, config: BambaConfig, is_attention: bool) -> None:
+    def __init__(self, config: ModelConfig, kind: BlockKind) -> None:
         super().__init__()
-        self.is_attention = is_attention
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias)
-        if is_attention:
-            self.self_attn = PagedAttention(config)
+        self.kind = kind
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer: nn.Module
+        if kind == "mamba":
+            self.mixer = Mamba2Mixer(config)
+        elif kind == "attention":
+            self.mixer = PagedAttention(config)
+        elif kind == "mlp":
+            self.mixer = MLP(config.hidden_size, config.intermediate_size, config.mlp_activation, config.mlp_bias)
         else:
-            self.mamba = Mamba2Mixer(config)
+            assert config.moe is not None  # ModelConfig validation guarantees it
+            self.mixer = MoE(config.hidden_size, config.moe)
 
 
-class BambaBackbone(nn.Module):
-    """`model.*` in the checkpoint: embeddings, layers, final norm."""
+class HybridForCausalLM(nn.Module):
+    """The whole model. Weights are placed by `gpu_worker.model.loader`; `lm_head` may be tied."""
 
-    def __init__(self, config: BambaConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, a) for a in config.is_attention_layer)
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class BambaForCausalLM(nn.Module):
-    """The whole model. Weights are loaded by `gpu_worker.model.loader`; `lm_head` may be tied."""
-
-    def __init__(self, config: BambaConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = BambaBackbone(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.blocks)
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        rd = config.rotary_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+            self.lm_head.weight = self.embed.weight
         self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config, torch.device("cpu")), persistent=False)
 
     def forward(
         self, input_ids: torch.Tensor, ctx: ForwardContext, kv_caches: KVCaches, states: StateTensors
     ) -> torch.Tensor:
         """input_ids [T] (packed, in context order) -> final hidden states [T, hidden]."""
-        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = rope_cos_sin(ctx.positions, self.inv_freq, hidden.dtype)  # [T, rotary_dim]
+        c = self.config
+        hidden = self.embed(input_ids)  # [T, hidden]
+        if c.embedding_multiplier != 1.0:
+            hidden = hidden * c.embedding_multiplier
+        cos = sin = None
+        if c.rotary_dim:
+            cos, sin = rope_cos_sin(ctx.positions, self.inv_freq, hidden.dtype)  # [T, rotary_dim]
         attn_i = mamba_i = 0
-        for module in self.model.layers:
-            layer = cast(DecoderLayer, module)
-            h = layer.input_layernorm(hidden)
-            if layer.is_attention:
+        for module in self.blocks:
+            block = cast(Block, module)
+            h = block.norm(hidden)
+            if block.kind == "mamba":
+                conv, ssm = states[mamba_i]
+                h = block.mixer(h, ctx, conv, ssm)
+                mamba_i += 1
+            elif block.kind == "attention":
                 k_cache, v_cache = kv_caches[attn_i]
-                h = layer.self_attn(h, ctx, cos, sin, k_cache, v_cache)
+                h = block.mixer(h, ctx, cos, sin, k_cache, v_cache)
                 attn_i += 1
             else:
-                conv, ssm = states[mamba_i]
-                h = layer.mamba(h, ctx, conv, ssm)
-                mamba_i += 1
-            hidden = hidden + h
-            hidden = hidden + layer.feed_forward(layer.pre_ff_layernorm(hidden))
-        out: torch.Tensor = self.model.final_layernorm(hidden)
+                h = block.mixer(h)
+            hidden = hidden + (h if c.residual_multiplier == 1.0 else h * c.residual_multiplier)
+        out: torch.Tensor = self.final_norm(hidden)
         return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [n, hidden] -> logits [n, vocab] (float32), divided by `logits_scaling`."""
+        logits: torch.Tensor = self.lm_head(hidden).float()
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
+    """RoPE inverse frequencies over the rotary dims ([rotary_dim / 2]; empty without RoPE)."""
+    rd = config.rotary_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))

@@ -1,4 +1,4 @@
-"""Fixtures for the model tests: tiny random HF Bamba checkpoints (transformers is the oracle)."""
+"""Fixtures for the model tests: tiny random HF checkpoints of every family (transformers is the oracle)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.utils import logging as hf_logging
 
-from tests.model.model_helpers import SPECS, make_hf_model, save_hf_model
+from tests.model.model_helpers import FAMILY_SPECS, SPECS, make_hf_model, save_hf_model
 
 hf_logging.set_verbosity_error()
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -32,3 +32,11 @@ def checkpoint(request: pytest.FixtureRequest, checkpoints: dict[str, tuple[obje
 @pytest.fixture
 def small_checkpoint(checkpoints: dict[str, tuple[object, Path]]) -> tuple[object, Path]:
     return checkpoints["gqa_groups2"]
+
+
+@pytest.fixture(params=FAMILY_SPECS)
+def family_checkpoint(
+    request: pytest.FixtureRequest, checkpoints: dict[str, tuple[object, Path]]
+) -> tuple[object, Path]:
+    """One checkpoint per family (Bamba, Granite dense and MoE, Nemotron-H dense and MoE)."""
+    return checkpoints[request.param]

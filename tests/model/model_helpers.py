@@ -1,4 +1,4 @@
-"""Shared helpers for the model tests: tiny random HF Bamba checkpoints and a runner driver."""
+"""Shared helpers for the model tests: tiny random HF checkpoints of every family and a runner driver."""
 
 from __future__ import annotations
 
@@ -8,6 +8,13 @@ from pathlib import Path
 import torch
 from transformers import BambaConfig as HFBambaConfig
 from transformers import BambaForCausalLM as HFBamba
+from transformers import (
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+    PreTrainedModel,
+)
 
 from gpu_worker.batch import Batch, SequenceChunk
 from gpu_worker.runner import ModelRunner, RunnerConfig
@@ -31,6 +38,13 @@ class TinySpec:
     mamba_d_conv: int = 4
     mamba_chunk_size: int = 8
     tie_word_embeddings: bool = False
+    family: str = "bamba"  # bamba | granitemoehybrid | nemotron_h
+    num_experts: int = 0  # 0: dense
+    top_k: int = 2
+    n_group: int = 1  # Nemotron-H expert groups (routing picks the best topk_group of them)
+    topk_group: int = 1
+    rope: bool = False  # Granite: position_embedding_type "rope" (else none)
+    router_scale: float = 4.0  # router weights are scaled up so top-k margins are clear
 
 
 SPECS = {
@@ -43,45 +57,102 @@ SPECS = {
         seed=2, num_hidden_layers=3, attn_layer_indices=(2,), num_attention_heads=2, num_key_value_heads=1,
         mamba_d_conv=2, mamba_chunk_size=5, mamba_n_groups=4, mamba_n_heads=4,
     ),
+    "granite_dense": TinySpec(seed=3, family="granitemoehybrid", attn_layer_indices=(1,), rope=True),
+    "granite_moe": TinySpec(
+        seed=4, family="granitemoehybrid", num_hidden_layers=3, attn_layer_indices=(2,), num_experts=4,
+        tie_word_embeddings=True, mamba_chunk_size=5,
+    ),
+    "nemotron_dense": TinySpec(seed=5, family="nemotron_h", num_hidden_layers=5, attn_layer_indices=(2,)),
+    "nemotron_moe": TinySpec(
+        seed=6, family="nemotron_h", num_hidden_layers=5, attn_layer_indices=(3,), num_experts=8, n_group=2,
+        mamba_n_groups=1, mamba_chunk_size=16,
+    ),
 }  # fmt: skip
+FAMILY_SPECS = ("gqa_groups2", "granite_dense", "granite_moe", "nemotron_dense", "nemotron_moe")  # one per family
+MOE_SPECS = ("granite_moe", "nemotron_moe")
 
 
-def make_hf_model(spec: TinySpec) -> HFBamba:
-    """A float32 HF Bamba with randomised dt_bias, A_log, D, conv bias and norm weights."""
-    torch.manual_seed(spec.seed)
-    cfg = HFBambaConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, attn_layer_indices=list(spec.attn_layer_indices),
-        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-        mamba_n_heads=spec.mamba_n_heads, mamba_d_head=2 * spec.hidden_size // spec.mamba_n_heads,
-        mamba_n_groups=spec.mamba_n_groups, mamba_d_state=spec.mamba_d_state, mamba_d_conv=spec.mamba_d_conv,
-        mamba_expand=2, mamba_chunk_size=spec.mamba_chunk_size, tie_word_embeddings=spec.tie_word_embeddings,
+def _layer_kinds(spec: TinySpec) -> list[str]:
+    """Nemotron-H: attention where asked, else Mamba2 and the MLP (or MoE) layer in turn."""
+    ffn = "moe" if spec.num_experts else "mlp"
+    return ["full_attention" if i in spec.attn_layer_indices else ("linear_attention" if i % 2 == 0 else ffn)
+            for i in range(spec.num_hidden_layers)]  # fmt: skip
+
+
+def hf_config(spec: TinySpec):
+    """The transformers config of a spec, per family."""
+    common = dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, tie_word_embeddings=spec.tie_word_embeddings,
         initializer_range=0.1,
     )  # fmt: skip
-    model = HFBamba(cfg).eval()
+    d_head = 2 * spec.hidden_size // spec.mamba_n_heads
+    if spec.family == "granitemoehybrid":
+        return GraniteMoeHybridConfig(
+            **common, num_hidden_layers=spec.num_hidden_layers, intermediate_size=spec.intermediate_size // 2,
+            shared_intermediate_size=spec.intermediate_size,
+            layer_types=["full_attention" if i in spec.attn_layer_indices else "linear_attention"
+                         for i in range(spec.num_hidden_layers)],
+            num_local_experts=spec.num_experts, num_experts_per_tok=spec.top_k, mamba_n_heads=spec.mamba_n_heads,
+            mamba_d_head="auto", mamba_n_groups=spec.mamba_n_groups, mamba_d_state=spec.mamba_d_state,
+            mamba_d_conv=spec.mamba_d_conv, mamba_expand=2, mamba_chunk_size=spec.mamba_chunk_size,
+            position_embedding_type="rope" if spec.rope else None, embedding_multiplier=3.0,
+            residual_multiplier=0.6, attention_multiplier=0.3, logits_scaling=1.7,
+        )  # fmt: skip
+    if spec.family == "nemotron_h":
+        return NemotronHConfig(
+            **common, layers_block_type=_layer_kinds(spec), head_dim=24, intermediate_size=spec.intermediate_size,
+            mamba_num_heads=spec.mamba_n_heads, mamba_head_dim=d_head, ssm_state_size=spec.mamba_d_state,
+            n_groups=spec.mamba_n_groups, conv_kernel=spec.mamba_d_conv, chunk_size=spec.mamba_chunk_size,
+            n_routed_experts=max(spec.num_experts, 1), num_experts_per_tok=spec.top_k,
+            moe_intermediate_size=spec.intermediate_size // 2, moe_shared_expert_intermediate_size=40,
+            n_group=spec.n_group, topk_group=spec.topk_group, routed_scaling_factor=2.5,
+            mlp_bias=spec.num_experts > 0,  # MLP and shared-expert biases in the MoE spec
+        )  # fmt: skip
+    return HFBambaConfig(
+        **common, num_hidden_layers=spec.num_hidden_layers, intermediate_size=spec.intermediate_size,
+        attn_layer_indices=list(spec.attn_layer_indices), mamba_n_heads=spec.mamba_n_heads, mamba_d_head=d_head,
+        mamba_n_groups=spec.mamba_n_groups, mamba_d_state=spec.mamba_d_state, mamba_d_conv=spec.mamba_d_conv,
+        mamba_expand=2, mamba_chunk_size=spec.mamba_chunk_size,
+    )  # fmt: skip
+
+
+def make_hf_model(spec: TinySpec) -> PreTrainedModel:
+    """A float32 HF model with randomised dt_bias, A_log, D, conv bias and norm weights, and router
+    weights scaled by `router_scale` (plus a random score correction) so top-k choices are clear."""
+    torch.manual_seed(spec.seed)
+    cls = {"bamba": HFBamba, "granitemoehybrid": GraniteMoeHybridForCausalLM, "nemotron_h": NemotronHForCausalLM}
+    model = cls[spec.family](hf_config(spec)).eval()
     g = torch.Generator().manual_seed(spec.seed + 1000)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mamba.dt_bias"):
+            if name.endswith("dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 1.0 - 1.0)
-            elif name.endswith("mamba.A_log"):
+            elif name.endswith("A_log"):
                 p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 0.5))
-            elif name.endswith("mamba.D"):
+            elif name.endswith(".D"):
                 p.copy_(torch.randn(p.shape, generator=g))
             elif name.endswith("conv1d.bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            elif name.endswith("proj.bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif name.endswith(("router.weight", "gate.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1 * spec.router_scale)
+            elif name.endswith("norm.weight") or name.endswith("layernorm.weight") or name.endswith("norm_f.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
     return model
 
 
-def save_hf_model(model: HFBamba, path: Path, max_shard_size: str | None = None) -> Path:
+def save_hf_model(model: PreTrainedModel, path: Path, max_shard_size: str | None = None) -> Path:
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
 
 
-def hf_logits(model: HFBamba, token_ids: list[int]) -> torch.Tensor:
+def hf_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
     """Reference logits at every position: [len, vocab]."""
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float()

@@ -15,8 +15,8 @@ pytestmark = [
 ]
 
 
-def test_cuda_bf16_runner_tracks_cpu_float32(small_checkpoint) -> None:
-    _, path = small_checkpoint
+def test_cuda_bf16_runner_tracks_cpu_float32(family_checkpoint) -> None:
+    _, path = family_checkpoint
     cfg = dict(memory_budget_bytes=8 << 20, kv_page_size_tokens=4, max_num_seqs=4, num_checkpoint_slots=2)
     gpu = ModelRunner.from_model_dir(path, RunnerConfig(**cfg))  # auto: cuda + bf16
     cpu = ModelRunner.from_model_dir(path, RunnerConfig(**cfg, device="cpu", dtype="float32"))

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.model.config import BambaConfig
-from gpu_worker.model.loader import load_model
+from gpu_worker.model.loader import load_model, parse_config
 from hybridserve.errors import InvalidArgumentError
 from tests.model.model_helpers import hf_logits, make_runner, run_schedule, save_hf_model
 
@@ -85,7 +84,7 @@ def test_config_that_does_not_match_the_weights(small_checkpoint, tmp_path: Path
     cfg = json.loads((bad / "config.json").read_text())
     cfg["intermediate_size"] += 8
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InvalidArgumentError, match=r"feed_forward.*has shape .* implies"):
+    with pytest.raises(InvalidArgumentError, match=r"feed_forward.gate_proj.weight has shape .* implies"):
         load_model(bad)
     cfg["intermediate_size"] -= 8
     cfg["num_hidden_layers"] += 1
@@ -97,8 +96,11 @@ def test_config_that_does_not_match_the_weights(small_checkpoint, tmp_path: Path
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "unsupported architecture"),
-        ({"hidden_act": "gelu"}, "hidden_act"),
+        (
+            {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+            "unsupported architecture.*supported: BambaForCausalLM, GraniteMoeHybridForCausalLM, NemotronHForCausalLM",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"mamba_d_head": 7}, "mamba_n_heads\\*mamba_d_head"),
@@ -112,21 +114,21 @@ def test_unsupported_config_values(small_checkpoint, change: dict, message: str)
     raw = json.loads((path / "config.json").read_text())
     raw.update(change)
     with pytest.raises(InvalidArgumentError, match=message):
-        BambaConfig.from_dict(raw)
+        parse_config(raw)[1]
 
 
 def test_time_step_limit_infinity_is_parsed(small_checkpoint) -> None:
     _, path = small_checkpoint
     raw = json.loads((path / "config.json").read_text())
     assert raw["time_step_limit"][1] == {"__float__": "Infinity"}
-    cfg = BambaConfig.from_dict(raw)
+    cfg = parse_config(raw)[1]
     assert cfg.time_step_min == 0.0 and cfg.time_step_max == float("inf")
     raw["time_step_limit"] = [0.001, 0.1]
-    assert BambaConfig.from_dict(raw).time_step_max == 0.1
+    assert parse_config(raw)[1].time_step_max == 0.1
 
 
 def test_tied_embeddings_share_storage(checkpoints) -> None:
     _, path = checkpoints["mha_1group"]
     model = load_model(path, device="cpu").model
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert model.model.layers[1].mamba.A_log.dtype == torch.float32
+    assert model.lm_head.weight.data_ptr() == model.embed.weight.data_ptr()
+    assert model.blocks[2].mixer.A_log.dtype == torch.float32

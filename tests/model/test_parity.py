@@ -1,5 +1,7 @@
-"""Runner logits vs transformers' BambaForCausalLM (float32, CPU) under every chunking the scheduler
-can produce: whole prompts, random chunk schedules, packed mixed batches, checkpoint restores."""
+"""Runner logits vs transformers (float32, CPU) for every family (BambaForCausalLM,
+GraniteMoeHybridForCausalLM dense and MoE, NemotronHForCausalLM with and without MoE) under every
+chunking the scheduler can produce: whole prompts, fixed and random chunk schedules, stepwise decode,
+packed mixed batches, checkpoint restores."""
 
 from __future__ import annotations
 
@@ -37,10 +39,10 @@ def test_fixed_chunk_schedules(checkpoint) -> None:
         assert diff <= TOL, f"schedule {schedule}: max abs diff {diff}"
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_random_chunk_schedules(small_checkpoint, data) -> None:
-    hf, path = small_checkpoint
+def test_random_chunk_schedules(family_checkpoint, data) -> None:
+    hf, path = family_checkpoint
     n = data.draw(st.integers(2, 40), label="prompt_len")
     cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=8), label="cuts"))
     schedule = [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
@@ -117,8 +119,17 @@ def test_checkpoint_restore_continues_exactly(checkpoint) -> None:
 
 
 def test_spec_table_covers_the_interesting_shapes() -> None:
-    """Guards the fixture table: GQA and MHA, 1 and several groups, odd scan chunk, tied embeddings."""
+    """Guards the fixture table: every family, dense and MoE, GQA and MHA, 1 and several groups, odd scan
+    chunk, tied embeddings."""
     specs = SPECS.values()
+    assert {s.family for s in specs} == {"bamba", "granitemoehybrid", "nemotron_h"}
+    assert {(s.family, s.num_experts > 0) for s in specs} >= {
+        ("granitemoehybrid", True),
+        ("nemotron_h", True),
+        ("granitemoehybrid", False),
+        ("nemotron_h", False),
+    }
+    assert any(s.rope for s in specs) and any(s.n_group > s.topk_group for s in specs)
     assert {s.mamba_n_groups for s in specs} >= {1, 2}
     assert any(s.num_attention_heads != s.num_key_value_heads for s in specs)
     assert any(s.tie_word_embeddings for s in specs)

@@ -61,13 +61,13 @@ def _args(path: Path, force: bool = False, *flags: str) -> argparse.Namespace:
 def test_init_model_writes_a_loadable_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "default"
     assert init_model.run(_args(path)) == 0
-    assert "wrote default model" in capsys.readouterr().out
+    assert "wrote BambaForCausalLM model" in capsys.readouterr().out
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
         assert (path / name).exists()
     loaded = load_model(path, device="cpu")
     assert loaded.tokenizer is not None and loaded.eos_token_ids == (2,)
     assert loaded.config.vocab_size == BYTE_VOCAB_SIZE
-    mamba = loaded.model.model.layers[0].mamba
+    mamba = loaded.model.blocks[0].mixer
     assert mamba.dt_bias.std() > 0 and mamba.D.std() > 0 and mamba.A_log.std() > 0
     assert init_model.run(_args(path)) == 2
     assert "--force" in capsys.readouterr().err

@@ -1,0 +1,156 @@
+"""Nemotron-H (`NemotronHForCausalLM`): every layer is one residual block whose mixer is Mamba2 (with a
+grouped gated RMS norm), attention without positional embedding, a relu² MLP, or an MoE (sigmoid
+group-limited routing with a correction bias, relu² experts, a relu² shared expert). Layer L is our
+block L. Multi-token-prediction (`mtp.*`) weights are not served: generation is one token per step."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gpu_worker.model.config import BlockKind, ModelConfig, MoEConfig
+from gpu_worker.model.families.base import Family, Getter, Source, SpecLike, split_block_name
+from hybridserve.errors import InvalidArgumentError
+
+LAYER_TYPES: dict[str, BlockKind] = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp",
+                                     "moe": "moe", "mamba": "mamba", "attention": "attention"}  # fmt: skip
+PATTERN: dict[str, BlockKind] = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}  # hybrid_override_pattern
+TOP_LEVEL = {"embed.weight": "backbone.embeddings.weight", "final_norm.weight": "backbone.norm_f.weight",
+             "lm_head.weight": "lm_head.weight"}  # fmt: skip
+MOE_NAMES = {"router.weight": "gate.weight", "router.bias": "gate.e_score_correction_bias"}
+
+
+def _blocks(get: Getter) -> tuple[BlockKind, ...]:
+    types = get.raw.get("layers_block_type") or get.raw.get("layer_types")
+    if types:
+        unknown = sorted({t for t in types if t not in LAYER_TYPES})
+        if unknown:
+            raise InvalidArgumentError(f"{get.source}: layers_block_type {unknown} are not supported "
+                                       f"(supported: {', '.join(LAYER_TYPES)})")  # fmt: skip
+        return tuple(LAYER_TYPES[t] for t in types)
+    pattern = get.raw.get("hybrid_override_pattern")
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidArgumentError(f"{get.source}: needs layers_block_type (a list) or hybrid_override_pattern "
+                                   f"(a string of M, *, -, E)")  # fmt: skip
+    unknown = sorted(set(pattern) - set(PATTERN))
+    if unknown:
+        raise InvalidArgumentError(f"{get.source}: hybrid_override_pattern has {unknown}; supported: M (Mamba2), "
+                                   f"* (attention), - (MLP), E (MoE)")  # fmt: skip
+    return tuple(PATTERN[c] for c in pattern)
+
+
+def _moe(get: Getter) -> MoEConfig:
+    if get.raw.get("moe_latent_size") is not None:
+        raise InvalidArgumentError(f"{get.source}: moe_latent_size={get.raw['moe_latent_size']} (latent MoE "
+                                   f"projections) is not supported; only moe_latent_size null")  # fmt: skip
+    return MoEConfig(
+        num_experts=get.integer("n_routed_experts", "num_local_experts", default=8),
+        top_k=get.integer("num_experts_per_tok", default=2),
+        intermediate_size=get.integer("moe_intermediate_size", default=7688),
+        activation="relu2",
+        router="sigmoid_grouped",
+        shared_intermediate_size=get.integer("moe_shared_expert_intermediate_size", default=7688),
+        shared_activation="relu2",
+        shared_bias=get.flag("mlp_bias", default=False),
+        n_group=get.integer("n_group", default=1),
+        topk_group=get.integer("topk_group", default=1),
+        norm_topk_prob=get.flag("norm_topk_prob", default=True),
+        routed_scaling_factor=get.number("routed_scaling_factor", default=1.0),
+    )
+
+
+def parse(raw: dict[str, Any], source: str) -> ModelConfig:
+    get = Getter(raw, source)
+    get.require("mlp_hidden_act", ("relu2",), "relu2")
+    get.require("mamba_hidden_act", ("silu",), "silu")
+    blocks = _blocks(get)
+    n_heads = get.integer("num_attention_heads", default=32)
+    head_dim = get.integer("head_dim", "attention_head_dim", default=128)
+    return ModelConfig(
+        architecture="NemotronHForCausalLM",
+        vocab_size=get.integer("vocab_size"),
+        hidden_size=get.integer("hidden_size"),
+        blocks=blocks,
+        num_attention_heads=n_heads,
+        num_key_value_heads=get.integer("num_key_value_heads", default=n_heads),
+        head_dim=head_dim,
+        attention_scale=head_dim**-0.5,
+        rotary_dim=0,
+        rope_theta=10000.0,
+        attention_bias=False,
+        mamba_n_heads=get.integer("mamba_num_heads", default=128),
+        mamba_d_head=get.integer("mamba_head_dim", default=64),
+        mamba_n_groups=get.integer("n_groups", "mamba_n_groups", default=8),
+        mamba_d_state=get.integer("ssm_state_size", default=128),
+        mamba_d_conv=get.integer("conv_kernel", "mamba_d_conv", default=4),
+        mamba_chunk_size=get.integer("chunk_size", "mamba_chunk_size", default=128),
+        mamba_conv_bias=get.flag("use_conv_bias", "mamba_conv_bias", default=True),
+        mamba_proj_bias=get.flag("use_bias", default=False),
+        # The mixer clamps dt to [time_step_min, inf); time_step_limit itself is not read by the reference.
+        time_step_min=get.number("time_step_min", "mamba_dt_min", default=0.001),
+        time_step_max=math.inf,
+        intermediate_size=get.integer("intermediate_size", default=21504) if "mlp" in blocks else 0,
+        mlp_activation="relu2",
+        mlp_bias=get.flag("mlp_bias", default=False),
+        moe=_moe(get) if "moe" in blocks else None,
+        rms_norm_eps=get.number("layer_norm_epsilon", "rms_norm_eps", default=1e-5),
+        tie_word_embeddings=get.flag("tie_word_embeddings", default=False),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=get.eos_ids(),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+
+
+def source_of(name: str, config: ModelConfig) -> Source:
+    if name in TOP_LEVEL:
+        return Source((TOP_LEVEL[name],))
+    block, rest = split_block_name(name)
+    layer = f"backbone.layers.{block}."
+    if rest == "norm.weight":
+        return Source((layer + "norm.weight",))
+    rest = rest.removeprefix("mixer.")
+    if config.blocks[block] == "moe":
+        if rest in ("experts_up", "experts_down"):
+            assert config.moe is not None
+            proj = "up_proj" if rest == "experts_up" else "down_proj"
+            return Source(
+                tuple(f"{layer}mixer.experts.{e}.{proj}.weight" for e in range(config.moe.num_experts)), "stack"
+            )
+        if rest.startswith("shared."):
+            return Source((layer + "mixer.shared_experts." + rest.removeprefix("shared."),))
+        return Source((layer + "mixer." + MOE_NAMES[rest],))
+    return Source((layer + "mixer." + rest,))
+
+
+def tiny_hf_config(spec: SpecLike) -> dict[str, Any]:
+    """A small Nemotron-H config.json: a Mamba2 layer, then attention or the MLP/MoE layer, repeating."""
+    ffn = "E" if spec.moe else "-"
+    pattern = "".join("*" if i in spec.attn_layer_indices else ("M" if i % 2 == 0 else ffn)
+                      for i in range(spec.num_hidden_layers))  # fmt: skip
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    return {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size, "hybrid_override_pattern": pattern,
+        "num_hidden_layers": spec.num_hidden_layers, "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads, "head_dim": head_dim,
+        "intermediate_size": spec.intermediate_size, "mlp_hidden_act": "relu2", "mlp_bias": False,
+        "mamba_num_heads": spec.mamba_n_heads,
+        "mamba_head_dim": spec.mamba_expand * spec.hidden_size // spec.mamba_n_heads, "mamba_hidden_act": "silu",
+        "ssm_state_size": spec.mamba_d_state, "n_groups": spec.mamba_n_groups, "conv_kernel": spec.mamba_d_conv,
+        "expand": spec.mamba_expand, "chunk_size": spec.mamba_chunk_size, "use_conv_bias": True, "use_bias": False,
+        "time_step_min": 0.001, "time_step_max": 0.1, "time_step_limit": [0.0, {"__float__": "Infinity"}],
+        "n_routed_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
+        "moe_intermediate_size": spec.intermediate_size // 2,
+        "moe_shared_expert_intermediate_size": spec.intermediate_size,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 8192,
+        "num_nextn_predict_layers": 0,
+    }  # fmt: skip
+
+
+FAMILY = Family(
+    name="nemotron_h", architecture="NemotronHForCausalLM", model_type="nemotron_h", parse=parse,
+    source_of=source_of, tiny_hf_config=tiny_hf_config,
+    ignored=(r"^mtp\.", r"rotary_emb\.inv_freq$"),  # multi-token-prediction layers: not served
+    renames=((r"^model\.", "backbone."),),  # transformers' in-memory prefix
+)  # fmt: skip
