@@ -143,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--arch", choices=sorted(BY_NAME), default=None, help="family of the random model (implies --random; bamba)"
     )
-    parser.add_argument("--moe", action="store_true", help="MoE layers (granitemoehybrid, nemotron_h; implies --random)")
+    parser.add_argument("--moe", action="store_true", help="MoE layers (implies --random)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of a random model (default 0)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing checkpoint in DIR")
 
