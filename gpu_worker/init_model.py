@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load_model(root, device="cpu", dtype="float32")
     n_params = sum(p.numel() for p in loaded.model.parameters())
-    kind = f"random {loaded.config.architecture}{' (MoE)' if args.moe else ''}" if random else "default"
+    kind = f"{loaded.config.architecture}{' (MoE)' if args.moe else ''}" if random else "default"
     print(f"wrote {kind} model to {root} ({n_params} parameters, fingerprint {loaded.fingerprint[:16]})")
     return 0
 
