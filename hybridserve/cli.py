@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("hybridserve.generate", "stream a completion from a running worker"),
     "bench": ("hybridserve.loadgen", "drive N closed-loop clients against a worker and print a summary"),
     "init-model": ("gpu_worker.init_model", "write the default tiny random Bamba model to a folder"),
+    "health": ("hybridserve.healthcheck", "exit 0 when a server's grpc.health.v1 check says SERVING (probes)"),
     "replay": ("scheduler_svc.replay", "re-plan recorded engine steps offline; show the plan or a diff"),
 }
 
