@@ -83,17 +83,23 @@ class Stack:
             if any(state.startswith("exited") for state in states.values()):
                 break
             time.sleep(2)
-        raise AssertionError(f"services not healthy: {states}\n{self.logs()}")
+        raise AssertionError(f"services not healthy: {states}\n{self.diagnose()}")
 
-    def logs(self) -> str:
-        return run(compose_command(FILE_SETS["ci"], "logs", "--no-color", "--tail", "40"), timeout_s=60,
+    def diagnose(self) -> str:
+        """Each container's last health probe outputs and the services' last log lines."""
+        ids = run(compose_command(FILE_SETS["ci"], "ps", "-q"), timeout_s=60, env=self.env, check=False).stdout.split()
+        probes = [
+            self.engine.docker("inspect", "--format", "{{.Name}} {{json .State.Health}}", i, check=False).stdout[-1500:]
+            for i in ids
+        ]
+        logs = run(compose_command(FILE_SETS["ci"], "logs", "--no-color", "--tail", "40"), timeout_s=60,
                    env=self.env, check=False).stdout[-8000:]  # fmt: skip
+        return "health probes:\n" + "\n".join(probes) + "\nlogs:\n" + logs
 
 
 @pytest.fixture(scope="module")
 def image(docker_engine: Dockerd) -> str:
-    with tempfile.TemporaryDirectory(prefix="hybridserve-image-") as work:
-        build_project_image(docker_engine, import_base_image(docker_engine), IMAGE, Path(work))
+    build_project_image(docker_engine, import_base_image(docker_engine), IMAGE, docker_engine.scratch("image-"))
     return IMAGE
 
 
@@ -103,7 +109,10 @@ def stack(docker_engine: Dockerd, image: str) -> Iterator[Stack]:
         stack = Stack(docker_engine, Path(work))
         assert_host_networking_only(stack)
         try:
-            stack.compose("up", "-d", "--no-build", *SERVICES, timeout_s=600)
+            try:
+                stack.compose("up", "-d", "--no-build", *SERVICES, timeout_s=600)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{stack.diagnose()}") from None
             stack.wait_healthy(SERVICES, timeout_s=600)
             yield stack
         finally:
@@ -118,7 +127,7 @@ def assert_host_networking_only(stack: Stack) -> None:
 
 def generate(target: str, prompt: str) -> dict[str, Any]:
     result = run([sys.executable, "-m", "hybridserve.cli", "generate", "--worker", target, "--json",
-                  "--max-tokens", "8", "--timeout", "120", prompt], timeout_s=180)  # fmt: skip
+                  "--max-tokens", "8", "--ignore-eos", "--timeout", "120", prompt], timeout_s=180)  # fmt: skip
     reply: dict[str, Any] = json.loads(result.stdout)
     return reply
 
@@ -132,6 +141,29 @@ def test_stack_serves_and_reuses_cached_prefixes(stack: Stack) -> None:
     assert cold["usage"]["prompt_tokens"] == warm["usage"]["prompt_tokens"] > 256
     assert warm["usage"]["cached_tokens"] > 0, f"repeated prompt was not served from the prefix cache: {warm}"
     assert warm["token_ids"] == cold["token_ids"], "greedy output changed when the prefix came from the cache"
+    redis = stack.container("redis")
+    count = (
+        "import os, redis; "
+        "print(redis.Redis(port=int(os.environ['PORT']), password=os.environ['HYBRIDSERVE_REDIS_PASSWORD']).dbsize())"
+    )
+    keys = stack.engine.docker("exec", "-e", f"PORT={stack.ports['REDIS']}", redis, "python3", "-c", count).stdout
+    assert int(keys) > 0, "the cache service published nothing to Redis"
+
+
+def test_a_restarted_worker_reuses_prefixes_from_redis_and_its_model_volume(stack: Stack) -> None:
+    """After a restart the worker's own pools are empty: a hit can only come from the shared tier
+    (cache service + Redis); the default model is read from the volume, not written again."""
+    prompt = LONG_PROMPT.replace("quick", "restarted")
+    target = f"127.0.0.1:{stack.ports['WORKER']}"
+    cold = generate(target, prompt)
+    assert cold["usage"]["cached_tokens"] == 0
+    stack.compose("restart", "-t", "45", "worker")
+    stack.wait_healthy(["worker"], timeout_s=300)
+    warm = generate(target, prompt)
+    assert warm["usage"]["cached_tokens"] > 0, f"no shared-tier hit after a restart: {warm}"
+    assert warm["token_ids"] == cold["token_ids"]
+    logs = run(compose_command(FILE_SETS["ci"], "logs", "--no-color", "worker"), timeout_s=60, env=stack.env).stdout
+    assert logs.count("writing the default model") == 1, logs[-3000:]
 
 
 def test_worker_runs_as_non_root_with_the_default_model_in_its_volume(stack: Stack) -> None:
