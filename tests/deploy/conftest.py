@@ -17,9 +17,10 @@ def compose_cli() -> str:
     return "docker-compose"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def docker_engine(compose_cli: str) -> Iterator[Dockerd]:
-    """A dockerd of this session only; stopped by its PID at the end, its mounts undone."""
+    """A dockerd for one test module; stopped by its PID when the module ends (not the session:
+    the rest of the suite should not run beside an engine and its tmpfs), its mounts undone."""
     apt_install(BASE_IMAGE_PACKAGES)
     engine = Dockerd.start()
     try:

@@ -61,6 +61,13 @@ class Stack:
     def compose(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
         return run(compose_command(FILE_SETS["ci"], *args), timeout_s=timeout_s, env=self.env)
 
+    def up(self, services: list[str]) -> None:
+        """`up -d` (it waits for each service's dependencies to be healthy); the probes and logs on failure."""
+        try:
+            self.compose("up", "-d", "--no-build", *services, timeout_s=600)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnose()}") from None
+
     def container(self, service: str) -> str:
         container_id = self.compose("ps", "-q", service).stdout.strip()
         assert container_id, f"no container for {service}"
@@ -109,10 +116,7 @@ def stack(docker_engine: Dockerd, image: str) -> Iterator[Stack]:
         stack = Stack(docker_engine, Path(work))
         assert_host_networking_only(stack)
         try:
-            try:
-                stack.compose("up", "-d", "--no-build", *SERVICES, timeout_s=600)
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}\n{stack.diagnose()}") from None
+            stack.up(SERVICES)
             stack.wait_healthy(SERVICES, timeout_s=600)
             yield stack
         finally:
