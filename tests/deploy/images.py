@@ -31,9 +31,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SUITE = "bookworm"
 BASE_PACKAGES = ("python3", "python3-venv")
 BASE_TAG = "hybridserve-test-base:bookworm"
-# What the build context holds, the same set as the repository's .dockerignore lets through.
-CONTEXT_PATHS = ("pyproject.toml", "README.md", ".dockerignore", "hybridserve", "scheduler_svc", "gpu_worker",
-                 "cache_svc", "deploy")  # fmt: skip
+# The build context: what the Dockerfile copies (the packages are those pyproject.toml installs).
+CONTEXT_FILES = ("pyproject.toml", "README.md", ".dockerignore", "deploy")
 WHEELHOUSE_IN_CONTEXT = "deploy/wheelhouse"
 
 
@@ -132,7 +131,7 @@ def build_context(work: Path, target_python: str) -> Path:
     context = work / "context"
     context.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "wheelhouse", "secrets.env")
-    for name in CONTEXT_PATHS:
+    for name in (*CONTEXT_FILES, *package_folders()):
         source = REPO_ROOT / name
         if source.is_dir():
             shutil.copytree(source, context / name, ignore=ignore)
@@ -156,6 +155,14 @@ def build_project_image(engine: Dockerd, base_tag: str, tag: str, work: Path) ->
         str(context), timeout_s=1200,
     )  # fmt: skip
     shutil.rmtree(context, ignore_errors=True)
+
+
+def package_folders() -> list[str]:
+    """The top-level package folders pyproject.toml's package search includes (hybridserve, ...)."""
+    with open(REPO_ROOT / "pyproject.toml", "rb") as pyproject:
+        patterns = tomllib.load(pyproject)["tool"]["setuptools"]["packages"]["find"]["include"]
+    names = {pattern.rstrip("*").rstrip(".") for pattern in patterns}
+    return sorted(name for name in names if (REPO_ROOT / name / "__init__.py").is_file())
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

@@ -53,6 +53,7 @@ class Stack:
             "HEALTHCHECK_INTERVAL": "2s",
             "OTEL_TRACES_EXPORTER": "none",
             "WORKERS": f"127.0.0.1:{self.ports['WORKER']}",
+            "GATEWAY_HOST": "127.0.0.1",  # loopback only, like every other service in the test
             "WORKER_MEMORY_BUDGET_MB": "128",
             "REDIS_MAXMEMORY": "256mb",
             "CACHE_MAX_MEMORY_MB": "256",
