@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import pytest
 DOCKER_PACKAGES = ("docker.io", "docker-compose")
 BASE_IMAGE_PACKAGES = ("debootstrap",)
 APT_SOURCES = Path("/etc/apt")
+POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
 # Where downloaded or built inputs (base rootfs tarball, wheelhouse) are kept between runs.
 CACHE_DIR = Path(os.environ.get("HYBRIDSERVE_DOCKER_TEST_CACHE", Path.home() / ".cache/hybridserve/docker-test"))
 
@@ -68,7 +71,23 @@ def apt_install(packages: tuple[str, ...]) -> None:
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     run(["apt-get", "update", "-q"], timeout_s=300, env=env)
-    run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], timeout_s=600, env=env)
+    with services_kept_stopped():
+        run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], timeout_s=600, env=env)
+
+
+@contextmanager
+def services_kept_stopped() -> Iterator[None]:
+    """Debian's policy-rc.d hook (exit 101: action forbidden) while packages install, so that
+    docker.io's install never starts the system dockerd, which would make a docker0 bridge."""
+    if POLICY_RC_D.exists():  # the machine already has a policy; leave it alone
+        yield
+        return
+    POLICY_RC_D.write_text("#!/bin/sh\n# written by hybridserve's deployment tests while apt installs\nexit 101\n")
+    POLICY_RC_D.chmod(0o755)
+    try:
+        yield
+    finally:
+        POLICY_RC_D.unlink(missing_ok=True)
 
 
 def debian_mirror(suite: str = "bookworm") -> str:
