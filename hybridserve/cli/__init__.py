@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("hybridserve.cli.loadgen", "drive N closed-loop clients against a worker and print a summary"),
     "init-model": ("gpu_worker.init_model", "write the default model (trained, or --random) to a folder"),
     "train-demo": ("gpu_worker.demo_model.train", "train the default model from scratch on the Python stdlib"),
+    "health": ("hybridserve.cli.health", "exit 0 when a server's grpc.health.v1 check says SERVING (probes)"),
     "replay": ("scheduler_svc.replay", "re-plan recorded engine steps offline; show the plan or a diff"),
     "timeline": ("hybridserve.cli.timeline.command", "recorded engine steps as an HTML timeline (and Perfetto JSON)"),
 }
