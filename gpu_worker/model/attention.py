@@ -7,6 +7,8 @@ K/V are never repeated."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,9 +17,14 @@ from gpu_worker.model.config import BambaConfig
 from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.layers import apply_rope
 
+if TYPE_CHECKING:
+    from gpu_worker.model.kernels.ops import TritonOps
+
 
 class PagedAttention(nn.Module):
     """q/k/v/o projections (HF names), RoPE on the first rotary_dim dims, scale head_dim^-0.5."""
+
+    ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.kernels)
 
     def __init__(self, config: BambaConfig) -> None:
         super().__init__()
@@ -43,6 +50,9 @@ class PagedAttention(nn.Module):
         q = apply_rope(self.q_proj(hidden).view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        if self.ops is not None:
+            attended = self.ops.paged_attention(q, k, v, ctx, k_cache, v_cache, self.head_dim**-0.5)
+            return self.o_proj(attended.view(n, self.num_heads * self.head_dim))  # type: ignore[no-any-return]
         k_cache.index_copy_(0, ctx.kv_write_slots, k)
         v_cache.index_copy_(0, ctx.kv_write_slots, v)
         outs: list[torch.Tensor] = []

@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from gpu_worker.model.config import BambaConfig
+from gpu_worker.model.kernels import attach_kernels
 from gpu_worker.model.model import BambaForCausalLM
 from gpu_worker.tokenizer import Tokenizer, load_tokenizer
 from hybridserve.errors import InvalidArgumentError
@@ -72,6 +73,7 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     torch_dtype = resolve_dtype(dtype, torch_device)
     fingerprint = fingerprint_weights(config, tensors)
     model = build_model(config, tensors, torch_device, torch_dtype)
+    attach_kernels(model, "auto")  # the CUDA backend's kernels on CUDA, the torch reference elsewhere
     return LoadedModel(
         model_dir=root,
         config=config,
