@@ -85,7 +85,8 @@ def _paged_decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padded row): zeros
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out, mask=qo_mask)
+    out_off = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
 @triton.jit
@@ -141,7 +142,8 @@ def _paged_prefill_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out, mask=qo_mask)
+    out_off = rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
 def _pow2(n: int, at_least: int = 1) -> int:

@@ -30,7 +30,7 @@ def _conv_update_kernel(
     slot = tl.load(slots_ptr + b).to(tl.int64)
     c_mask = offs_c < CONV_DIM
     if slot < 0:  # a padded row: zeros out, state untouched
-        tl.store(out_ptr + b * stride_ob + offs_c, tl.zeros([BLOCK_C], tl.float32), mask=c_mask)
+        tl.store(out_ptr + b * stride_ob + offs_c, tl.zeros([BLOCK_C], out_ptr.dtype.element_ty), mask=c_mask)
         return
     offs_k = tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + b * stride_xb + offs_c, mask=c_mask, other=0.0)
@@ -49,7 +49,7 @@ def _conv_update_kernel(
         acc += tl.load(bias_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     tl.debug_barrier()
     tl.store(row + offs_k[None, :], shifted, mask=(offs_k[None, :] < KW - 1) & c_mask[:, None])
-    tl.store(out_ptr + b * stride_ob + offs_c, acc * tl.sigmoid(acc), mask=c_mask)
+    tl.store(out_ptr + b * stride_ob + offs_c, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=c_mask)
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _conv_varlen_kernel(
             w_k = tl.load(w_ptr + offs_c * stride_wc + k, mask=c_mask, other=0.0).to(tl.float32)
             acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w_k[None, :]
         out_off = (token_start + offs_t)[:, None].to(tl.int64) * stride_ot + offs_c[None, :]
-        tl.store(out_ptr + out_off, acc * tl.sigmoid(acc), mask=t_mask)
+        tl.store(out_ptr + out_off, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=t_mask)
     # the new row: window position num_tokens + j, window = [state (K-1) | chunk (num_tokens)]
     offs_j = tl.arange(0, BLOCK_K)
     idx = num_tokens + offs_j
@@ -132,7 +132,7 @@ def _ssm_update_kernel(
         z = tl.load(z_ptr + b * stride_zb + h * stride_zh + offs_p, mask=p_mask, other=0.0).to(tl.float32)
         y = y * z * tl.sigmoid(z)
     tl.debug_barrier()
-    tl.store(s_ptrs, s, mask=s_mask)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
     tl.store(y_ptr + b * stride_yb + h * stride_yh + offs_p, y, mask=p_mask)
 
 
