@@ -101,7 +101,8 @@ class ModelRunner:
             self._decode_logits, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs), max_pages,
             cfg.kv_page_size_tokens, self.device, CudaGraphCapture(),
         )  # fmt: skip
-        graphs.capture_all()
+        with torch.inference_mode():  # as the steps it replays run
+            graphs.capture_all()
         return graphs
 
     def _decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
