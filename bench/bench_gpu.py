@@ -130,6 +130,7 @@ class Requests:
     pages: list[tuple[int, ...]] = field(default_factory=list)
     lens: list[int] = field(default_factory=list)
     last: list[int] = field(default_factory=list)
+    generated: list[list[int]] = field(default_factory=list)  # tokens of the timed decode steps
 
     def allocate(self, tokens_per_seq: int) -> None:
         kv, pool = self.runner.kv_pool, self.runner.state_pool
@@ -162,6 +163,8 @@ class Requests:
             seqs = tuple(SequenceChunk((t,), n, pg, s) for t, n, pg, s in rows)
             self.last = self.runner.forward(Batch(seqs)).logits.argmax(-1).tolist()
             self.lens = [n + 1 for n in self.lens]
+            for out, t in zip(self.generated, self.last, strict=False):
+                out.append(t)
 
 
 def timed(device: torch.device, fn: Callable[[], None]) -> float:
@@ -200,14 +203,17 @@ def step_floor_bytes(runner: ModelRunner, batch: int, mean_context: float) -> fl
 @dataclass
 class Row:
     batch: int
-    cells: dict[str, str] = field(default_factory=dict)
+    cells: dict[str, str] = field(default_factory=dict)  # column -> printed value
+    step_s: dict[str, float] = field(default_factory=dict)  # mode -> seconds per decode step
+    tokens: dict[str, list[list[int]]] = field(default_factory=dict)  # mode -> greedy tokens per sequence
 
 
 class Report:
     """The markdown report, rewritten after every measurement so a cut-off run still leaves one."""
 
     COLUMNS = ("batch", "prefill tok/s torch", "prefill tok/s triton", "decode tok/s torch", "decode tok/s triton",
-               "decode tok/s graphs", "graphs vs eager", "step ms graphs", "HBM floor ms", "of floor")  # fmt: skip
+               "decode tok/s graphs", "graphs vs eager", "same greedy tokens", "step ms", "HBM floor ms",
+               "of floor")  # fmt: skip
 
     def __init__(self, path: Path | None, header: list[str]) -> None:
         self.path, self.header = path, header
@@ -224,46 +230,63 @@ class Report:
         print(text, flush=True)
 
 
-def measure_batch(args: argparse.Namespace, runners: dict[str, ModelRunner], batch: int, row: Row) -> None:
-    """Prefill (torch, triton) and decode (torch, triton, graphs) throughput at one batch size."""
+def measure_mode(args: argparse.Namespace, mode: str, runner: ModelRunner, prompts: list[list[int]], row: Row) -> None:
+    """One mode at one batch size: prefill throughput (eager modes), then timed decode steps."""
+    batch, device = len(prompts), runner.device
+    attach_kernels(runner.model, "torch" if mode == "torch" else "triton")
+    reqs = Requests(runner, prompts)
+    reqs.allocate(args.prompt_tokens + args.warmup_steps + args.decode_steps + 1)
+    try:
+        if mode != "graphs":
+            if batch == args.batches[0]:
+                reqs.prefill(args.max_forward_tokens)  # warm-up (Triton compiles)
+            seconds = timed(device, lambda: reqs.prefill(args.max_forward_tokens))
+            row.cells[f"prefill tok/s {mode}"] = f"{batch * args.prompt_tokens / seconds:,.0f}"
+        else:
+            reqs.prefill(args.max_forward_tokens)
+        reqs.decode(args.warmup_steps)
+        reqs.generated = [[] for _ in prompts]
+        seconds = timed(device, lambda: reqs.decode(args.decode_steps))
+    finally:
+        reqs.release()
+        attach_kernels(runner.model, "triton")
+    row.cells[f"decode tok/s {mode}"] = f"{batch * args.decode_steps / seconds:,.0f}"
+    row.step_s[mode], row.tokens[mode] = seconds / args.decode_steps, reqs.generated
+    log(f"batch {batch} {mode}: decode {batch * args.decode_steps / seconds:,.0f} tok/s "
+        f"({1e3 * seconds / args.decode_steps:.2f} ms/step)")  # fmt: skip
+
+
+def measure_batch(args: argparse.Namespace, runners: dict[str, ModelRunner], batch: int, row: Row) -> list[str]:
+    """Prefill (torch, triton) and decode (torch, triton, graphs) at one batch size; returns failure notes.
+    The torch reference runs only up to --reference-max-batch (it is the slow one)."""
     eager = runners["triton"]
-    device, model = eager.device, eager.model
     g = torch.Generator().manual_seed(batch)
-    prompts = [
-        torch.randint(3, eager.config.vocab_size, (args.prompt_tokens,), generator=g).tolist() for _ in range(batch)
-    ]
-    per_seq = args.prompt_tokens + args.warmup_steps + args.decode_steps + 1
-    modes = [("torch", eager), ("triton", eager)] + ([("graphs", runners["graphs"])] if "graphs" in runners else [])
+    vocab = eager.config.vocab_size
+    prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist() for _ in range(batch)]
+    modes = ([("torch", eager)] if batch <= args.reference_max_batch else []) + [("triton", eager)]
+    modes += [("graphs", runners["graphs"])] if "graphs" in runners else []
+    notes = []
     for mode, runner in modes:
-        attach_kernels(model, "torch" if mode == "torch" else "triton")
-        reqs = Requests(runner, prompts)
-        reqs.allocate(per_seq)
         try:
-            if mode != "graphs":
-                if batch == args.batches[0]:
-                    reqs.prefill(args.max_forward_tokens)  # warm-up (Triton compiles)
-                seconds = timed(device, lambda r=reqs: r.prefill(args.max_forward_tokens))
-                row.cells[f"prefill tok/s {mode}"] = f"{batch * args.prompt_tokens / seconds:,.0f}"
-            else:
-                reqs.prefill(args.max_forward_tokens)
-            reqs.decode(args.warmup_steps)
-            seconds = timed(device, lambda r=reqs: r.decode(args.decode_steps))
-        finally:
-            reqs.release()
-            attach_kernels(model, "triton")
-        tps = batch * args.decode_steps / seconds
-        row.cells[f"decode tok/s {mode}"] = f"{tps:,.0f}"
-        row.cells[f"_{mode}_step_s"] = str(seconds / args.decode_steps)
-        log(f"batch {batch} {mode}: decode {tps:,.0f} tok/s ({1e3 * seconds / args.decode_steps:.2f} ms/step)")
-    best = "graphs" if "graphs" in runners else "triton"
-    step_s = float(row.cells[f"_{best}_step_s"])
-    mean_ctx = args.prompt_tokens + args.warmup_steps + args.decode_steps / 2
-    floor_s = step_floor_bytes(eager, batch, mean_ctx) / PEAK_HBM_BYTES_PER_S
-    row.cells["step ms graphs"] = f"{1e3 * step_s:.2f}"
-    row.cells["HBM floor ms"] = f"{1e3 * floor_s:.3f}"
-    row.cells["of floor"] = f"{100 * floor_s / step_s:.0f}%"
-    if "graphs" in runners:
-        row.cells["graphs vs eager"] = f"{float(row.cells['_triton_step_s']) / step_s:.2f}x"
+            measure_mode(args, mode, runner, prompts, row)
+        except Exception as exc:  # one failing mode must not lose the others
+            row.cells[f"decode tok/s {mode}"] = "FAILED"
+            notes.append(f"- batch {batch} {mode}: FAILED {type(exc).__name__}: {exc}")
+            log(notes[-1])
+    best = "graphs" if "graphs" in row.step_s else "triton"
+    if best in row.step_s:
+        step_s = row.step_s[best]
+        mean_ctx = args.prompt_tokens + args.warmup_steps + args.decode_steps / 2
+        floor_s = step_floor_bytes(eager, batch, mean_ctx) / PEAK_HBM_BYTES_PER_S
+        row.cells["step ms"] = f"{1e3 * step_s:.2f}"
+        row.cells["HBM floor ms"] = f"{1e3 * floor_s:.3f}"
+        row.cells["of floor"] = f"{100 * floor_s / step_s:.0f}%"
+    if "graphs" in row.step_s and "triton" in row.step_s:
+        row.cells["graphs vs eager"] = f"{row.step_s['triton'] / row.step_s['graphs']:.2f}x"
+        runs = zip(row.tokens["triton"], row.tokens["graphs"], strict=True)
+        pairs = [(a, b) for x, y in runs for a, b in zip(x, y, strict=True)]
+        row.cells["same greedy tokens"] = f"{100 * sum(a == b for a, b in pairs) / max(len(pairs), 1):.0f}%"
+    return notes
 
 
 def build_runners(args: argparse.Namespace, loaded: LoadedModel) -> tuple[dict[str, ModelRunner], list[str]]:
@@ -305,6 +328,7 @@ def main() -> None:
     parser.add_argument("--max-forward-tokens", type=int, default=16384)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--reference-max-batch", type=int, default=32, help="largest batch for the torch path")
     parser.add_argument("--time-budget-s", type=float, default=200.0, help="skip remaining batch sizes past this")
     parser.add_argument("--out", type=Path, default=None, help="markdown report file")
     args = parser.parse_args()
@@ -337,7 +361,10 @@ def main() -> None:
         f"- KV bytes/token {eager.kv_bytes_per_token}, state bytes/request {eager.state_bytes_per_request}",
         *notes,
         "- prefill is eager in every mode (graphs are for decode); 'graphs vs eager' = eager kernel step time / "
-        "graph step time; 'of floor' = HBM floor / graph step time",
+        "graph step time; 'step ms' = one decode step with graphs (eager without); 'of floor' = HBM floor / "
+        "step ms; 'same greedy tokens' = share of the timed decode tokens that graphs and eager kernels chose "
+        "alike (bf16: GEMM shapes differ by bucket); the torch path runs up to batch "
+        f"{args.reference_max_batch}",
     ]  # fmt: skip
     report = Report(args.out, header)
     for batch in args.batches:
@@ -346,11 +373,7 @@ def main() -> None:
             continue
         row = Row(batch)
         report.rows.append(row)
-        try:
-            measure_batch(args, runners, batch, row)
-        except Exception as exc:  # one failing batch size must not lose the others
-            report.notes.append(f"- batch {batch}: FAILED {type(exc).__name__}: {exc}")
-            log(report.notes[-1])
+        report.notes += measure_batch(args, runners, batch, row)
         report.write()
     if device.type == "cuda":
         report.notes.append(f"- peak memory allocated {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
