@@ -108,7 +108,7 @@ def test_bf16_tracks_float32_and_picks_the_same_greedy_tokens(checkpoint, graphs
     assert _max_diff(got, want) <= 0.1 * scale
     agree = sum(int((g.argmax(-1) == w.argmax(-1)).sum()) for g, w in zip(got, want, strict=True))
     total = sum(len(s) for s in seqs)
-    assert agree >= 0.9 * total, f"greedy agreement {agree}/{total}"
+    assert agree >= 0.85 * total, f"greedy agreement {agree}/{total}"
 
 
 def test_bf16_matches_transformers_in_bf16_on_the_gpu(small_checkpoint) -> None:
@@ -121,4 +121,4 @@ def test_bf16_matches_transformers_in_bf16_on_the_gpu(small_checkpoint) -> None:
     scale = max(w.abs().max().item() for w in want)
     assert _max_diff(got, want) <= 0.05 * scale
     agree = sum(int((g.argmax(-1) == w.argmax(-1)).sum()) for g, w in zip(got, want, strict=True))
-    assert agree >= 0.9 * sum(len(s) for s in seqs)
+    assert agree >= 0.85 * sum(len(s) for s in seqs)
