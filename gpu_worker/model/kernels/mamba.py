@@ -192,12 +192,13 @@ def ssm_update(
     D: torch.Tensor | None,
     z: torch.Tensor | None,
     slots: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `reference.ssm_update`. Last dims contiguous: ssm_state [rows, H, P, N] float32, x/z [b, H, P],
-    dt [b, H], B/C [b, G, N]. Returns y [b, H, P] float32."""
+    dt [b, H], B/C [b, G, N]. Returns y [b, H, P] float32 (written into `out` when given)."""
     b, heads, head_dim = x.shape
     state_size = ssm_state.shape[-1]
-    y = torch.empty(b, heads, head_dim, dtype=torch.float32, device=x.device)
+    y = torch.empty(b, heads, head_dim, dtype=torch.float32, device=x.device) if out is None else out
     if b == 0:
         return y
     zz = z if z is not None else x

@@ -100,7 +100,7 @@ class TritonOps:
         if nd:
             slots = ctx.decode_state_slots
             x, B, C = mixer._split_xbc(mamba_k.conv_update(xbc[:nd], conv_state, weight, bias, slots))
-            y[:nd] = mamba_k.ssm_update(ssm_state, x, dt[:nd], A, B, C, mixer.D, None, slots)
+            mamba_k.ssm_update(ssm_state, x, dt[:nd], A, B, C, mixer.D, None, slots, out=y[:nd])
         if ctx.prefills:
             meta = self._prefill_meta(ctx, xbc.device)
             x, B, C = mixer._split_xbc(mamba_k.conv_varlen(xbc[nd:], conv_state, weight, bias, meta.conv_spans))
