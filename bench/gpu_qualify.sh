@@ -87,8 +87,8 @@ EOF
 
 log "gpu_qualify: dry run=$DRY, python=$PY, output in $DEST"
 run_phase env 40 bash -c "$(declare -f env_phase); env_phase"
-run_phase kernels 90 "$PY" -m pytest -p no:cacheprovider -v --timeout 60 tests/model/test_triton_kernels.py
-run_phase gpu-tests 150 "$PY" -m pytest -p no:cacheprovider -v --timeout 90 tests/model/test_gpu.py \
+run_phase kernels 75 "$PY" -m pytest -p no:cacheprovider -v --timeout 60 tests/model/test_triton_kernels.py
+run_phase gpu-tests 165 "$PY" -m pytest -p no:cacheprovider -v --timeout 90 tests/model/test_gpu.py \
     tests/model/test_gpu_backend.py
 run_phase bench 170 "$PY" bench/bench_gpu.py --out "$DEST/bench.md" "${BENCH_ARGS[@]}"
 
