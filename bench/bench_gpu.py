@@ -167,7 +167,7 @@ class Requests:
                 out.append(t)
 
 
-def timed(device: torch.device, fn: Callable[[], None]) -> float:
+def timed(device: torch.device, fn: Callable[[], object]) -> float:
     sync(device)
     t0 = time.perf_counter()
     fn()

@@ -18,6 +18,7 @@ records what would be captured and runs the step eagerly."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -132,7 +133,7 @@ class DecodeGraphs:
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
         self._pad_from(0)  # capture-time runs touch no pool row
         for bucket in sorted(self.buckets, reverse=True):
-            self._replays[bucket] = self.capture(lambda b=bucket: self._step(b))
+            self._replays[bucket] = self.capture(partial(self._step, bucket))
         if cuda:
             torch.cuda.synchronize(self.device)
             self.pool_bytes = torch.cuda.memory_allocated(self.device) - before

@@ -147,7 +147,7 @@ def _paged_prefill_kernel(
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
-    return max(at_least, triton.next_power_of_2(n))
+    return max(at_least, int(triton.next_power_of_2(n)))
 
 
 def write_kv(
