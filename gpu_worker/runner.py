@@ -15,9 +15,12 @@ from pathlib import Path
 import torch
 
 from gpu_worker.batch import Batch, ForwardOutput
+from gpu_worker.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from gpu_worker.input_builder import build_inputs
 from gpu_worker.kv_pool import KVPagePool
 from gpu_worker.model.config import ModelConfig
+from gpu_worker.model.context import ForwardContext
+from gpu_worker.model.kernels import kernel_backend
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.state_pool import MambaStatePool
@@ -41,13 +44,17 @@ class RunnerConfig:
     num_checkpoint_slots: int = 64  # Mamba state checkpoints kept on the worker (one per cached block)
     device: str = "auto"  # auto | cpu | cuda[:i]
     dtype: str = "auto"  # auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
+    cuda_graph_max_batch: int = 256  # decode steps up to this many sequences replay CUDA graphs; 0 = off
+    cuda_graph_max_context_tokens: int = 32768  # longer contexts decode eagerly (sizes the graphs' page table)
 
     def __post_init__(self) -> None:
-        for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs"):
+        for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_checkpoint_slots < 0:
             raise InvalidArgumentError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
+        if self.cuda_graph_max_batch < 0:
+            raise InvalidArgumentError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
 
 
 class ModelRunner:
@@ -82,6 +89,25 @@ class ModelRunner:
         )  # fmt: skip
         self._kv_caches = self.kv_pool.layer_caches()
         self._states = self.state_pool.layer_states()
+        self.decode_graphs = self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, only on CUDA with the kernels attached (see cuda_graphs)."""
+        cfg = self.runner_config
+        if self.device.type != "cuda" or cfg.cuda_graph_max_batch == 0 or kernel_backend(self.model) != "triton":
+            return None
+        max_pages = -(-cfg.cuda_graph_max_context_tokens // cfg.kv_page_size_tokens)
+        graphs = DecodeGraphs(
+            self._decode_logits, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs), max_pages,
+            cfg.kv_page_size_tokens, self.device, CudaGraphCapture(),
+        )  # fmt: skip
+        with torch.inference_mode():  # as the steps it replays run
+            graphs.capture_all()
+        return graphs
+
+    def _decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The captured step: forward and float32 logits of every row."""
+        return self.model.compute_logits(self.model(input_ids, ctx, self._kv_caches, self._states))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: RunnerConfig | None = None) -> ModelRunner:
@@ -102,14 +128,14 @@ class ModelRunner:
 
         Each sequence gets exactly the logits it would get alone. Raises InvalidArgumentError for a
         malformed batch (empty chunk, page table too short, duplicate or out-of-range state slot)."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self._forward_graphed(batch)
         packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
         if packed.fresh_slots is not None:
             self.state_pool.zero_slots(packed.fresh_slots)
         hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]
         logits_of = self.model.compute_logits
-        for seq in batch.sequences:
-            if seq.save_checkpoint_id is not None:
-                self.state_pool.save_checkpoint(seq.state_slot, seq.save_checkpoint_id)
+        self._save_checkpoints(batch)
         if not batch.return_all_logits:
             return ForwardOutput(logits=logits_of(hidden.index_select(0, packed.last_index)))
         all_logits = logits_of(hidden)  # [T, vocab] float32
@@ -119,10 +145,29 @@ class ModelRunner:
         )
         return ForwardOutput(logits=all_logits.index_select(0, packed.last_index), all_logits=per_seq)
 
+    def _forward_graphed(self, batch: Batch) -> ForwardOutput:
+        """A decode-only step replayed from its bucket's CUDA graph; inputs are packed on the host and
+        copied in once (the eager path moves each index tensor separately)."""
+        packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, torch.device("cpu"))
+        if packed.fresh_slots is not None:
+            self.state_pool.zero_slots(packed.fresh_slots.to(self.device))
+        assert self.decode_graphs is not None
+        logits = self.decode_graphs.run(packed)  # [num_decode, vocab], packed order
+        self._save_checkpoints(batch)
+        return ForwardOutput(logits=logits.index_select(0, packed.last_index.to(self.device)))
+
+    def _save_checkpoints(self, batch: Batch) -> None:
+        for seq in batch.sequences:
+            if seq.save_checkpoint_id is not None:
+                self.state_pool.save_checkpoint(seq.state_slot, seq.save_checkpoint_id)
+
     def describe(self) -> dict[str, int | str]:
         """Sizes for logs and GetInfo."""
+        graphs = self.decode_graphs.describe() if self.decode_graphs is not None else {}
         return {
             "architecture": self.config.architecture,
+            "kernels": kernel_backend(self.model),
+            **graphs,
             "device": str(self.device),
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_bytes_per_token,

@@ -7,6 +7,8 @@ K/V are never repeated."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,10 +17,15 @@ from gpu_worker.model.config import BambaConfig
 from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.layers import apply_rope
 
+if TYPE_CHECKING:
+    from gpu_worker.model.kernels.ops import TritonOps
+
 
 class PagedAttention(nn.Module):
     """q/k/v/o projections, RoPE on the first rotary_dim dims (none when the family has no positional
     embedding), softmax scale `attention_scale`."""
+
+    ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.kernels)
 
     def __init__(self, config: BambaConfig) -> None:
         super().__init__()
@@ -48,6 +55,9 @@ class PagedAttention(nn.Module):
         if cos is not None and sin is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        if self.ops is not None:
+            attended = self.ops.paged_attention(q, k, v, ctx, k_cache, v_cache, self.scale)
+            return self.o_proj(attended.view(n, self.num_heads * self.head_dim))  # type: ignore[no-any-return]
         k_cache.index_copy_(0, ctx.kv_write_slots, k)
         v_cache.index_copy_(0, ctx.kv_write_slots, v)
         outs: list[torch.Tensor] = []

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.families import family_for
 from gpu_worker.model.families.base import Family, Source
+from gpu_worker.model.kernels import attach_kernels
 from gpu_worker.model.model import HybridForCausalLM, rope_inv_freq
 from gpu_worker.tokenizer import Tokenizer, load_tokenizer
 from hybridserve.errors import InvalidArgumentError
@@ -75,6 +76,7 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     torch_dtype = resolve_dtype(dtype, torch_device)
     fingerprint = fingerprint_weights(config, tensors)
     model = build_model(family, config, tensors, torch_device, torch_dtype)
+    attach_kernels(model, "auto")  # the CUDA backend's kernels on CUDA, the torch reference elsewhere
     return LoadedModel(
         model_dir=root,
         config=config,

@@ -6,6 +6,8 @@ State per sequence (one pool row): conv state = the last d_conv - 1 pre-conv xBC
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,9 +17,14 @@ from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.layers import GatedRMSNorm
 from gpu_worker.model.ssd import ssd_scan, ssm_step_
 
+if TYPE_CHECKING:
+    from gpu_worker.model.kernels.ops import TritonOps
+
 
 class Mamba2Mixer(nn.Module):
     """in_proj -> [z, xBC, dt]; causal depthwise conv + SiLU on xBC; SSD; gated RMS norm; out_proj."""
+
+    ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.kernels)
 
     def __init__(self, config: BambaConfig) -> None:
         super().__init__()
@@ -46,14 +53,17 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         dt = torch.clamp(F.softplus(dt.float() + self.dt_bias.float()), self.dt_min, self.dt_max)  # [T, H]
         A = -torch.exp(self.A_log.float())  # [H]
-        ys: list[torch.Tensor] = []
-        nd = ctx.num_decode
-        if nd:
-            ys.append(self._decode(xbc[:nd], dt[:nd], A, ctx, conv_state, ssm_state))
-        for span in ctx.prefills:
-            sl = slice(span.token_start, span.token_start + span.num_tokens)
-            ys.append(self._prefill(xbc[sl], dt[sl], A, span, conv_state, ssm_state))
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)  # [T, d_inner] float32
+        if self.ops is not None:
+            y = self.ops.mamba_mix(self, xbc, dt, A, ctx, conv_state, ssm_state)
+        else:
+            ys: list[torch.Tensor] = []
+            nd = ctx.num_decode
+            if nd:
+                ys.append(self._decode(xbc[:nd], dt[:nd], A, ctx, conv_state, ssm_state))
+            for span in ctx.prefills:
+                sl = slice(span.token_start, span.token_start + span.num_tokens)
+                ys.append(self._prefill(xbc[sl], dt[sl], A, span, conv_state, ssm_state))
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)  # [T, d_inner] float32
         out: torch.Tensor = self.out_proj(self.norm(y, z).to(hidden.dtype))
         return out
 
