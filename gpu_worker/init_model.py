@@ -161,8 +161,10 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load_model(root, device="cpu", dtype="float32")
     n_params = sum(p.numel() for p in loaded.model.parameters())
-    kind = f"{loaded.config.architecture}{' (MoE)' if args.moe else ''}" if random else "default"
-    print(f"wrote {kind} model to {root} ({n_params} parameters, fingerprint {loaded.fingerprint[:16]})")
+    arch = f"{loaded.config.architecture}{' (MoE)' if args.moe else ''}"
+    # named as asked: `--random` says so, `--arch` names the family, the default names its family and that it is trained
+    kind = f"random model ({arch})" if args.random else f"{arch} model" if random else f"{arch} model (trained default)"
+    print(f"wrote {kind} to {root} ({n_params} parameters, fingerprint {loaded.fingerprint[:16]})")
     return 0
 
 
