@@ -21,8 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from gpu_worker.model.families import BY_NAME, family_for, family_named
-from gpu_worker.model.loader import weight_sources
-from gpu_worker.model.model import HybridForCausalLM
+from gpu_worker.model.loader import checkpoint_shapes
 from gpu_worker.tokenizer import BYTE_VOCAB_SIZE, Tokenizer, build_byte_tokenizer
 from hybridserve.errors import InvalidArgumentError
 
@@ -69,10 +68,7 @@ def random_weights(raw_config: dict[str, Any], seed: int, init_std: float) -> di
     """Seeded float32 weights for every checkpoint tensor of the architecture, by parameter kind."""
     family = family_for(raw_config, "config.json")
     config = family.parse(raw_config, "config.json")
-    with torch.device("meta"):
-        model = HybridForCausalLM(config)
-    shapes = {n: shape for _, src, src_shapes in weight_sources(family, config, model).values()
-              for n, shape in zip(src.names, src_shapes, strict=True)}  # fmt: skip
+    shapes = checkpoint_shapes(family, config)
     g = torch.Generator().manual_seed(seed)
 
     def randn(shape: tuple[int, ...], std: float, mean: float = 0.0) -> torch.Tensor:
@@ -165,8 +161,10 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load_model(root, device="cpu", dtype="float32")
     n_params = sum(p.numel() for p in loaded.model.parameters())
-    kind = f"{loaded.config.architecture}{' (MoE)' if args.moe else ''}" if random else "default"
-    print(f"wrote {kind} model to {root} ({n_params} parameters, fingerprint {loaded.fingerprint[:16]})")
+    arch = f"{loaded.config.architecture}{' (MoE)' if args.moe else ''}"
+    # named as asked: `--random` says so, `--arch` names the family, the default names its family and that it is trained
+    kind = f"random model ({arch})" if args.random else f"{arch} model" if random else f"{arch} model (trained default)"
+    print(f"wrote {kind} to {root} ({n_params} parameters, fingerprint {loaded.fingerprint[:16]})")
     return 0
 
 

@@ -31,9 +31,12 @@ from tqdm import tqdm
 from gpu_worker.demo_model.corpus import Corpus, even_windows, load_corpus, random_windows
 from gpu_worker.demo_model.default import DEMO_SPEC, WEIGHTS_DIR
 from gpu_worker.demo_model.train_forward import next_byte_loss
-from gpu_worker.model.config import BambaConfig
+from gpu_worker.model.config import ModelConfig
+from gpu_worker.model.families import BY_ARCHITECTURE
+from gpu_worker.model.families.base import Family
+from gpu_worker.model.loader import build_model, checkpoint_shapes, checkpoint_tensors, parse_config
 from gpu_worker.model.mamba2 import Mamba2Mixer
-from gpu_worker.model.model import BambaForCausalLM
+from gpu_worker.model.model import HybridForCausalLM
 
 LN2 = math.log(2.0)
 
@@ -56,15 +59,15 @@ class TrainSettings:
     scan_chunk_tokens: int = 64  # SSD scan chunk length while training (the result does not depend on it)
 
 
-def initial_weights(model: BambaForCausalLM, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded training init, by parameter kind: the usual small-normal linears (residual outputs scaled
-    down by depth), unit norms, and the Mamba2 recipe for the state parameters (A in [1, 16], dt
-    log-uniform in [1e-3, 1e-1] through an inverse softplus, D = 1)."""
+def initial_weights(family: Family, config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded training init of every checkpoint tensor (checkpoint names, drawn in sorted name order), by
+    parameter kind: the usual small-normal linears (residual outputs scaled down by the number of residual
+    blocks), unit norms, and the Mamba2 recipe for the state parameters (A in [1, 16], dt log-uniform in
+    [1e-3, 1e-1] through an inverse softplus, D = 1). The rules read Bamba's checkpoint names."""
     g = torch.Generator().manual_seed(seed)
-    depth_scale = 1.0 / math.sqrt(2.0 * len(model.model.layers))
+    depth_scale = 1.0 / math.sqrt(len(config.blocks))  # a Bamba layer is two residual blocks
     out: dict[str, torch.Tensor] = {}
-    for name, p in sorted(model.state_dict().items()):
-        shape = tuple(p.shape)
+    for name, shape in sorted(checkpoint_shapes(family, config).items()):
         if name.endswith("mamba.A_log"):
             out[name] = torch.log(1.0 + 15.0 * torch.rand(shape, generator=g))
         elif name.endswith("mamba.dt_bias"):
@@ -91,7 +94,7 @@ def learning_rate(step: int, s: TrainSettings) -> float:
     return s.peak_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: BambaForCausalLM, s: TrainSettings) -> torch.optim.AdamW:
+def make_optimizer(model: HybridForCausalLM, s: TrainSettings) -> torch.optim.AdamW:
     """Weight decay on matrices (linears, embeddings); none on norms, biases and the Mamba vectors."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -100,7 +103,7 @@ def make_optimizer(model: BambaForCausalLM, s: TrainSettings) -> torch.optim.Ada
 
 
 @torch.no_grad()
-def held_out_bits_per_byte(model: BambaForCausalLM, windows: torch.Tensor, batch_windows: int = 16) -> float:
+def held_out_bits_per_byte(model: HybridForCausalLM, windows: torch.Tensor, batch_windows: int = 16) -> float:
     """Mean next-token loss over `windows`, in bits (every token is one byte but the file markers)."""
     model.eval()
     total = 0.0
@@ -111,13 +114,13 @@ def held_out_bits_per_byte(model: BambaForCausalLM, windows: torch.Tensor, batch
     return total / windows.shape[0] / LN2
 
 
-def train(s: TrainSettings, corpus: Corpus) -> tuple[BambaForCausalLM, dict[str, object]]:
+def train(s: TrainSettings, corpus: Corpus) -> tuple[HybridForCausalLM, dict[str, object]]:
     """Train from scratch; returns the model and the facts for training.json."""
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
-    config = BambaConfig.from_dict(DEMO_SPEC.to_hf_config())
-    model = BambaForCausalLM(config)
-    model.load_state_dict(initial_weights(model, s.seed))
+    family, config = parse_config(DEMO_SPEC.to_hf_config())
+    weights = initial_weights(family, config, s.seed)
+    model = build_model(family, config, weights, torch.device("cpu"), torch.float32).requires_grad_(True)
     for module in model.modules():
         if isinstance(module, Mamba2Mixer):
             module.chunk_size = s.scan_chunk_tokens
@@ -162,10 +165,11 @@ def train(s: TrainSettings, corpus: Corpus) -> tuple[BambaForCausalLM, dict[str,
     return model, facts
 
 
-def save(model: BambaForCausalLM, facts: dict[str, object], out_dir: Path) -> None:
-    """model.safetensors (float32, contiguous) and training.json into `out_dir`."""
+def save(model: HybridForCausalLM, facts: dict[str, object], out_dir: Path) -> None:
+    """model.safetensors (float32, contiguous, Hugging Face Bamba names) and training.json into `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    family = BY_ARCHITECTURE[model.config.architecture]
+    tensors = {k: v.contiguous().clone() for k, v in checkpoint_tensors(family, model.config, model).items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "training.json").write_text(json.dumps(facts, indent=2) + "\n")
 

@@ -1,15 +1,16 @@
 """A differentiable forward over the serving model's own parameters, for training the demo model.
 
-The runner's forward (`gpu_worker.model.model.BambaForCausalLM.forward`) writes K/V and Mamba state into
+The runner's forward (`gpu_worker.model.model.HybridForCausalLM.forward`) writes K/V and Mamba state into
 pools in place and runs under inference mode, so autograd cannot pass through it. This module runs the
-same parameters (same module tree, same names, so the trained state dict is a checkpoint as it stands)
-over a dense batch of equal-length sequences that all start at position 0 with empty state:
+same parameters (same module tree; `gpu_worker.model.loader.checkpoint_tensors` turns them into a
+checkpoint) over a dense batch of equal-length sequences that all start at position 0 with empty state:
 
-    tokens [B, L] -> embed -> per layer: x + mixer(norm(x)); x + mlp(norm(x)) -> final norm -> logits [B, L, V]
+    tokens [B, L] -> embed -> per block: x + mixer(norm(x)) -> final norm -> logits [B, L, V]
 
-It reuses the runner's norms, MLP, RoPE tables and the SSD scan itself; only the pool bookkeeping is
-replaced by its dense equivalent (a causal mask for attention, a zero-padded causal conv for Mamba).
-`tests/model/test_default_model.py` checks it against the runner on the committed weights."""
+with the config's embedding, residual and logits multipliers applied as the runner applies them. It
+reuses the runner's norms, MLP/MoE modules, RoPE tables and the SSD scan itself; only the pool
+bookkeeping is replaced by its dense equivalent (a causal mask for attention, a zero-padded causal conv
+for Mamba). `tests/model/test_default_model.py` checks it against the runner on the committed weights."""
 
 from __future__ import annotations
 
@@ -22,22 +23,26 @@ import torch.nn.functional as F
 from gpu_worker.model.attention import PagedAttention
 from gpu_worker.model.layers import apply_rope, rope_cos_sin
 from gpu_worker.model.mamba2 import Mamba2Mixer
-from gpu_worker.model.model import BambaForCausalLM, DecoderLayer
+from gpu_worker.model.model import Block, HybridForCausalLM
 from gpu_worker.model.ssd import ssd_scan
 
 
-def dense_attention(attn: PagedAttention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Causal GQA over whole sequences: h [B, L, hidden] -> [B, L, hidden].
+def dense_attention(
+    attn: PagedAttention, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+) -> torch.Tensor:
+    """Causal GQA over whole sequences: h [B, L, hidden] -> [B, L, hidden]; no RoPE when cos/sin are None.
 
-    Query head i reads KV head i // group, as in the runner's grouped layout."""
+    Query head i reads KV head i // group, as in the runner's grouped layout; softmax scale as the runner's."""
     b, n, _ = h.shape
-    q = apply_rope(attn.q_proj(h).view(b * n, attn.num_heads, attn.head_dim), cos, sin)
-    k = apply_rope(attn.k_proj(h).view(b * n, attn.num_kv_heads, attn.head_dim), cos, sin)
+    q = attn.q_proj(h).view(b * n, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(h).view(b * n, attn.num_kv_heads, attn.head_dim)
+    if cos is not None and sin is not None:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = attn.v_proj(h).view(b, n, attn.num_kv_heads, attn.head_dim)
     q = q.view(b, n, attn.num_heads, attn.head_dim).transpose(1, 2)  # [B, heads, L, d]
     k = k.view(b, n, attn.num_kv_heads, attn.head_dim).transpose(1, 2).repeat_interleave(attn.group, dim=1)
     v = v.transpose(1, 2).repeat_interleave(attn.group, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, L, d]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)  # [B, heads, L, d]
     projected: torch.Tensor = attn.o_proj(out.transpose(1, 2).reshape(b, n, attn.num_heads * attn.head_dim))
     return projected
 
@@ -67,23 +72,31 @@ def dense_mamba(mixer: Mamba2Mixer, h: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dense_logits(model: BambaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+def dense_logits(model: HybridForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
     """input_ids [B, L] (every row starts at position 0) -> logits [B, L, vocab] (float32)."""
-    hidden = model.model.embed_tokens(input_ids)  # [B, L, hidden]
+    c = model.config
+    hidden = model.embed(input_ids)  # [B, L, hidden]
+    if c.embedding_multiplier != 1.0:
+        hidden = hidden * c.embedding_multiplier
     b, n, _ = hidden.shape
-    positions = torch.arange(n, device=input_ids.device).repeat(b)  # packed [B * L], row-major
-    cos, sin = rope_cos_sin(positions, model.inv_freq, hidden.dtype)
-    for module in model.model.layers:
-        layer = cast(DecoderLayer, module)
-        h = layer.input_layernorm(hidden)
-        h = dense_attention(layer.self_attn, h, cos, sin) if layer.is_attention else dense_mamba(layer.mamba, h)
-        hidden = hidden + h
-        hidden = hidden + layer.feed_forward(layer.pre_ff_layernorm(hidden))
-    logits: torch.Tensor = model.lm_head(model.model.final_layernorm(hidden))
-    return logits.float()
+    cos = sin = None
+    if c.rotary_dim:
+        positions = torch.arange(n, device=input_ids.device).repeat(b)  # packed [B * L], row-major
+        cos, sin = rope_cos_sin(positions, model.inv_freq, hidden.dtype)
+    for module in model.blocks:
+        block = cast(Block, module)
+        h = block.norm(hidden)
+        if block.kind == "attention":
+            h = dense_attention(cast(PagedAttention, block.mixer), h, cos, sin)
+        elif block.kind == "mamba":
+            h = dense_mamba(cast(Mamba2Mixer, block.mixer), h)
+        else:
+            h = block.mixer(h.reshape(b * n, -1)).view(b, n, -1)  # MLP / MoE: per token, no state
+        hidden = hidden + (h if c.residual_multiplier == 1.0 else h * c.residual_multiplier)
+    return model.compute_logits(model.final_norm(hidden))
 
 
-def next_byte_loss(model: BambaForCausalLM, windows: torch.Tensor) -> torch.Tensor:
+def next_byte_loss(model: HybridForCausalLM, windows: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy (nats per token) of predicting windows[:, 1:] from windows[:, :-1]."""
     logits = dense_logits(model, windows[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))

@@ -163,16 +163,7 @@ def build_model(
             raise InvalidArgumentError(
                 f"checkpoint tensor {name} has shape {list(given[name].shape)} but config.json implies {list(shape)}"
             )
-    placed = {}
-    for ours_name, (_, source, _) in ours.items():
-        parts = [given[n] for n in source.names]
-        tensor = (
-            parts[0] if source.combine == "one" else torch.cat(parts) if source.combine == "cat" else torch.stack(parts)
-        )
-        placed[ours_name] = tensor.to(
-            device=device, dtype=torch.float32 if ours_name.endswith(FLOAT32_PARAMS) else dtype
-        )
-    model.load_state_dict(placed, strict=not config.tie_word_embeddings, assign=True)
+    model.load_state_dict(place(ours, given, device, dtype), strict=not config.tie_word_embeddings, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_inv_freq(config, device)  # buffers are not in the state dict; recompute on the real device
@@ -191,6 +182,53 @@ def weight_sources(
         source = family.source_of(name, config)
         out[name] = (shape, source, source.shapes(shape))
     return out
+
+
+def place(
+    ours: dict[str, tuple[tuple[int, ...], Source, tuple[tuple[int, ...], ...]]],
+    given: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Our parameters from checkpoint tensors (names already checked): each `Source` combined, on
+    `device` in `dtype` (FLOAT32_PARAMS stay float32). `checkpoint_tensors` is the inverse."""
+    placed = {}
+    for ours_name, (_, source, _) in ours.items():
+        parts = [given[n] for n in source.names]
+        tensor = (
+            parts[0] if source.combine == "one" else torch.cat(parts) if source.combine == "cat" else torch.stack(parts)
+        )
+        placed[ours_name] = tensor.to(
+            device=device, dtype=torch.float32 if ours_name.endswith(FLOAT32_PARAMS) else dtype
+        )
+    return placed
+
+
+def checkpoint_tensors(family: Family, config: ModelConfig, model: HybridForCausalLM) -> dict[str, torch.Tensor]:
+    """The inverse of `place`: our parameters as checkpoint tensors under the family's canonical names
+    (`cat` sources split on dim 0, `stack` sources unbound; views of the parameters, detached).
+
+    A tied `lm_head` is left out, as tied checkpoints leave it out."""
+    params = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for ours_name, (_, source, _) in weight_sources(family, config, model).items():
+        tensor = params[ours_name].detach()
+        if source.combine == "one":
+            parts: tuple[torch.Tensor, ...] = (tensor,)
+        elif source.combine == "cat":
+            parts = tensor.split(tensor.shape[0] // len(source.names))
+        else:
+            parts = tensor.unbind(0)
+        out.update(zip(source.names, parts, strict=True))
+    return out
+
+
+def checkpoint_shapes(family: Family, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> the shape `config` implies, for every tensor the family reads."""
+    with torch.device("meta"):
+        model = HybridForCausalLM(config)
+    sources = weight_sources(family, config, model).values()
+    return {n: shape for _, src, shapes in sources for n, shape in zip(src.names, shapes, strict=True)}
 
 
 def _few(names: list[str]) -> str:

@@ -39,7 +39,7 @@ class Served:
     """A worker (runner + engine + Generation service on port 0) for one checkpoint; stopped by `close`."""
 
     def __init__(self, path: Path, scheduler: str, prefix_caching: bool = False, num_kv_pages: int | None = None):
-        config = replace(SCHEDULER, prefix_caching=prefix_caching)
+        config = replace(SCHEDULER, stop_at_last_boundary=prefix_caching)
         runner_config = RunnerConfig(
             memory_budget_bytes=16 << 20, kv_page_size_tokens=config.kv_page_size, max_num_seqs=config.max_num_seqs,
             num_checkpoint_slots=16, device="cpu", dtype="float32",

@@ -1,4 +1,5 @@
-"""Loading checkpoints: round trips (sharded and not), clear errors for broken or mismatched folders."""
+"""Loading checkpoints: round trips (sharded and not; parameters back to checkpoint tensors), clear errors
+for broken or mismatched folders."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from gpu_worker.model.loader import load_model, parse_config
+from gpu_worker.init_model import ModelSpec, write_random_checkpoint
+from gpu_worker.model.loader import checkpoint_tensors, load_model, parse_config
 from hybridserve.errors import InvalidArgumentError
 from tests.model.model_helpers import hf_logits, make_runner, run_schedule, save_hf_model
 
@@ -132,3 +135,19 @@ def test_tied_embeddings_share_storage(checkpoints) -> None:
     model = load_model(path, device="cpu").model
     assert model.lm_head.weight.data_ptr() == model.embed.weight.data_ptr()
     assert model.blocks[2].mixer.A_log.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("arch", "moe"),
+    [("bamba", False), ("granitemoehybrid", False), ("granitemoehybrid", True), ("nemotron_h", False),
+     ("nemotron_h", True)],
+)  # fmt: skip
+def test_checkpoint_tensors_invert_the_placement(tmp_path: Path, arch: str, moe: bool) -> None:
+    """Loaded parameters converted back give the file's tensors exactly (fused, concatenated, stacked)."""
+    folder = write_random_checkpoint(tmp_path / arch, ModelSpec(arch=arch, moe=moe), seed=3, with_tokenizer=False)
+    loaded = load_model(folder, device="cpu", dtype="float32")
+    written = load_file(str(folder / "model.safetensors"))
+    back = checkpoint_tensors(loaded.family, loaded.config, loaded.model)
+    assert sorted(back) == sorted(written)
+    for name, tensor in written.items():
+        assert back[name].shape == tensor.shape and torch.equal(back[name], tensor), name

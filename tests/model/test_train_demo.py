@@ -1,5 +1,6 @@
-"""`hybridserve train-demo` in miniature: the corpus split, and a short run on a synthetic corpus whose
-weights `init-model` can serve (written, loaded by the runner, equal to the training forward)."""
+"""`hybridserve train-demo` in miniature: the corpus split, a short run on a synthetic corpus whose
+weights `init-model` can serve (written, loaded by the runner, equal to the training forward), and the
+training forward against the runner on every family."""
 
 from __future__ import annotations
 
@@ -68,3 +69,16 @@ def test_a_short_run_learns_and_its_weights_are_served(tmp_path: Path) -> None:
     got = run_schedule(make_runner(folder), ids.tolist(), [17, 1, 22])
     assert (got - dense).abs().max().item() <= 1e-4
     assert "30 AdamW steps" in (folder / "README.md").read_text()
+
+
+def test_the_training_forward_equals_the_runner_for_every_family(family_checkpoint) -> None:
+    """Multipliers, RoPE or none, MoE blocks: the dense forward is the runner's on any family's model."""
+    _, folder = family_checkpoint
+    model = load_model(folder, device="cpu", dtype="float32").model
+    ids = torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dense = dense_logits(model, ids)
+    runner = make_runner(folder)
+    for row in range(2):
+        got = run_schedule(runner, ids[row].tolist(), [9, 1, 14])
+        assert (got - dense[row]).abs().max().item() <= 1e-4
