@@ -56,7 +56,7 @@ class GatewaySettings:
     api_key_file: Path | None = None  # accepted API keys, one per line
     routing: str = "prefix"  # "prefix" (affinity weighed against load) or "round-robin" (the baseline)
     request_cost_tokens: int = 64  # one active request on a worker, priced in uncached prompt tokens
-    max_body_bytes: int = 16 << 20  # largest request body
+    max_body_mb: float = 16.0  # largest request body, MiB
     request_timeout_s: float = 600.0  # longest a request may run
     poll_interval_s: float = 0.25  # worker health and load poll period
     grace_s: float = 5.0  # on SIGTERM, time for calls in flight
@@ -74,7 +74,7 @@ FLAGS = {
     "api_key_file": Flag(f"accepted API keys, one per line (or {API_KEYS_ENV}, comma separated)", metavar="FILE"),
     "routing": Flag("prefix: affinity weighed against load; round-robin: the baseline"),
     "request_cost_tokens": Flag("routing: one active request weighs as much as this many uncached prompt tokens"),
-    "max_body_bytes": Flag("largest request body, MiB", name="--max-body-mb", scale=1 << 20),
+    "max_body_mb": Flag("largest request body, MiB"),
     "request_timeout_s": Flag("longest a request may run"),
     "poll_interval_s": Flag("worker health and load poll period"),
     "grace_s": Flag("on SIGTERM, time for calls in flight"),
@@ -117,7 +117,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise SystemExit(f"--workers: {exc}") from None
     if settings.routing not in ("prefix", "round-robin"):
         raise SystemExit(f"--routing {settings.routing!r}: use prefix or round-robin")
-    if settings.request_cost_tokens < 0 or settings.max_body_bytes <= 0 or settings.poll_interval_s <= 0:
+    if settings.request_cost_tokens < 0 or settings.max_body_mb <= 0 or settings.poll_interval_s <= 0:
         raise SystemExit("--request-cost-tokens must be >= 0; --max-body-mb and --poll-interval-s > 0")
     try:
         keys = load_keys(settings.api_key_file, secret_from_env(API_KEYS_ENV))
@@ -134,7 +134,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         api_keys=keys,
         worker_api_key=secret_from_env(env_name(SERVICE, "worker_api_key")) or "",
         routing=RoutingSettings(settings.routing, settings.request_cost_tokens),
-        max_body_bytes=settings.max_body_bytes,
+        max_body_bytes=int(settings.max_body_mb * (1 << 20)),
         request_timeout_s=settings.request_timeout_s,
         poll_interval_s=settings.poll_interval_s,
         grace_s=settings.grace_s,
