@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_worker.engine.engine import Engine  # noqa: E402
 from gpu_worker.engine.settings import EngineSettings  # noqa: E402
 from gpu_worker.init_model import write_random_checkpoint  # noqa: E402
+from gpu_worker.observers import build_observers  # noqa: E402
 from gpu_worker.runner import ModelRunner, RunnerConfig  # noqa: E402
 from gpu_worker.service import GenerationServicer, add_to_server  # noqa: E402
 from gpu_worker.step_recorder import StepRecorder  # noqa: E402
-from gpu_worker.telemetry_observer import TelemetryObserver  # noqa: E402
 from hybridserve import grpc_server  # noqa: E402
 from hybridserve.v1 import generation_pb2 as pb  # noqa: E402
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
@@ -72,9 +72,9 @@ def run_config(model: Path, kind: str, receiver_port: int, tmp: Path, args: argp
     client = SchedulerClient([address], tracer_provider=provider)
     observer = None
     if kind == "tracing":
-        observer = TelemetryObserver(tracer_provider=provider)
+        observer = build_observers(tracer_provider=provider, model_name="tiny")
     elif kind == "recording":
-        observer = TelemetryObserver(recorder=StepRecorder(tmp / f"steps-{time.monotonic_ns()}.jsonl"))
+        observer = build_observers(recorder=StepRecorder(tmp / f"steps-{time.monotonic_ns()}.jsonl"))
     engine = Engine(ModelRunner.from_model_dir(model, runner_config), client.plan, settings, observer)
     engine.start()
     server, port, _ = grpc_server.create_server(

@@ -12,12 +12,12 @@ from gpu_worker.cache.remote import SharedTier
 from gpu_worker.cpu_alloc import keep_freed_memory
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
+from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.service import GenerationServicer, add_to_server
-from gpu_worker.telemetry_observer import add_observability_arguments, observer_from_args
 from hybridserve import grpc_server
 from hybridserve.cliutil import env_default
-from hybridserve.service_telemetry import start_service_telemetry
+from hybridserve.service_telemetry import add_metrics_arguments, start_service_telemetry
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.flags import add_config_arguments, config_from_args
 
@@ -87,6 +87,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_observability_arguments(parser)
 
 
+def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
+    """The worker's --metrics-port, --record-steps and --record-sample-rate."""
+    group = parser.add_argument_group("observability (tracing: the standard OTEL_* variables)")
+    add_metrics_arguments(group, "WORKER")
+    group.add_argument(
+        "--record-steps",
+        type=Path,
+        default=env_default("RECORD_STEPS", None, Path),
+        help="append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
+    )
+    group.add_argument(
+        "--record-sample-rate",
+        type=float,
+        default=env_default("RECORD_SAMPLE_RATE", 1.0, float),
+        help="fraction of steps recorded (1.0 = every step)",
+    )
+
+
+def observer_settings_from_args(args: argparse.Namespace) -> ObserverSettings:
+    return ObserverSettings(record_steps=args.record_steps, record_sample_rate=args.record_sample_rate)
+
+
 def _bool(raw: str) -> bool:
     if raw.lower() in ("1", "true", "yes", "on"):
         return True
@@ -136,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     keep_freed_memory()  # glibc: reuse freed activation memory instead of page-faulting it back each step
     stop_telemetry = start_service_telemetry("hybridserve-worker", args.metrics_port, args.host)
-    observer = observer_from_args(args)
+    observers = observers_from_settings(observer_settings_from_args(args), model_name=Path(args.model).name)
     runner = ModelRunner.from_model_dir(args.model, settings.runner)
     log.info("model %s loaded: %s", args.model, runner.describe())
     client = SchedulerClient(
@@ -145,9 +167,7 @@ def run(args: argparse.Namespace) -> int:
         give_up_after_s=settings.scheduler_give_up_s,
     )
     prefix = build_prefix_cache(runner, settings, args.prefix_caching)
-    engine = Engine(runner, client.plan, settings, observer=observer, prefix=prefix)
-    if observer is not None:
-        observer.watch(engine)
+    engine = Engine(runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix)
     engine.start()
     servicer = GenerationServicer(engine, model_name=Path(args.model).name)
     server, port, health = grpc_server.create_server([add_to_server(servicer)], host=args.host, port=args.port)
@@ -157,8 +177,7 @@ def run(args: argparse.Namespace) -> int:
     def stop() -> None:
         engine.stop()
         client.close()
-        if observer is not None:
-            observer.close()
+        observers.close()
         stop_telemetry()
 
     grpc_server.serve_until_signal(server, health, on_stop=stop)

@@ -1,0 +1,29 @@
+"""Step recording as an observer: a sample of the steps' scheduler input and plan, to a JSONL file
+for `hybridserve replay` (the format is StepRecorder's)."""
+
+from __future__ import annotations
+
+from gpu_worker.engine.observer import EngineObserver
+from gpu_worker.engine.records import StepRecord
+from gpu_worker.step_recorder import StepRecorder
+
+
+class RecordingObserver(EngineObserver):
+    def __init__(self, recorder: StepRecorder) -> None:
+        self.recorder = recorder
+        self._last: tuple[int, bytes] | None = None  # (step index, serialized PlanStepRequest)
+
+    def step_finished(self, record: StepRecord) -> None:
+        self._last = None
+        if record.step_input is not None and self.recorder.should_record():
+            sent = self.recorder.record(record.step_index, record.step_input, record.plan, record.plan_latency_s)
+            self._last = (record.step_index, sent)
+
+    def recorded_input(self, step_index: int) -> bytes | None:
+        """The serialized scheduler input of step `step_index` if that step was just recorded."""
+        if self._last is None or self._last[0] != step_index:
+            return None
+        return self._last[1]
+
+    def close(self) -> None:
+        self.recorder.close()
