@@ -27,7 +27,11 @@ class GenerationServicer:
         asked = generation_input_from_pb(request)
         req = build_request(asked, self.engine.runner, self.engine.settings, context.time_remaining())
         self.engine.submit(req)
-        context.add_callback(lambda: self.engine.abort(req.request_id))  # cancel / disconnect
+
+        def on_rpc_done() -> None:  # cancel / disconnect
+            self.engine.abort(req.request_id)
+
+        context.add_callback(on_rpc_done)
         while True:
             try:
                 event = req.events.get(timeout=POLL_S)

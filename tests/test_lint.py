@@ -1,4 +1,4 @@
-"""Ruff over the tree and mypy (strict on the pure planner and the converters)."""
+"""Ruff over the tree and mypy (strict on the pure planner, the converters and the worker)."""
 
 from __future__ import annotations
 
@@ -24,5 +24,5 @@ def test_ruff_clean():
 
 @pytest.mark.slow
 def test_mypy_clean():
-    result = run("mypy", "scheduler_svc", "hybridserve")
+    result = run("mypy", "scheduler_svc", "hybridserve", "gpu_worker")
     assert result.returncode == 0, result.stdout + result.stderr
