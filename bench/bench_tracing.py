@@ -7,10 +7,12 @@ GPU) under a fixed closed-loop load, side by side in one run, for three configur
              running in its own process, as a collector would
 - recording: step recording on (every step to a JSONL file), tracing off
 
-Rounds are interleaved (off, tracing, recording, off, ...) and the median per configuration is
-compared: target <= 3% loss with tracing on.
+The worker runs in this process; the scheduler and the receiver each run in their own process, as
+deployed (a traced scheduler for the tracing rounds, an untraced one for the others). Rounds are
+interleaved (off, tracing, recording, off, ...) and the median per configuration is compared:
+target <= 3% loss with tracing on.
 
-    python bench/bench_tracing.py [--rounds 3] [--clients 8] [--requests 48] [--max-tokens 32]
+    python bench/bench_tracing.py [--rounds 5] [--clients 8] [--requests 48] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ from gpu_worker.step_recorder import StepRecorder  # noqa: E402
 from hybridserve import grpc_server  # noqa: E402
 from hybridserve.v1 import generation_pb2 as pb  # noqa: E402
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
-from scheduler_svc import service  # noqa: E402
 from scheduler_svc.client import SchedulerClient  # noqa: E402
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig  # noqa: E402
 from tests.observability.otlp_receiver import Receiver  # noqa: E402
+from tests.procs import ServerProcess  # noqa: E402
 
 TARGET_TRACING_LOSS = 0.03
 CONFIG = SchedulerConfig(
@@ -54,16 +56,25 @@ CONFIG = SchedulerConfig(
 )  # fmt: skip
 
 
-def run_config(model: Path, kind: str, receiver_port: int, tmp: Path, args: argparse.Namespace) -> float:
-    """Starts scheduler + worker for one configuration, runs the load, returns output tokens/s."""
+def start_scheduler(receiver_port: int | None) -> ServerProcess:
+    """A scheduler process, exporting its spans to the receiver when receiver_port is given."""
+    env = {"OTEL_SDK_DISABLED": "true"}
+    if receiver_port is not None:
+        env = {
+            "OTEL_SDK_DISABLED": "false", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver_port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_SERVICE_NAME": "hybridserve-scheduler", "OTEL_BSP_SCHEDULE_DELAY": "200",
+        }  # fmt: skip
+    return ServerProcess(["scheduler", "--host", "127.0.0.1", "--port", "0"], env=env)
+
+
+def run_config(model: Path, kind: str, receiver_port: int, address: str, tmp: Path, args: argparse.Namespace) -> float:
+    """Starts a worker for one configuration, runs the load, returns output tokens/s."""
     provider = None
     if kind == "tracing":
         exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{receiver_port}", insecure=True)
         provider = TracerProvider()
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
-    sched, sched_port, _ = grpc_server.create_server([service.add_to_server], tracer_provider=provider)
-    sched.start()
-    address = f"127.0.0.1:{sched_port}"
     runner_config = RunnerConfig(
         memory_budget_bytes=128 << 20, kv_page_size_tokens=16, max_num_seqs=16, num_checkpoint_slots=4,
         device=args.device, dtype="auto",
@@ -87,7 +98,6 @@ def run_config(model: Path, kind: str, receiver_port: int, tmp: Path, args: argp
         server.stop(None)
         engine.stop()
         client.close()
-        sched.stop(None)
         if observer is not None:
             observer.close()
         if provider is not None:
@@ -128,7 +138,7 @@ def _receiver_process(conn) -> None:  # type: ignore[no-untyped-def]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--prompt-tokens", type=int, default=96)
@@ -141,13 +151,19 @@ def main() -> int:
     receiver_port = parent_end.recv()
     kinds = ("off", "tracing", "recording")
     results: dict[str, list[float]] = {k: [] for k in kinds}
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        model = write_random_checkpoint(tmp / "model")
-        for r in range(args.rounds):
-            for kind in kinds:
-                results[kind].append(run_config(model, kind, receiver_port, tmp, args))
-                print(f"round {r} {kind:<9} {results[kind][-1]:8.1f} output tokens/s", flush=True)
+    schedulers = {"plain": start_scheduler(None), "traced": start_scheduler(receiver_port)}
+    try:
+        with tempfile.TemporaryDirectory() as tmp_name:
+            tmp = Path(tmp_name)
+            model = write_random_checkpoint(tmp / "model")
+            for r in range(args.rounds):
+                for kind in kinds:
+                    address = schedulers["traced" if kind == "tracing" else "plain"].address
+                    results[kind].append(run_config(model, kind, receiver_port, address, tmp, args))
+                    print(f"round {r} {kind:<9} {results[kind][-1]:8.1f} output tokens/s", flush=True)
+    finally:
+        for scheduler in schedulers.values():
+            scheduler.stop()
     parent_end.send("stop")
     num_spans = parent_end.recv()
     receiver.join(10)

@@ -51,7 +51,6 @@ class SharedTier:
         self._publisher.start()
         self._healthy = True
         self.num_published = 0
-        self.num_fetched_blocks = 0
 
     # ---- publish (engine thread enqueues, the publisher sends) ------------------------------------
     def publish(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
@@ -116,7 +115,6 @@ class SharedTier:
             fetched.append(FetchedBlock(block_hashes[index], parent, checkpoint))
         while fetched and not fetched[-1].checkpoint.has_state:
             fetched.pop()  # a hit must end on the state at its boundary: KV alone is a miss
-        self.num_fetched_blocks += len(fetched)
         return fetched
 
     def _fetch_one(self, block_hash: bytes) -> BlockCheckpoint | None:

@@ -86,8 +86,13 @@ class FanOut(EngineObserver):
         for o in self.observers:
             o.occupancy_changed(occupancy)
 
+    def step(self, step_index: int) -> AbstractContextManager[Any]:
+        if len(self.observers) == 1:
+            return self.observers[0].step(step_index)
+        return self._steps(step_index)
+
     @contextmanager
-    def step(self, step_index: int) -> Iterator[None]:
+    def _steps(self, step_index: int) -> Iterator[None]:
         with ExitStack() as stack:
             for o in self.observers:
                 stack.enter_context(o.step(step_index))

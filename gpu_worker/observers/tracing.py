@@ -102,14 +102,8 @@ class TracingObserver(EngineObserver):
         for s in record.served:
             request_span = self._request_spans.get(s.request_id)
             if request_span is not None:
-                span.add_link(
-                    request_span.get_span_context(),
-                    {
-                        "hybridserve.request_id": s.request_id,
-                        "hybridserve.num_tokens": s.num_tokens,
-                        "hybridserve.is_prefill": s.is_prefill,
-                    },
-                )
+                link = {"hybridserve.num_tokens": s.num_tokens, "hybridserve.is_prefill": s.is_prefill}
+                span.add_link(request_span.get_span_context(), link)  # the linked span names the request
         sent = self._recording.recorded_input(record.step_index) if self._recording is not None else None
         if sent is not None:
             span.add_event("hybridserve.step.input", _input_event(sent))
@@ -140,7 +134,8 @@ def request_attributes(event: RequestQueued, model_name: str) -> Attributes:
 
 def step_attributes(record: StepRecord) -> Attributes:
     """What the step executed (over the slices that ran), the plan as the scheduler returned it,
-    and what the scheduler saw."""
+    and what the scheduler saw. Each attribute costs CPU on the engine thread every step, so
+    constants (the config) and what other attributes or the links give are left out."""
     served = record.served
     prefill = [s for s in served if s.is_prefill]
     num_prefill_tokens = sum(s.num_tokens for s in prefill)
@@ -149,7 +144,6 @@ def step_attributes(record: StepRecord) -> Attributes:
     attrs: Attributes = {
         PREFIX + "num_slices": len(served),
         PREFIX + "num_prefill_slices": len(prefill),
-        PREFIX + "num_decode_slices": len(served) - len(prefill),
         PREFIX + "num_prefill_tokens": num_prefill_tokens,
         PREFIX + "num_decode_tokens": num_decode_tokens,
         PREFIX + "budget_used_tokens": num_prefill_tokens + num_decode_tokens,
@@ -164,15 +158,14 @@ def step_attributes(record: StepRecord) -> Attributes:
         PREFIX + "micro_sliced": stats.micro_sliced,
         PREFIX + "num_kv_pages_allocated": stats.num_kv_pages_allocated,
         PREFIX + "num_preemptions": len(plan.preempted_request_ids),
-        PREFIX + "preempted_request_ids": list(plan.preempted_request_ids),
         PREFIX + "plan_latency_s": record.plan_latency_s,
         PREFIX + "plan_wait_s": record.plan_wait_s,
         PREFIX + "wall_s": record.wall_s,
     }
+    if plan.preempted_request_ids:
+        attrs[PREFIX + "preempted_request_ids"] = list(plan.preempted_request_ids)
     step_input = record.step_input
     if step_input is not None:
-        attrs[PREFIX + "planned_index"] = step_input.step_index
-        attrs[PREFIX + "max_num_batched_tokens"] = step_input.config.max_num_batched_tokens
         attrs[PREFIX + "num_running"] = len(step_input.running)
         attrs[PREFIX + "num_waiting"] = len(step_input.waiting)
         attrs[PREFIX + "num_free_kv_pages"] = step_input.num_free_kv_pages
