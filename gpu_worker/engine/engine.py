@@ -170,11 +170,10 @@ class Engine:
         prepared = self._prepare(planned.plan)  # 2. prepare (allocate)
         following = self._plan_ahead(prepared)  # (async) step N+1's plan while step N runs
         output = self._forward(prepared)  # 3. forward
-        if isinstance(output, HybridServeError):
-            endings = self._fail_running(output)
+        if isinstance(output, HybridServeError):  # the forward failed, and so do the running requests
+            endings, yielded = self._fail_running(output), False
         else:
-            endings = self._apply(prepared, self._sample(prepared, output))  # 4. sample, 5. apply
-        yielded = not isinstance(output, HybridServeError)
+            endings, yielded = self._apply(prepared, self._sample(prepared, output)), True  # 4. sample, 5. apply
         self._emit(step_index, planned, prepared, yielded, waited_s, started)  # 6. emit the step record
         self._end(endings)  # the ended requests' last events, after the record
         return following
