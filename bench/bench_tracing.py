@@ -12,6 +12,12 @@ deployed (a traced scheduler for the tracing rounds, an untraced one for the oth
 interleaved (off, tracing, recording, off, ...) and the median per configuration is compared:
 target <= 3% loss with tracing on.
 
+Besides tokens/s, each round reports CPU time per output token: of the engine thread (the step's
+critical path: planning wait aside, everything a step does, observers included) and of the whole
+worker process (exporter and gRPC threads too). On a shared, oversubscribed machine the wall
+figures swing by tens of percent between rounds; CPU time per token barely moves, so it shows what
+the observers cost even when tokens/s cannot.
+
     python bench/bench_tracing.py [--rounds 5] [--clients 8] [--requests 48] [--max-tokens 32]
 """
 
@@ -24,6 +30,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -49,6 +56,15 @@ from tests.observability.otlp_receiver import Receiver  # noqa: E402
 from tests.procs import ServerProcess  # noqa: E402
 
 TARGET_TRACING_LOSS = 0.03
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    tokens_per_s: float  # aggregate output tokens per wall second
+    engine_cpu_us_per_token: float  # the engine thread's CPU time per output token, microseconds
+    process_cpu_us_per_token: float  # this process's CPU time per output token (load generator included)
+
+
 CONFIG = SchedulerConfig(
     max_num_batched_tokens=2048, max_num_seqs=16, long_prefill_token_threshold=0,
     max_num_prefill_tokens_per_step=512, block_size=256, mamba_block_size=64,
@@ -68,8 +84,10 @@ def start_scheduler(receiver_port: int | None) -> ServerProcess:
     return ServerProcess(["scheduler", "--host", "127.0.0.1", "--port", "0"], env=env)
 
 
-def run_config(model: Path, kind: str, receiver_port: int, address: str, tmp: Path, args: argparse.Namespace) -> float:
-    """Starts a worker for one configuration, runs the load, returns output tokens/s."""
+def run_config(
+    model: Path, kind: str, receiver_port: int, address: str, tmp: Path, args: argparse.Namespace
+) -> Measured:
+    """Starts a worker for one configuration, runs the load, returns what it measured."""
     provider = None
     if kind == "tracing":
         exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{receiver_port}", insecure=True)
@@ -93,7 +111,8 @@ def run_config(model: Path, kind: str, receiver_port: int, address: str, tmp: Pa
     )
     server.start()
     try:
-        return closed_loop(f"127.0.0.1:{port}", args)
+        assert engine._thread.ident is not None  # the engine thread's CPU clock
+        return closed_loop(f"127.0.0.1:{port}", time.pthread_getcpuclockid(engine._thread.ident), args)
     finally:
         server.stop(None)
         engine.stop()
@@ -104,7 +123,7 @@ def run_config(model: Path, kind: str, receiver_port: int, address: str, tmp: Pa
             provider.shutdown()
 
 
-def closed_loop(address: str, args: argparse.Namespace) -> float:
+def closed_loop(address: str, engine_clock: int, args: argparse.Namespace) -> Measured:
     channels = [grpc.insecure_channel(address) for _ in range(args.clients)]
     stubs = [pb_grpc.GenerationStub(c) for c in channels]
     prompt = [(7 * i) % 250 + 3 for i in range(args.prompt_tokens)]
@@ -118,13 +137,14 @@ def closed_loop(address: str, args: argparse.Namespace) -> float:
         return sum(len(m.token_ids) for _ in range(per_client) for m in stubs[i].Generate(request, timeout=120))
 
     list(stubs[0].Generate(request, timeout=120))  # warm-up
-    started = time.perf_counter()
+    started, engine_cpu, process_cpu = time.perf_counter(), time.clock_gettime(engine_clock), time.process_time()
     with ThreadPoolExecutor(args.clients) as pool:
         tokens = sum(pool.map(client, range(args.clients)))
     elapsed = time.perf_counter() - started
+    engine_cpu, process_cpu = time.clock_gettime(engine_clock) - engine_cpu, time.process_time() - process_cpu
     for channel in channels:
         channel.close()
-    return tokens / elapsed
+    return Measured(tokens / elapsed, engine_cpu / tokens * 1e6, process_cpu / tokens * 1e6)
 
 
 def _receiver_process(conn) -> None:  # type: ignore[no-untyped-def]
@@ -150,7 +170,7 @@ def main() -> int:
     receiver.start()
     receiver_port = parent_end.recv()
     kinds = ("off", "tracing", "recording")
-    results: dict[str, list[float]] = {k: [] for k in kinds}
+    results: dict[str, list[Measured]] = {k: [] for k in kinds}
     schedulers = {"plain": start_scheduler(None), "traced": start_scheduler(receiver_port)}
     try:
         with tempfile.TemporaryDirectory() as tmp_name:
@@ -160,22 +180,32 @@ def main() -> int:
                 for kind in kinds:
                     address = schedulers["traced" if kind == "tracing" else "plain"].address
                     results[kind].append(run_config(model, kind, receiver_port, address, tmp, args))
-                    print(f"round {r} {kind:<9} {results[kind][-1]:8.1f} output tokens/s", flush=True)
+                    m = results[kind][-1]
+                    print(
+                        f"round {r} {kind:<9} {m.tokens_per_s:8.1f} output tokens/s   CPU per token: engine thread"
+                        f" {m.engine_cpu_us_per_token:6.0f} us, process {m.process_cpu_us_per_token:6.0f} us",
+                        flush=True,
+                    )
     finally:
         for scheduler in schedulers.values():
             scheduler.stop()
     parent_end.send("stop")
     num_spans = parent_end.recv()
     receiver.join(10)
-    median = {k: statistics.median(v) for k, v in results.items()}
     print(
         f"\nclients {args.clients}, requests {args.requests}, prompt {args.prompt_tokens}, max_tokens {args.max_tokens}"
     )
     print(f"spans received by the OTLP receiver: {num_spans}")
+    rate = {k: statistics.median(m.tokens_per_s for m in v) for k, v in results.items()}
+    engine_cpu = {k: statistics.median(m.engine_cpu_us_per_token for m in v) for k, v in results.items()}
+    process_cpu = {k: statistics.median(m.process_cpu_us_per_token for m in v) for k, v in results.items()}
     for kind in kinds:
-        loss = 1.0 - median[kind] / median["off"]
-        print(f"{kind:<9} median {median[kind]:8.1f} tokens/s   loss vs off {loss:+.1%}")
-    tracing_loss = 1.0 - median["tracing"] / median["off"]
+        print(
+            f"{kind:<9} median {rate[kind]:8.1f} tokens/s (loss vs off {1.0 - rate[kind] / rate['off']:+.1%})"
+            f"   CPU per token: engine thread {engine_cpu[kind] / engine_cpu['off'] - 1.0:+.1%},"
+            f" process {process_cpu[kind] / process_cpu['off'] - 1.0:+.1%} vs off"
+        )
+    tracing_loss = 1.0 - rate["tracing"] / rate["off"]
     verdict = "PASS" if tracing_loss <= TARGET_TRACING_LOSS else "FAIL"
     print(f"tracing loss {tracing_loss:+.1%} (target <= {TARGET_TRACING_LOSS:.0%}): {verdict}")
     return 0
