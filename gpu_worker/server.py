@@ -106,6 +106,7 @@ def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def observer_settings_from_args(args: argparse.Namespace) -> ObserverSettings:
+    """The observers' settings from the flags above (the metrics port starts the endpoint)."""
     return ObserverSettings(record_steps=args.record_steps, record_sample_rate=args.record_sample_rate)
 
 

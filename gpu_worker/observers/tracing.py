@@ -10,14 +10,17 @@ Spans:
   scheduler's server span a child of that. When the step was recorded, its scheduler input rides
   along as an event (if small).
 
-Cost: a step span's attributes are computed once, from the record, and set in one call; the
-request span gets no per-token events.
+Cost: the engine thread only starts and stops spans and looks up the linked contexts; a step
+span's attributes (computed once, from the record, and set in one call), links and end happen on
+a background thread, off the step's critical path. The request span gets no per-token events.
 """
 
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -34,6 +37,7 @@ from hybridserve import telemetry
 MAX_EVENT_INPUT_BYTES = 4096  # a recorded step input larger than this stays in the file only
 PREFIX = "hybridserve.step."
 Attributes = dict[str, AttributeValue]
+Link = tuple[trace.SpanContext, int]  # a request span, and its tokens computed in the step
 
 
 class TracingObserver(EngineObserver):
@@ -48,6 +52,8 @@ class TracingObserver(EngineObserver):
         self._recording = recording  # attach the step input it recorded to the step span
         self._request_spans: dict[str, trace.Span] = {}
         self._step_span: trace.Span | None = None
+        self._step_details: tuple[StepRecord, list[Link], bytes | None] | None = None  # of the open step
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="trace-steps")  # completes step spans
 
     # ---- requests ---------------------------------------------------------------------------------
     def request_queued(self, event: RequestQueued) -> object | None:
@@ -87,26 +93,43 @@ class TracingObserver(EngineObserver):
     def _traced_step(self, step_index: int) -> Iterator[trace.Span]:
         root = otel_context.Context()  # each step is the root of its own trace
         span = self._tracer.start_span("hybridserve.step", context=root, attributes={PREFIX + "index": step_index})
-        self._step_span = span
+        self._step_span, self._step_details = span, None
         try:
-            with trace.use_span(span, end_on_exit=True):
+            with trace.use_span(span, end_on_exit=False):
                 yield span
         finally:
-            self._step_span = None
+            end_ns = time.time_ns()
+            details, self._step_span, self._step_details = self._step_details, None, None
+            if details is None:  # no step ran (planning failed)
+                span.end(end_ns)
+            else:
+                self._finisher.submit(_complete_step, span, *details, end_ns)
 
     def step_finished(self, record: StepRecord) -> None:
         span = self._step_span
         if span is None or not span.is_recording():
             return
-        span.set_attributes(step_attributes(record))
+        links: list[Link] = []
         for s in record.served:
             request_span = self._request_spans.get(s.request_id)
             if request_span is not None:
-                link = {"hybridserve.num_tokens": s.num_tokens, "hybridserve.is_prefill": s.is_prefill}
-                span.add_link(request_span.get_span_context(), link)  # the linked span names the request
+                links.append((request_span.get_span_context(), s.num_tokens))
         sent = self._recording.recorded_input(record.step_index) if self._recording is not None else None
-        if sent is not None:
-            span.add_event("hybridserve.step.input", _input_event(sent))
+        self._step_details = (record, links, sent)
+
+    def close(self) -> None:
+        """Completes the step spans still queued."""
+        self._finisher.shutdown(wait=True)
+
+
+def _complete_step(span: trace.Span, record: StepRecord, links: list[Link], sent: bytes | None, end_ns: int) -> None:
+    """Sets a step span's attributes, links and input event, and ends it (on the finisher thread)."""
+    span.set_attributes(step_attributes(record))
+    for context, num_tokens in links:  # the linked span names the request
+        span.add_link(context, {"hybridserve.num_tokens": num_tokens})
+    if sent is not None:
+        span.add_event("hybridserve.step.input", _input_event(sent), timestamp=end_ns)
+    span.end(end_ns)
 
 
 def request_attributes(event: RequestQueued, model_name: str) -> Attributes:
@@ -134,8 +157,9 @@ def request_attributes(event: RequestQueued, model_name: str) -> Attributes:
 
 def step_attributes(record: StepRecord) -> Attributes:
     """What the step executed (over the slices that ran), the plan as the scheduler returned it,
-    and what the scheduler saw. Each attribute costs CPU on the engine thread every step, so
-    constants (the config) and what other attributes or the links give are left out."""
+    and what the scheduler saw. Every attribute is encoded for export each step, holding the GIL the
+    engine thread needs, so constants (the config) and what the span itself, other attributes or
+    the links give (the step's duration, which slices were prefills) are left out."""
     served = record.served
     prefill = [s for s in served if s.is_prefill]
     num_prefill_tokens = sum(s.num_tokens for s in prefill)
@@ -160,7 +184,6 @@ def step_attributes(record: StepRecord) -> Attributes:
         PREFIX + "num_preemptions": len(plan.preempted_request_ids),
         PREFIX + "plan_latency_s": record.plan_latency_s,
         PREFIX + "plan_wait_s": record.plan_wait_s,
-        PREFIX + "wall_s": record.wall_s,
     }
     if plan.preempted_request_ids:
         attrs[PREFIX + "preempted_request_ids"] = list(plan.preempted_request_ids)
