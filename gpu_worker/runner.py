@@ -119,6 +119,10 @@ class ModelRunner:
         return self.loaded.config
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.loaded.eos_token_ids
+
+    @property
     def kv_page_size_tokens(self) -> int:
         return self.runner_config.kv_page_size_tokens
 

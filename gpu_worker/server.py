@@ -12,9 +12,9 @@ from gpu_worker.cache.remote import SharedTier
 from gpu_worker.cpu_alloc import keep_freed_memory
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
+from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.service import GenerationServicer, add_to_server
-from gpu_worker.telemetry_observer import observer_from_args
 from hybridserve import grpc_server
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
 from hybridserve.settings import Flag, add_settings_arguments
@@ -88,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(group, WorkerServerSettings, SERVICE, flags=FLAGS, only=OBSERVABILITY_FIELDS)
 
 
+def observer_settings(server_settings: WorkerServerSettings) -> ObserverSettings:
+    """The observers' settings from the worker's (the metrics port starts the endpoint)."""
+    return ObserverSettings(record_steps=server_settings.record_steps, record_sample_rate=server_settings.record_sample_rate)
+
+
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     server = settings_from_args_of(WorkerServerSettings, args)
     scheduler = config_from_args(args, stop_at_last_boundary=server.prefix_caching)
@@ -125,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     keep_freed_memory()  # glibc: reuse freed activation memory instead of page-faulting it back each step
     stop_telemetry = start_service_telemetry("hybridserve-worker", server_settings.metrics_port, server_settings.host)
-    observer = observer_from_args(args)
+    observers = observers_from_settings(observer_settings(server_settings), model_name=Path(server_settings.model).name)
     runner = ModelRunner.from_model_dir(server_settings.model, settings.runner)
     log.info("model %s loaded: %s", server_settings.model, runner.describe())
     client = SchedulerClient(
@@ -134,9 +139,7 @@ def run(args: argparse.Namespace) -> int:
         give_up_after_s=settings.scheduler_give_up_s,
     )
     prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching)
-    engine = Engine(runner, client.plan, settings, observer=observer, prefix=prefix)
-    if observer is not None:
-        observer.watch(engine)
+    engine = Engine(runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix)
     engine.start()
     servicer = GenerationServicer(engine, model_name=server_settings.model.name)
     server, port, health = grpc_server.create_server(
@@ -150,8 +153,7 @@ def run(args: argparse.Namespace) -> int:
         stop_watching.set()
         engine.stop()
         client.close()
-        if observer is not None:
-            observer.close()
+        observers.close()
         stop_telemetry()
 
     grpc_server.serve_until_signal(server, health, on_stop=stop)

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from gpu_worker.convert import generation_input_from_pb
 from gpu_worker.engine.admission import build_request, max_model_len
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.request import RequestOutput
@@ -39,13 +40,14 @@ class GenerationServicer:
         self.model_name = model_name
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
-        req = build_request(request, self.engine.runner, self.engine.settings, context.time_remaining())
+        asked = generation_input_from_pb(request)
+        req = build_request(asked, self.engine.runner, self.engine.settings, context.time_remaining())
         self.engine.submit(req)
 
-        def on_cancel() -> None:  # the client cancelled or went away
+        def on_rpc_done() -> None:  # cancel / disconnect
             self.engine.abort(req.request_id)
 
-        context.add_callback(on_cancel)
+        context.add_callback(on_rpc_done)
         while True:
             try:
                 event = req.events.get(timeout=POLL_S)
@@ -56,7 +58,7 @@ class GenerationServicer:
             if event.error is not None:
                 raise event.error
             yield output_to_pb(req.request_id, event)
-            if event.finish_reason:
+            if event.finish_reason is not None:
                 return
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
@@ -107,7 +109,7 @@ def output_to_pb(request_id: str, event: RequestOutput) -> pb.GenerateResponse:
     for top in event.top_logprobs:
         if top:
             msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
-    if event.finish_reason:
+    if event.finish_reason is not None:
         msg.usage.CopyFrom(
             pb.Usage(
                 prompt_tokens=event.prompt_tokens,

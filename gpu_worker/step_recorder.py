@@ -34,7 +34,7 @@ from scheduler_svc import convert
 from scheduler_svc.core import StepInput, StepPlan
 
 if TYPE_CHECKING:
-    from gpu_worker.engine.request import Request
+    from gpu_worker.engine.records import FirstToken, RequestFinished, RequestQueued
 
 
 def encode_step(step_input: StepInput) -> bytes:
@@ -56,39 +56,47 @@ def _unix_s(monotonic_s: float | None, offset_s: float) -> float | None:
     return None if monotonic_s is None else round(monotonic_s + offset_s, 6)
 
 
-def request_event(kind: str, request: Request, reason: str, monotonic_s: float, offset_s: float) -> dict[str, Any]:
-    """One request event as written: "queued" (arrival, sizes) or "finished" (first token, finish,
-    reason, usage); `offset_s` turns the engine's monotonic seconds into Unix seconds."""
-    traced = request.trace_context is not None  # else trace_id_of would read the step's span
-    event: dict[str, Any] = {
-        "event": kind,
-        "request_id": request.request_id,
-        "trace_id": trace_id_of(request.trace_context) if traced else "",
+def queued_event(event: RequestQueued, trace_id: str) -> dict[str, Any]:
+    """A "queued" request event (arrival and sizes), its times still monotonic seconds."""
+    return {
+        "event": "queued",
+        "request_id": event.request_id,
+        "trace_id": trace_id,
+        "arrival_unix_s": event.arrival_time,
+        "prompt_tokens": event.num_prompt_tokens,
+        "max_tokens": event.max_tokens,
+        "priority": event.priority,
     }
-    if kind == "queued":
-        event.update(
-            arrival_unix_s=_unix_s(request.arrival_time, offset_s),
-            prompt_tokens=len(request.prompt_token_ids),
-            max_tokens=request.params.max_tokens,
-            priority=request.params.priority,
-        )
-    else:
-        event.update(
-            reason=reason,
-            arrival_unix_s=_unix_s(request.arrival_time, offset_s),
-            first_token_unix_s=_unix_s(request.first_token_time, offset_s),
-            finish_unix_s=_unix_s(monotonic_s, offset_s),
-            **request.usage(),
-        )
-    return event
+
+
+def finished_event(event: RequestFinished, trace_id: str, first_token_time: float | None) -> dict[str, Any]:
+    """A "finished" request event (first token, finish, reason, usage), its times still monotonic seconds."""
+    return {
+        "event": "finished",
+        "request_id": event.request_id,
+        "trace_id": trace_id,
+        "reason": event.reason.value,
+        "arrival_unix_s": event.arrival_time,
+        "first_token_unix_s": first_token_time,
+        "finish_unix_s": event.finish_time,
+        "prompt_tokens": event.num_prompt_tokens,
+        "cached_tokens": event.num_cached_tokens,
+        "completion_tokens": event.num_output_tokens,
+    }
+
+
+def to_unix(event: dict[str, Any], offset_s: float) -> dict[str, Any]:
+    """The event with its monotonic times (keys ending in `_unix_s`) turned into Unix seconds."""
+    return {k: _unix_s(v, offset_s) if k.endswith("_unix_s") else v for k, v in event.items()}
 
 
 class StepRecorder:
     """Writes a sample of the steps (`sample_rate` 1.0 = every step, seeded so runs repeat).
 
-    `request_queued` and `request_finished` take the engine observer's arguments; they only keep
-    a reference and a time (under a lock: queueing happens on the submitting thread), and the
-    events are built when the next sampled step is written. With `sample_rate` 0 they keep nothing.
+    `request_queued`, `request_first_token` and `request_finished` take the engine's request records;
+    they keep a small event (under a lock: queueing happens on the submitting thread), written with the
+    next sampled step. The request's trace id is read where it is queued (inside its RPC's span). With
+    `sample_rate` 0 they keep nothing.
     """
 
     def __init__(self, path: Path | str, sample_rate: float = 1.0, seed: int = 0) -> None:
@@ -99,22 +107,32 @@ class StepRecorder:
         self._rng = random.Random(seed)
         self._file = self.path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
-        self._pending: list[tuple[str, Request, str, float]] = []  # (kind, request, reason, monotonic s)
+        self._pending: list[dict[str, Any]] = []  # request events since the last written line
+        self._trace_ids: dict[str, str] = {}  # request id -> trace id, from queueing to finish
+        self._first_token: dict[str, float] = {}  # request id -> first token time (monotonic s)
         self.num_recorded = 0
 
     def should_record(self) -> bool:
         return self.sample_rate >= 1.0 or (self.sample_rate > 0.0 and self._rng.random() < self.sample_rate)
 
-    def request_queued(self, request: Request) -> None:
-        self._keep("queued", request, "")
+    def request_queued(self, event: RequestQueued) -> None:
+        if self.sample_rate > 0.0:
+            trace_id = trace_id_of()
+            with self._lock:
+                self._trace_ids[event.request_id] = trace_id
+                self._pending.append(queued_event(event, trace_id))
 
-    def request_finished(self, request: Request, reason: str, error: Exception | None = None) -> None:
-        self._keep("finished", request, reason)
-
-    def _keep(self, kind: str, request: Request, reason: str) -> None:
+    def request_first_token(self, event: FirstToken) -> None:
         if self.sample_rate > 0.0:
             with self._lock:
-                self._pending.append((kind, request, reason, time.monotonic()))
+                self._first_token[event.request_id] = event.first_token_time
+
+    def request_finished(self, event: RequestFinished) -> None:
+        if self.sample_rate > 0.0:
+            with self._lock:
+                trace_id = self._trace_ids.pop(event.request_id, "")
+                first = self._first_token.pop(event.request_id, None)
+                self._pending.append(finished_event(event, trace_id, first))
 
     def record(
         self, step_index: int, step_input: StepInput, plan: StepPlan, plan_latency_s: float, wall_s: float | None = None
@@ -139,7 +157,7 @@ class StepRecorder:
             pending, self._pending = self._pending, []
         if pending:
             offset_s = now - time.monotonic()
-            record["request_events"] = [request_event(k, r, reason, t, offset_s) for k, r, reason, t in pending]
+            record["request_events"] = [to_unix(event, offset_s) for event in pending]
         line = json.dumps(record, separators=(",", ":"))
         with self._lock:
             if not self._file.closed:

@@ -1,4 +1,5 @@
-"""Ruff over the tree and mypy (strict on hybridserve, scheduler_svc, cache_svc and gateway; pyproject.toml)."""
+"""Ruff over the tree and mypy (strict on every package: hybridserve, scheduler_svc, cache_svc, gateway and
+gpu_worker; pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -24,5 +25,5 @@ def test_ruff_clean():
 
 @pytest.mark.slow
 def test_mypy_clean():
-    result = run("mypy", "scheduler_svc", "hybridserve", "cache_svc", "gateway")
+    result = run("mypy", "scheduler_svc", "hybridserve", "cache_svc", "gateway", "gpu_worker")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -10,30 +10,22 @@ least one prompt token is always left to compute, so the step that finishes the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from gpu_worker.cache.blocks import chain_hashes
 from gpu_worker.cache.checkpoint_io import export_block, import_block
+from gpu_worker.cache.interface import CachedSequence, CacheLookup, PendingCheckpoint, PrefixCache
 from gpu_worker.cache.local import Hit, LocalPrefixCache
 from gpu_worker.cache.remote import FetchedBlock, SharedTier
-from gpu_worker.engine.request import Request
 from gpu_worker.runner import ModelRunner
 
 log = logging.getLogger("hybridserve.cache")
 
 
-@dataclass(slots=True)
-class PendingCheckpoint:
-    """A checkpoint slot the step in flight fills; registered once the forward ran."""
+class PrefixCacheManager(PrefixCache):
+    """The local tier in the worker's pools, plus the shared tier when one is configured."""
 
-    request: Request
-    block_index: int  # the block that ends where the chunk ends
-    checkpoint_id: int
-
-
-class PrefixCacheManager:
     def __init__(self, runner: ModelRunner, block_size: int, shared: SharedTier | None = None) -> None:
         self.runner = runner
         self.block_size = block_size
@@ -41,35 +33,42 @@ class PrefixCacheManager:
         self.local = LocalPrefixCache(runner.kv_pool, runner.state_pool)
         self.shared = shared
         self._hits: dict[str, Hit] = {}  # request_id -> pinned hit awaiting admission
-        self.on_lookup: Callable[[str, bool], None] = lambda tier, hit: None  # metrics hook
         self.num_shared_hits = 0
 
     # ---- queueing ---------------------------------------------------------------------------------
-    def hashes(self, request: Request, num_tokens: int) -> list[bytes]:
+    def hashes(self, seq: CachedSequence, num_tokens: int) -> list[bytes]:
         """Hashes of the full blocks of the first num_tokens tokens, extending the request's own."""
         num_blocks = num_tokens // self.block_size
-        if len(request.block_hashes) < num_blocks:
-            tokens = list(request.tokens(0, num_blocks * self.block_size))
-            request.block_hashes = chain_hashes(tokens, self.block_size, self.fingerprint, request.block_hashes)
-        return request.block_hashes[:num_blocks]
+        if len(seq.block_hashes) < num_blocks:
+            tokens = list(seq.tokens(0, num_blocks * self.block_size))
+            seq.block_hashes = chain_hashes(tokens, self.block_size, self.fingerprint, seq.block_hashes)
+        return seq.block_hashes[:num_blocks]
 
-    def usable_hashes(self, request: Request) -> list[bytes]:
+    def usable_hashes(self, seq: CachedSequence) -> list[bytes]:
         """Hashes of the blocks a hit may cover: full blocks, leaving >= 1 token to compute."""
-        return self.hashes(request, request.num_tokens - 1)
+        return self.hashes(seq, seq.num_tokens - 1)
 
-    def start_fetch(self, request: Request) -> Future[list[FetchedBlock]] | None:
+    def start_fetch(self, seq: CachedSequence) -> Future[list[FetchedBlock]] | None:
         """Asks the shared tier for blocks beyond the local hit; None when there is nothing to ask."""
         if self.shared is None:
             return None
-        wanted = self.usable_hashes(request)
+        wanted = self.usable_hashes(seq)
         local = sum(1 for _ in _leading(wanted, self.local))
         if local >= len(wanted):
             return None
-        return self.shared.fetch_prefix(wanted, local, request.trace_context)
+        return self.shared.fetch_prefix(wanted, local, seq.trace_context)
 
-    def import_fetched(self, blocks: list[FetchedBlock]) -> None:
-        """Writes fetched blocks into the local tier (stops at the first that does not fit)."""
-        self.on_lookup("shared", bool(blocks))
+    def import_fetched(self, fetch: Future[list[FetchedBlock]]) -> CacheLookup | None:
+        """Writes a finished fetch's blocks into the local tier. A failed fetch (the shared tier's
+        own errors are already empty results) imports nothing and reports no lookup."""
+        if fetch.cancelled() or fetch.exception() is not None:
+            return None
+        blocks = fetch.result()
+        self._import_blocks(blocks)
+        return CacheLookup("shared", bool(blocks))
+
+    def _import_blocks(self, blocks: list[FetchedBlock]) -> None:
+        """Stops at the first block that does not fit."""
         pages_per_block = self.block_size // self.runner.kv_page_size_tokens
         for block in blocks:
             if self.local.has_checkpoint(block.block_hash) or (
@@ -90,54 +89,54 @@ class PrefixCacheManager:
             self.runner.kv_pool.free(page_ids)  # the cache now holds the only reference
             self.num_shared_hits += 1
 
-    def attach(self, request: Request) -> None:
+    def attach(self, seq: CachedSequence) -> CacheLookup:
         """Applies the local hit to a request being queued (fresh or preempted)."""
-        hit = self.local.acquire(self.usable_hashes(request))
-        self.on_lookup("worker", hit is not None)
+        hit = self.local.acquire(self.usable_hashes(seq))
         if hit is None:
-            return
-        request.page_ids = hit.page_ids
-        self.runner.kv_pool.share(request.page_ids)
-        request.num_computed_tokens = hit.num_blocks * self.block_size
-        cached = min(request.num_computed_tokens, len(request.prompt_token_ids))
-        request.num_cached_tokens = max(request.num_cached_tokens, cached)
-        self._hits[request.request_id] = hit
+            return CacheLookup("worker", False)
+        seq.page_ids = hit.page_ids
+        self.runner.kv_pool.share(seq.page_ids)
+        seq.num_computed_tokens = hit.num_blocks * self.block_size
+        cached = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
+        seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
+        self._hits[seq.request_id] = hit
+        return CacheLookup("worker", True)
 
-    def on_admit(self, request: Request) -> None:
+    def on_admit(self, seq: CachedSequence) -> None:
         """Restores the hit's state into the request's fresh slot and unpins the entries."""
-        hit = self._hits.pop(request.request_id, None)
-        if hit is not None and request.state_slot is not None:
-            self.runner.state_pool.restore_checkpoint(hit.checkpoint_id, request.state_slot)
+        hit = self._hits.pop(seq.request_id, None)
+        if hit is not None and seq.state_slot is not None:
+            self.runner.state_pool.restore_checkpoint(hit.checkpoint_id, seq.state_slot)
             self.local.release(hit)
 
-    def on_release(self, request: Request) -> None:
+    def on_release(self, seq: CachedSequence) -> None:
         """The request left before admission (abort, failure): unpin its hit."""
-        hit = self._hits.pop(request.request_id, None)
+        hit = self._hits.pop(seq.request_id, None)
         if hit is not None:
             self.local.release(hit)
 
     # ---- checkpoints while serving ------------------------------------------------------------------
-    def checkpoint_for(self, request: Request, end: int) -> PendingCheckpoint | None:
+    def checkpoint_for(self, seq: CachedSequence, end: int) -> PendingCheckpoint | None:
         """A checkpoint slot for the block ending at `end` (on the grid) unless it is cached."""
         block_index = end // self.block_size - 1
-        if block_index < 0 or self.local.has_checkpoint(self.hashes(request, end)[block_index]):
+        if block_index < 0 or self.local.has_checkpoint(self.hashes(seq, end)[block_index]):
             return None
         checkpoint_id = self.local.allocate_checkpoint()
         if checkpoint_id is None:
             return None
-        return PendingCheckpoint(request, block_index, checkpoint_id)
+        return PendingCheckpoint(seq, block_index, checkpoint_id)
 
     def register(self, pending: list[PendingCheckpoint]) -> None:
         """After the forward: every full block up to the checkpoint becomes a cache entry (the inner
         ones KV-only), and new ones go to the shared tier."""
         pages_per_block = self.block_size // self.runner.kv_page_size_tokens
         for p in pending:
-            hashes = p.request.block_hashes
+            hashes = p.seq.block_hashes
             for index in range(p.block_index + 1):
                 checkpoint_id = p.checkpoint_id if index == p.block_index else None
                 if checkpoint_id is None and hashes[index] in self.local:
                     continue
-                page_ids = p.request.page_ids[index * pages_per_block : (index + 1) * pages_per_block]
+                page_ids = p.seq.page_ids[index * pages_per_block : (index + 1) * pages_per_block]
                 parent = hashes[index - 1] if index else b""
                 fresh = (
                     not self.local.has_checkpoint(hashes[index]) if checkpoint_id else hashes[index] not in self.local
@@ -147,26 +146,28 @@ class PrefixCacheManager:
                     self.shared.publish(hashes[index], parent, export_block(self.runner, page_ids, checkpoint_id))
 
     def discard(self, pending: list[PendingCheckpoint]) -> None:
+        """The forward failed: the slots hold nothing."""
         for p in pending:
             self.runner.state_pool.free_checkpoint(p.checkpoint_id)
 
     # ---- capacity ---------------------------------------------------------------------------------
-    def num_free_pages(self, enough: int) -> int:
+    def num_free_pages(self, free_pages: int, enough: int) -> int:
         """Free pages plus those that evicting unused cached blocks would free. Counting the latter
         walks every entry, so it is skipped when the pool already holds `enough` (more than one step
         can take): then the count cannot change the plan."""
-        free = self.runner.kv_pool.num_free_pages
-        return free if free >= enough else free + self.local.reclaimable_pages()
+        return free_pages if free_pages >= enough else free_pages + self.local.reclaimable_pages()
 
     def make_room(self, num_pages: int) -> None:
+        """Evicts unpinned cached blocks, least recently used first."""
         self.local.evict_for_pages(num_pages)
 
     def close(self) -> None:
+        """Stops the shared tier's publisher."""
         if self.shared is not None:
             self.shared.close()
 
 
-def _leading(hashes: list[bytes], local: LocalPrefixCache):  # type: ignore[no-untyped-def]
+def _leading(hashes: list[bytes], local: LocalPrefixCache) -> Iterator[bytes]:
     for h in hashes:
         if h not in local:
             return

@@ -9,8 +9,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
@@ -22,6 +24,7 @@ from hybridserve.v1 import cache_pb2 as pb
 from hybridserve.v1 import cache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("hybridserve.cache.client")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,14 +43,14 @@ class SharedTier:
         self.block_size = block_size
         self.deadline_s = deadline_s
         self._channel = grpc.insecure_channel(address)
-        self._stub = pb_grpc.BlockCacheStub(telemetry.intercept_channel(self._channel))  # trace context
+        channel = telemetry.intercept_channel(self._channel)  # carries the trace context
+        self._stub = pb_grpc.BlockCacheStub(channel)  # type: ignore[no-untyped-call]
         self._publish_queue: queue.Queue[tuple[bytes, bytes, BlockCheckpoint] | None] = queue.Queue(max_pending)
         self._fetch_pool = ThreadPoolExecutor(2, thread_name_prefix="cache-fetch")
         self._publisher = threading.Thread(target=self._publish_loop, name="cache-publish", daemon=True)
         self._publisher.start()
         self._healthy = True
         self.num_published = 0
-        self.num_fetched_blocks = 0
 
     # ---- publish (engine thread enqueues, the publisher sends) ------------------------------------
     def publish(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
@@ -112,7 +115,6 @@ class SharedTier:
             fetched.append(FetchedBlock(block_hashes[index], parent, checkpoint))
         while fetched and not fetched[-1].checkpoint.has_state:
             fetched.pop()  # a hit must end on the state at its boundary: KV alone is a miss
-        self.num_fetched_blocks += len(fetched)
         return fetched
 
     def _fetch_one(self, block_hash: bytes) -> BlockCheckpoint | None:
@@ -136,7 +138,8 @@ class SharedTier:
             log.warning("discarding fetched block %s: %s", block_hash.hex()[:12], exc)
             return None
 
-    def _call(self, fn):  # type: ignore[no-untyped-def]
+    def _call(self, fn: Callable[[], T]) -> T | None:
+        """fn() or, when the shared tier fails, None (logged once per outage)."""
         try:
             result = fn()
         except grpc.RpcError as err:

@@ -1,19 +1,41 @@
-"""Turns a GenerateRequest into an engine Request, rejecting what can never be served."""
+"""Turns what a client asked for into an engine Request, rejecting what can never be served.
+
+The wire message is converted first (gpu_worker/convert.py); nothing here knows protobuf.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
-from gpu_worker.engine.request import GenerationParams, Request, StopChecker
+from gpu_worker.engine.request import GenerationParams, Request
 from gpu_worker.engine.settings import EngineSettings
+from gpu_worker.engine.stop_checker import StopChecker
 from gpu_worker.model.loader import LoadedModel
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampling import SamplingParams, make_generator
 from hybridserve.errors import InvalidArgumentError
-from hybridserve.v1 import generation_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationInput:
+    """A generation request as the client sent it, before validation."""
+
+    request_id: str  # "" = the worker picks one
+    prompt: str | None  # text, or None when prompt_token_ids is given
+    prompt_token_ids: tuple[int, ...] | None  # None when prompt is given; both None = neither was set
+    max_tokens: int  # 0 = the worker's default
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0  # 0 = off (1.0)
+    seed: int | None = None
+    logprobs: int = 0  # top alternatives per token
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    priority: int = 0
 
 
 def max_model_len(runner: ModelRunner, settings: EngineSettings) -> int:
@@ -24,11 +46,11 @@ def max_model_len(runner: ModelRunner, settings: EngineSettings) -> int:
 
 
 def build_request(
-    msg: pb.GenerateRequest, runner: ModelRunner, settings: EngineSettings, time_remaining_s: float | None
+    asked: GenerationInput, runner: ModelRunner, settings: EngineSettings, time_remaining_s: float | None
 ) -> Request:
     loaded = runner.loaded
-    prompt = _prompt_ids(msg, loaded)
-    params = _params(msg, settings)
+    prompt = _prompt_ids(asked, loaded)
+    params = _params(asked, settings)
     limit = max_model_len(runner, settings)
     if len(prompt) + params.max_tokens > limit:
         raise InvalidArgumentError(
@@ -37,7 +59,7 @@ def build_request(
         )
     now = time.monotonic()
     return Request(
-        request_id=msg.request_id or uuid.uuid4().hex,
+        request_id=asked.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
         params=params,
         arrival_time=now,
@@ -47,16 +69,15 @@ def build_request(
     )
 
 
-def _prompt_ids(msg: pb.GenerateRequest, loaded: LoadedModel) -> list[int]:
-    kind = msg.WhichOneof("input")
-    if kind == "prompt":
+def _prompt_ids(asked: GenerationInput, loaded: LoadedModel) -> list[int]:
+    if asked.prompt is not None:
         if loaded.tokenizer is None:
             raise InvalidArgumentError(
                 "this model has no tokenizer.json; send prompt_token_ids instead of a text prompt"
             )
-        ids = loaded.tokenizer.encode(msg.prompt)
-    elif kind == "prompt_token_ids":
-        ids = list(msg.prompt_token_ids.ids)
+        ids = loaded.tokenizer.encode(asked.prompt)
+    elif asked.prompt_token_ids is not None:
+        ids = list(asked.prompt_token_ids)
         vocab = loaded.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -68,8 +89,7 @@ def _prompt_ids(msg: pb.GenerateRequest, loaded: LoadedModel) -> list[int]:
     return ids
 
 
-def _params(msg: pb.GenerateRequest, settings: EngineSettings) -> GenerationParams:
-    s = msg.sampling
+def _params(s: GenerationInput, settings: EngineSettings) -> GenerationParams:
     if s.max_tokens < 0:
         raise InvalidArgumentError(f"sampling.max_tokens must be >= 0 (0 = default), got {s.max_tokens}")
     if not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
@@ -83,7 +103,7 @@ def _params(msg: pb.GenerateRequest, settings: EngineSettings) -> GenerationPara
             temperature=s.temperature,
             top_k=s.top_k,
             top_p=1.0 if s.top_p == 0 else s.top_p,
-            seed=s.seed if s.HasField("seed") else None,
+            seed=s.seed,
             num_logprobs=s.logprobs,
         )
     except InvalidArgumentError as exc:
@@ -91,7 +111,7 @@ def _params(msg: pb.GenerateRequest, settings: EngineSettings) -> GenerationPara
     return GenerationParams(
         sampling=sampling,
         max_tokens=s.max_tokens or settings.default_max_tokens,
-        stop=tuple(s.stop),
+        stop=s.stop,
         ignore_eos=s.ignore_eos,
-        priority=msg.priority,
+        priority=s.priority,
     )

@@ -1,5 +1,14 @@
 """The engine loop: plan a step with the scheduler service, execute it on the model runner, apply
-the sampled tokens, stream them out.
+the sampled tokens, stream them out, and tell the observers.
+
+One step (`Engine._step`):
+
+1. plan     the plan of this step (requested during the previous step when scheduling asynchronously)
+2. prepare  preemptions, admissions, pages, checkpoint slots -> the batch's rows
+3. forward  the runner computes the rows' chunks
+4. sample   one token per row that reached the end of its request's known tokens
+5. apply    each token to its request: stream it, or end the request (EOS, stop, length)
+6. emit     one frozen StepRecord to the observers, then the ended requests' last events
 
 One thread owns every request, page and slot; other threads only enqueue (`submit`, `abort`) and
 read counters. With asynchronous scheduling the plan of step N+1 is requested while step N runs,
@@ -17,12 +26,21 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from gpu_worker.cache.manager import PrefixCacheManager
+from gpu_worker.batch import ForwardOutput
+from gpu_worker.cache.interface import NoPrefixCache, PrefixCache
+from gpu_worker.engine import events
+from gpu_worker.engine.allocator import Allocator
+from gpu_worker.engine.counters import EngineCounters
+from gpu_worker.engine.finish import FinishReason
 from gpu_worker.engine.observer import EngineObserver
+from gpu_worker.engine.output import Ending, OutputProcessor
+from gpu_worker.engine.prepared import PreparedStep, Row, make_row
+from gpu_worker.engine.records import FirstToken, Occupancy, StepRecord
 from gpu_worker.engine.request import Request
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.engine.stepper import PreparedStep, StepExecutor
+from gpu_worker.engine.table import RequestTable
 from gpu_worker.runner import ModelRunner
+from gpu_worker.sampling import SampleOutput, sample
 from hybridserve.errors import (
     DeadlineExceededError,
     HybridServeError,
@@ -35,44 +53,39 @@ from scheduler_svc.core import StepInput, StepPlan
 log = logging.getLogger("hybridserve.engine")
 
 PlanFn = Callable[[StepInput], StepPlan]
-Planned = tuple[StepInput, StepPlan, float]  # what was sent, the plan, the round trip in seconds
 
 
-@dataclass(slots=True)
-class EngineCounters:
-    """Totals since start; read by GetInfo and metrics (plain ints: a stale read is harmless)."""
-
-    num_steps: int = 0
-    step_wall_seconds: float = 0.0  # whole steps: planning wait + forward + apply
-    scheduler_wait_seconds: float = 0.0  # part of the above spent blocked on the scheduler
-    num_preemptions: int = 0
-    num_stalled_steps: int = 0
-    num_generated_tokens: int = 0
-    num_computed_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
+@dataclass(frozen=True, slots=True)
+class Planned:
+    step_input: StepInput  # what the scheduler was sent
+    plan: StepPlan
+    latency_s: float  # the PlanStep round trip
 
 
 class Engine:
+    """`runner` is a ModelRunner, or any object with its kv_pool, state_pool, eos_token_ids and
+    forward (the engine tests use a fake)."""
+
     def __init__(
         self,
         runner: ModelRunner,
         plan: PlanFn,
         settings: EngineSettings,
         observer: EngineObserver | None = None,
-        prefix: PrefixCacheManager | None = None,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.runner = runner
         self.settings = settings
         self.counters = EngineCounters()
         self.observer = observer or EngineObserver()
-        self.prefix = prefix
-        self.stepper = StepExecutor(runner, self.counters, self.observer, prefix)
-        self.stepper.wake = self._wake
-        if prefix is not None:
-            prefix.on_lookup = self.observer.cache_lookup
+        self.prefix = prefix or NoPrefixCache()
+        self.table = RequestTable()
+        self.allocator = Allocator(runner.kv_pool, runner.state_pool, self.prefix)
+        self.outputs = OutputProcessor(runner.eos_token_ids)
         self._plan = plan
         self._cond = threading.Condition()
         self._inbox: list[Request] = []
-        self._aborts: list[tuple[str, str]] = []  # (request_id, finish reason)
+        self._aborts: list[tuple[str, FinishReason]] = []
         self._live_ids: set[str] = set()  # admitted and not finished; guarded by _cond
         self._stopping = threading.Event()
         self._planner_pool = ThreadPoolExecutor(1, thread_name_prefix="plan")
@@ -83,6 +96,7 @@ class Engine:
 
     # ---- called from any thread ----------------------------------------------------------------
     def start(self) -> None:
+        self.observer.occupancy_changed(self._occupancy())
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -91,8 +105,7 @@ class Engine:
             self._cond.notify_all()
         self._thread.join(timeout_s)
         self._planner_pool.shutdown(wait=False, cancel_futures=True)
-        if self.prefix is not None:
-            self.prefix.close()
+        self.prefix.close()
 
     def submit(self, request: Request) -> None:
         """Queues an admitted request; raises InvalidArgumentError on a duplicate id and
@@ -105,11 +118,11 @@ class Engine:
                     f"the queue is full ({self.settings.max_queue_len} waiting requests); retry later"
                 )
             self._live_ids.add(request.request_id)
-            self.observer.request_queued(request)  # before the engine thread can see it
+            request.trace_context = self.observer.request_queued(events.queued(request))  # before the engine sees it
             self._inbox.append(request)
             self._cond.notify_all()
 
-    def abort(self, request_id: str, reason: str = "abort") -> bool:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Ends a live request (freeing its pages and slot on the engine thread); False if unknown."""
         with self._cond:
             if request_id not in self._live_ids:
@@ -124,22 +137,24 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.stepper.running)
+        return self.table.num_running
 
     @property
     def num_waiting(self) -> int:
-        return len(self.stepper.waiting)
+        return self.table.num_waiting
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         pending: Future[Planned] | None = None
         while not self._stopping.is_set():
-            self._drain_inbox()
-            if not self.stepper.has_plannable_work():
+            changed = self._drain_inbox()
+            changed = self._enqueue_fetched() or changed
+            changed = self._expire_deadlines() or changed
+            if changed:
+                self.observer.occupancy_changed(self._occupancy())
+            if not self.table.has_plannable_work():
                 pending = None
-                with self._cond:
-                    if not self._inbox and not self._aborts:
-                        self._cond.wait(self.settings.idle_wait_s)
+                self._idle()
                 continue
             with self.observer.step(self.step_index):
                 pending = self._step(pending)
@@ -147,73 +162,235 @@ class Engine:
     def _step(self, pending: Future[Planned] | None) -> Future[Planned] | None:
         """One step; returns the plan request of the next step when scheduling asynchronously."""
         started = time.monotonic()
+        planned = self._await_plan(pending)  # 1. plan
+        if planned is None:
+            return None
+        waited_s = time.monotonic() - started
+        step_index, self.step_index = self.step_index, self.step_index + 1
+        prepared = self._prepare(planned.plan)  # 2. prepare (allocate)
+        following = self._plan_ahead(prepared)  # (async) step N+1's plan while step N runs
+        output = self._forward(prepared)  # 3. forward
+        if isinstance(output, HybridServeError):  # the forward failed, and so do the running requests
+            endings, yielded = self._fail_running(output), False
+        else:
+            endings, yielded = self._apply(prepared, self._sample(prepared, output)), True  # 4. sample, 5. apply
+        self._emit(step_index, planned, prepared, yielded, waited_s, started)  # 6. emit the step record
+        self._end(endings)  # the ended requests' last events, after the record
+        return following
+
+    # ---- 1. plan ---------------------------------------------------------------------------------
+    def _await_plan(self, pending: Future[Planned] | None) -> Planned | None:
+        """The plan requested during the last step, or a fresh one; None (every live request
+        failed) when no scheduler answers or the scheduler rejects the state."""
         try:
-            step_input, plan, latency = pending.result() if pending is not None else self._plan_timed(self._snapshot())
+            return pending.result() if pending is not None else self._plan_timed(self._snapshot())
         except UnavailableError as exc:
             self._fail_all(exc)
-            return None
         except HybridServeError as exc:  # the worker sent an inconsistent state: a bug
             log.exception("the scheduler rejected step %d", self.step_index)
             self._fail_all(UnavailableError(f"step planning failed: {exc}"))
+        return None
+
+    def _plan_ahead(self, prepared: PreparedStep) -> Future[Planned] | None:
+        if not (self.settings.async_scheduling and self.table.has_plannable_work()):
             return None
-        waited = time.monotonic() - started
-        step_index = self.step_index
-        self.step_index += 1
-        prepared = self.stepper.prepare(plan)
-        following = None
-        if self.settings.async_scheduling and self.stepper.has_plannable_work():
-            context = contextvars.copy_context()  # the step's trace context, for the PlanStep span
-            following = self._planner_pool.submit(context.run, self._plan_timed, self._snapshot(prepared))
-        finished = self.stepper.execute(prepared)
-        self._forget(finished)
-        wall = time.monotonic() - started
-        self._count_step(plan, wall, waited)
-        self.observer.step_finished(step_index, step_input, plan, prepared.requests, waited, latency, wall)
-        return following
+        context = contextvars.copy_context()  # the step's trace context, for the PlanStep span
+        return self._planner_pool.submit(context.run, self._plan_timed, self._snapshot(prepared))
 
     def _plan_timed(self, step_input: StepInput) -> Planned:
         started = time.monotonic()
         plan = self._plan(step_input)
-        return step_input, plan, time.monotonic() - started
+        return Planned(step_input, plan, time.monotonic() - started)
 
     def _snapshot(self, in_flight: PreparedStep | None = None) -> StepInput:
-        running, waiting = self.stepper.sched_states(in_flight)
+        """The scheduler's view; with the step `in_flight`, as it will be once that step ran: each
+        row that yields adds its token (computed counts were advanced when it was prepared)."""
+        running, waiting = self.table.sched_states(in_flight.yielding_ids if in_flight is not None else set())
         return StepInput(
             config=self.settings.scheduler,
             running=running,
             waiting=waiting,
             step_index=self.step_index,
-            num_free_kv_pages=self.stepper.num_free_pages(self._most_pages_per_step),
+            num_free_kv_pages=self.allocator.num_free_pages(self._most_pages_per_step),
         )
 
-    def _drain_inbox(self) -> None:
+    # ---- 2. prepare ------------------------------------------------------------------------------
+    def _prepare(self, plan: StepPlan) -> PreparedStep:
+        """Preempts, admits and allocates what the plan asks; a slice whose request ended since it
+        was planned (async scheduling) or that found no pages is skipped."""
+        preempted = [rid for rid in plan.preempted_request_ids if self._preempt(rid)]
+        rows: list[Row] = []
+        for planned in plan.slices:
+            request = self.table.get_running(planned.request_id) or self._admit(planned.request_id)
+            if request is None:
+                continue
+            end = request.num_computed_tokens + planned.num_tokens
+            if end > request.num_tokens:
+                continue
+            if not self.allocator.ensure_pages(request, end):
+                log.warning("no KV pages for %s although planned; preempting it", request.request_id)
+                self._preempt(request.request_id)
+                preempted.append(request.request_id)
+                continue
+            checkpoint = self.allocator.checkpoint_for(request, end) if planned.ends_on_checkpoint else None
+            rows.append(make_row(request, planned, checkpoint))
+            request.num_computed_tokens = end
+        return PreparedStep(tuple(rows), tuple(preempted))
+
+    def _admit(self, request_id: str) -> Request | None:
+        request = self.table.pop_waiting(request_id)
+        if request is not None:
+            self.allocator.assign_slot(request)
+            self.table.add_running(request)
+        return request
+
+    def _preempt(self, request_id: str) -> bool:
+        """Frees a running request and queues it again to recompute everything it knows."""
+        request = self.table.pop_running(request_id)
+        if request is None:
+            return False
+        self.allocator.release(request)
+        request.fold_for_recompute()
+        self._enqueue(request)
+        return True
+
+    # ---- 3. forward, 4. sample, 5. apply ---------------------------------------------------------
+    def _forward(self, prepared: PreparedStep) -> ForwardOutput | HybridServeError | None:
+        """The runner's logits (None without rows), or the error that failed the forward."""
+        batch = prepared.batch
+        if batch is None:
+            return None
+        try:
+            output = self.runner.forward(batch)
+        except Exception as exc:
+            self.prefix.discard(prepared.checkpoints)
+            log.exception("forward failed; failing the step's requests")
+            return HybridServeError(f"model forward failed: {type(exc).__name__}: {exc}")
+        self.prefix.register(prepared.checkpoints)  # before apply frees finished requests' pages
+        return output
+
+    def _sample(self, prepared: PreparedStep, output: ForwardOutput | None) -> SampleOutput | None:
+        rows = prepared.yielding_rows
+        if output is None or not rows:
+            return None
+        requests = prepared.yielding
+        params = [r.params.sampling for r in requests]
+        return sample(output.logits[rows], params, [r.generator for r in requests])
+
+    def _apply(self, prepared: PreparedStep, sampled: SampleOutput | None) -> list[Ending]:
+        """Each sampled token to its request; returns the requests that ended (already freed)."""
+        if sampled is None:
+            return []
+        endings: list[Ending] = []
+        for j, request in enumerate(prepared.yielding):
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+                self.observer.request_first_token(
+                    FirstToken(request.request_id, request.arrival_time, request.first_token_time)
+                )
+            top = tuple((token_id, logprob) for token_id, logprob in sampled.top_logprobs[j])
+            ending = self.outputs.append(request, sampled.token_ids[j], sampled.logprobs[j], top)
+            if ending is not None:
+                self._remove(request.request_id)
+                endings.append(ending)
+        return endings
+
+    # ---- 6. emit ---------------------------------------------------------------------------------
+    def _emit(
+        self, step_index: int, planned: Planned, prepared: PreparedStep, yielded: bool, waited_s: float, started: float
+    ) -> None:
+        now = time.monotonic()
+        record = StepRecord(
+            step_index=step_index,
+            step_input=planned.step_input,
+            plan=planned.plan,
+            served=events.served(prepared, yielded),
+            preempted_request_ids=prepared.preempted_request_ids,
+            plan_wait_s=waited_s,
+            plan_latency_s=planned.latency_s,
+            wall_s=now - started,
+            end_time_s=now,
+            occupancy=self._occupancy(),
+        )
+        self.counters.add_step(record)
+        self.observer.step_finished(record)
+
+    # ---- between steps ---------------------------------------------------------------------------
+    def _drain_inbox(self) -> bool:
+        """Takes in new requests and aborts; True if there were any."""
         with self._cond:
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         for request in new:
-            self.stepper.add(request)
-        self.stepper.poll_fetches()
-        for request_id, reason in aborts:
-            self._forget([self.stepper.finish(request_id, reason)])
+            fetch = self.prefix.start_fetch(request)
+            if fetch is None:
+                self._enqueue(request)
+            else:
+                self.table.add_fetching(request, fetch)
+                fetch.add_done_callback(lambda _: self._wake())
+        removed = [(r, reason) for rid, reason in aborts if (r := self._remove(rid)) is not None]
+        self._end([self.outputs.aborted(r, reason) for r, reason in removed])
+        return bool(new or aborts)
+
+    def _enqueue_fetched(self) -> bool:
+        """Moves requests whose shared-tier fetch finished into the waiting queue."""
+        fetched = self.table.pop_fetched()
+        for request, fetch in fetched:
+            lookup = self.prefix.import_fetched(fetch)
+            if lookup is not None:
+                self.observer.cache_lookup(lookup)
+            self._enqueue(request)
+        return bool(fetched)
+
+    def _expire_deadlines(self) -> bool:
         now = time.monotonic()
-        for request in self.stepper.live_requests():
-            if request.deadline is not None and now > request.deadline:
-                error = DeadlineExceededError(f"request {request.request_id} passed its deadline")
-                self._forget([self.stepper.fail(request.request_id, error)])
+        late = [r for r in self.table.live_requests() if r.deadline is not None and now > r.deadline]
+        for request in late:
+            self._remove(request.request_id)
+        self._end([self.outputs.failed(r, DeadlineExceededError(f"request {r.request_id} passed its deadline"))
+                   for r in late])  # fmt: skip
+        return bool(late)
+
+    def _idle(self) -> None:
+        with self._cond:
+            if not self._inbox and not self._aborts:
+                self._cond.wait(self.settings.idle_wait_s)
+
+    # ---- request lifecycle -----------------------------------------------------------------------
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue, holding the pages of its cached prefix if there is one."""
+        lookup = self.allocator.attach_prefix(request)
+        if lookup is not None:
+            self.observer.cache_lookup(lookup)
+        self.table.add_waiting(request)
+
+    def _remove(self, request_id: str) -> Request | None:
+        """Takes a live request out of every queue and frees what it holds."""
+        request = self.table.pop_live(request_id)
+        if request is not None:
+            self.allocator.release(request)
+        return request
+
+    def _fail_running(self, error: HybridServeError) -> list[Ending]:
+        removed = [r for rid in list(self.table.running) if (r := self._remove(rid)) is not None]
+        return [self.outputs.failed(r, error) for r in removed]
 
     def _fail_all(self, error: HybridServeError) -> None:
-        log.error("failing %d in-flight requests: %s", len(self.stepper.live_requests()), error)
-        self._forget([self.stepper.fail(r.request_id, error) for r in self.stepper.live_requests()])
+        live = self.table.live_requests()
+        log.error("failing %d in-flight requests: %s", len(live), error)
+        for request in live:
+            self._remove(request.request_id)
+        self._end([self.outputs.failed(r, error) for r in live])
 
-    def _forget(self, requests: list[Request | None]) -> None:
+    def _end(self, endings: list[Ending]) -> None:
+        """Forgets the ids, tells the observers, delivers each last event."""
         with self._cond:
-            for request in requests:
-                if request is not None:
-                    self._live_ids.discard(request.request_id)
+            for e in endings:
+                self._live_ids.discard(e.request.request_id)
+        now = time.monotonic()
+        for e in endings:
+            self.observer.request_finished(events.finished(e, now))
+            self.outputs.deliver(e)
 
-    def _count_step(self, plan: StepPlan, wall: float, waited: float) -> None:
-        c = self.counters
-        c.num_steps += 1
-        c.step_wall_seconds += wall
-        c.scheduler_wait_seconds += waited
-        c.num_stalled_steps += int(plan.stats.stalled)
+    def _occupancy(self) -> Occupancy:
+        return self.allocator.occupancy(self.table.num_running, self.table.num_waiting)

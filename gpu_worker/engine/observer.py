@@ -1,47 +1,107 @@
-"""Hooks through which tracing, metrics and step recording watch the engine. The engine calls them
-on its own thread (except request_queued, called on the submitting thread); the default does
-nothing, so an engine without telemetry pays one method call per event."""
+"""How tracing, metrics and step recording watch the engine: by consuming its records.
+
+The engine calls one observer (a `FanOut` when there are several) on its own thread, except
+`request_queued`, which runs on the submitting thread before the engine can see the request.
+The default does nothing, so an engine without telemetry pays one method call per event. No
+observer may raise or block for long.
+"""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
 
-from scheduler_svc.core import StepInput, StepPlan
-
-if TYPE_CHECKING:
-    from gpu_worker.engine.request import Request
+from gpu_worker.engine.records import (
+    CacheLookup,
+    FirstToken,
+    Occupancy,
+    RequestFinished,
+    RequestQueued,
+    StepRecord,
+)
 
 
 class EngineObserver:
-    """No-op base. Subclasses override what they need; none may raise or block for long."""
+    """No-op base. Subclasses override what they need."""
 
-    def request_queued(self, request: Request) -> None:
-        """A request passed admission and entered the queue."""
+    def request_queued(self, event: RequestQueued) -> object | None:
+        """May return a tracing context that parents the request's own calls (cache fetches)."""
+        return None
 
-    def request_first_token(self, request: Request) -> None:
-        """The request's first generated token was sampled."""
+    def request_first_token(self, event: FirstToken) -> None:
+        """The request's first token was sampled."""
 
-    def request_finished(self, request: Request, reason: str, error: Exception | None) -> None:
-        """The request ended: reason "length", "stop", "abort", or "error" with the error."""
+    def request_finished(self, event: RequestFinished) -> None:
+        """The request ended; called before its last event reaches the client."""
 
-    def cache_lookup(self, tier: str, hit: bool) -> None:
-        """A prefix-cache lookup for a queued request: tier "worker" (local) or "shared" (cache_svc)."""
+    def cache_lookup(self, event: CacheLookup) -> None:
+        """A prefix-cache lookup for a queued request."""
 
-    def step(self, step_index: int) -> AbstractContextManager[object]:
-        """Wraps one whole engine step (planning wait, forward, apply). Work started inside it,
-        including the asynchronous PlanStep call for the next step, runs in its context."""
+    def occupancy_changed(self, occupancy: Occupancy) -> None:
+        """Queues or pools changed outside a step (start-up, new requests, aborts, deadlines)."""
+
+    def step(self, step_index: int) -> AbstractContextManager[Any]:
+        """Wraps one whole engine step. Work started inside it, including the asynchronous PlanStep
+        call for the next step, runs in its context."""
         return nullcontext()
 
-    def step_finished(
-        self,
-        step_index: int,
-        step_input: StepInput | None,
-        plan: StepPlan,
-        requests: list[Request],
-        plan_wait_s: float,
-        plan_latency_s: float,
-        wall_s: float,
-    ) -> None:
-        """A step ran. step_input is what the scheduler was sent for this plan (None if unknown),
-        requests are those the plan served, plan_latency_s the PlanStep round trip."""
+    def step_finished(self, record: StepRecord) -> None:
+        """A step ran; called before the last events of the requests it finished are delivered."""
+
+    def close(self) -> None:
+        """Flushes and releases what the observer holds (files)."""
+
+
+class FanOut(EngineObserver):
+    """Several observers as one, called in the order given."""
+
+    def __init__(self, observers: list[EngineObserver]) -> None:
+        self.observers = tuple(observers)
+
+    @property
+    def is_active(self) -> bool:
+        """False for an empty fan-out: the engine may as well keep its no-op observer."""
+        return bool(self.observers)
+
+    def request_queued(self, event: RequestQueued) -> object | None:
+        context = None
+        for o in self.observers:
+            context = o.request_queued(event) or context
+        return context
+
+    def request_first_token(self, event: FirstToken) -> None:
+        for o in self.observers:
+            o.request_first_token(event)
+
+    def request_finished(self, event: RequestFinished) -> None:
+        for o in self.observers:
+            o.request_finished(event)
+
+    def cache_lookup(self, event: CacheLookup) -> None:
+        for o in self.observers:
+            o.cache_lookup(event)
+
+    def occupancy_changed(self, occupancy: Occupancy) -> None:
+        for o in self.observers:
+            o.occupancy_changed(occupancy)
+
+    def step(self, step_index: int) -> AbstractContextManager[Any]:
+        if len(self.observers) == 1:
+            return self.observers[0].step(step_index)
+        return self._steps(step_index)
+
+    @contextmanager
+    def _steps(self, step_index: int) -> Iterator[None]:
+        with ExitStack() as stack:
+            for o in self.observers:
+                stack.enter_context(o.step(step_index))
+            yield
+
+    def step_finished(self, record: StepRecord) -> None:
+        for o in self.observers:
+            o.step_finished(record)
+
+    def close(self) -> None:
+        for o in self.observers:
+            o.close()

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_worker.engine.finish import FinishReason
+from gpu_worker.engine.stop_checker import StopChecker
 from gpu_worker.sampling import SamplingParams
-from gpu_worker.tokenizer import IncrementalDetokenizer, Tokenizer
 from hybridserve.errors import HybridServeError
 from scheduler_svc.core import RequestState
 
@@ -41,42 +42,11 @@ class RequestOutput:
     logprobs: tuple[float, ...] = ()
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     text: str = ""
-    finish_reason: str = ""  # "length", "stop" (EOS or a stop string), "abort"; "" = more follows
-    prompt_tokens: int = 0
+    finish_reason: FinishReason | None = None  # set on the last event only; None = more follows
+    prompt_tokens: int = 0  # usage, on the last event
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: HybridServeError | None = None  # the request failed; no event follows
-
-
-class StopChecker:
-    """Incremental text with stop strings: holds back the tail that could still become a stop
-    string, and cuts the text where one appears."""
-
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self._stop = stop
-        self._hold = max((len(s) for s in stop), default=1) - 1
-        self._text = ""
-        self._emitted = 0
-
-    def push(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Returns (text to emit now, whether a stop string was reached)."""
-        if self._detok is None:
-            return "", False
-        self._text += self._detok.push(token_ids)
-        for s in self._stop:
-            index = self._text.find(s, max(self._emitted - len(s), 0))
-            if index >= 0:
-                delta = self._text[self._emitted : max(index, self._emitted)]
-                self._emitted = len(self._text)
-                return delta, True
-        end = max(len(self._text) - self._hold, self._emitted)
-        delta, self._emitted = self._text[self._emitted : end], end
-        return delta, False
-
-    def flush(self) -> str:
-        delta, self._emitted = self._text[self._emitted :], len(self._text)
-        return delta
 
 
 @dataclass(eq=False)
@@ -99,8 +69,7 @@ class Request:
     sched_output_base: int = 0  # outputs folded into sched_prompt_len
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
     first_token_time: float | None = None
-    trace_context: object | None = None  # the request span's tracing context, set by the observer
-    finish_reason: str = ""
+    trace_context: object | None = None  # the request span's tracing context, from the observer
     events: queue.SimpleQueue[RequestOutput] = field(default_factory=queue.SimpleQueue)
 
     def __post_init__(self) -> None:
@@ -136,9 +105,16 @@ class Request:
         self.sched_output_base = len(self.output_token_ids)
         self.num_computed_tokens = 0
 
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": len(self.prompt_token_ids),
-            "cached_tokens": self.num_cached_tokens,
-            "completion_tokens": len(self.output_token_ids),
-        }
+    def last_output(self, reason: FinishReason, event: RequestOutput | None = None) -> RequestOutput:
+        """`event` (or an empty one) as the request's last: with the finish reason and usage."""
+        event = event or RequestOutput()
+        return RequestOutput(
+            token_ids=event.token_ids,
+            logprobs=event.logprobs,
+            top_logprobs=event.top_logprobs,
+            text=event.text,
+            finish_reason=reason,
+            prompt_tokens=len(self.prompt_token_ids),
+            cached_tokens=self.num_cached_tokens,
+            completion_tokens=len(self.output_token_ids),
+        )

@@ -7,6 +7,8 @@ import pytest
 
 from cache_svc import keys
 from cache_svc.embedded_redis import RedisProcess
+from gpu_worker.engine.observer import EngineObserver
+from gpu_worker.engine.records import CacheLookup
 from hybridserve.v1 import generation_pb2 as pb
 from tests.worker.conftest import SCHEDULER, collect, greedy_request, prompt_of
 
@@ -36,10 +38,18 @@ def assert_same(got: tuple[list[int], list[float]], want: tuple[list[int], list[
     assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-4
 
 
+class LookupLog(EngineObserver):
+    def __init__(self) -> None:
+        self.lookups: list[tuple[str, bool]] = []
+
+    def cache_lookup(self, event: CacheLookup) -> None:
+        self.lookups.append((event.tier, event.hit))
+
+
 def test_a_shared_4_block_prefix_computes_only_the_suffix(start_worker, cold):
-    worker = start_worker(prefix_caching=True)
-    lookups: list[tuple[str, bool]] = []
-    worker.engine.prefix.on_lookup = lambda tier, hit: lookups.append((tier, hit))
+    log = LookupLog()
+    worker = start_worker(prefix_caching=True, observer=log)
+    lookups = log.lookups
     first = PREFIX + prompt_of(5, 1)
     second = PREFIX + prompt_of(9, 2)
     tokens, logprobs, usage = run(worker, first)

@@ -1,6 +1,7 @@
 """In-process stacks for observability tests: a traced Scheduler and a worker whose engine has a
-TelemetryObserver, both on port 0, with an explicit tracer provider (an in-memory exporter) and a
-fresh metrics registry, so nothing depends on the process-global OpenTelemetry state."""
+fan-out of observers (tracing, metrics, recording), both on port 0, with an explicit tracer
+provider (an in-memory exporter) and a fresh metrics registry, so nothing depends on the
+process-global OpenTelemetry state."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.observer import FanOut
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.init_model import ModelSpec, write_random_checkpoint
+from gpu_worker.observers import build_observers
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.service import GenerationServicer, add_to_server
 from gpu_worker.step_recorder import StepRecorder
-from gpu_worker.telemetry_observer import TelemetryObserver
 from hybridserve import grpc_server
 from hybridserve.metrics import WorkerMetrics
 from hybridserve.v1 import generation_pb2 as pb
@@ -43,7 +45,7 @@ def model_dir(tmp_path_factory) -> Path:
 class Stack:
     stub: pb_grpc.GenerationStub
     engine: Engine
-    observer: TelemetryObserver
+    observer: FanOut
     exporter: InMemorySpanExporter
     provider: TracerProvider
     registry: CollectorRegistry
@@ -74,13 +76,13 @@ def start_stack(model_dir, monkeypatch) -> Iterator[Callable[..., Stack]]:
         address = f"127.0.0.1:{sched_port}"
         settings = EngineSettings(scheduler=scheduler, runner=runner_config, scheduler_addresses=(address,))
         client = SchedulerClient([address], tracer_provider=use)
-        observer = TelemetryObserver(
+        observer = build_observers(
             tracer_provider=use,
             metrics=WorkerMetrics(registry),
             recorder=StepRecorder(record) if record is not None else None,
+            model_name="tiny",
         )
         engine = Engine(ModelRunner.from_model_dir(model_dir, runner_config), client.plan, settings, observer)
-        observer.watch(engine)
         engine.start()
         server, port, _ = grpc_server.create_server(
             [add_to_server(GenerationServicer(engine, "tiny"))], tracer_provider=use

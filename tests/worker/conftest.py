@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.server import build_prefix_cache
@@ -74,13 +75,15 @@ def budget_for_pages(runner_config: RunnerConfig, checkpoint: Path, num_pages: i
 
 @pytest.fixture
 def start_worker(checkpoint, scheduler_address) -> Iterator[Callable[..., Worker]]:
-    """Starts a worker; keyword arguments override EngineSettings fields (and num_kv_pages)."""
+    """Starts a worker; keyword arguments override EngineSettings fields (and num_kv_pages); an
+    observer, when given, watches its engine."""
     started: list[tuple[grpc.Server, Engine, grpc.Channel, SchedulerClient]] = []
 
     def start(
         num_kv_pages: int | None = None,
         scheduler: SchedulerConfig = SCHEDULER,
         prefix_caching: bool = False,
+        observer: EngineObserver | None = None,
         **overrides,
     ) -> Worker:
         scheduler = replace(scheduler, stop_at_last_boundary=prefix_caching)
@@ -101,7 +104,8 @@ def start_worker(checkpoint, scheduler_address) -> Iterator[Callable[..., Worker
             give_up_after_s=settings.scheduler_give_up_s, backoff_s=0.02, max_backoff_s=0.2,
         )  # fmt: skip
         runner = ModelRunner.from_model_dir(checkpoint, runner_config)
-        engine = Engine(runner, client.plan, settings, prefix=build_prefix_cache(runner, settings, prefix_caching))
+        prefix = build_prefix_cache(runner, settings, prefix_caching)
+        engine = Engine(runner, client.plan, settings, observer=observer, prefix=prefix)
         engine.start()
         server, port, _ = grpc_server.create_server([add_to_server(GenerationServicer(engine, "tiny"))])
         server.start()

@@ -1,0 +1,144 @@
+"""The prefix cache as the engine uses it: a narrow interface, a no-op implementation, and the
+sequence type the cache works on (its own protocol, so the cache never imports the engine).
+
+Contract, in the order the engine calls it (all on the engine thread):
+
+1. `start_fetch(seq)` when a request is queued: a future of blocks from the shared tier, or None.
+   When it is done, `import_fetched(future)` writes them into the local tier.
+2. `attach(seq)` as the request enters the waiting queue (fresh or preempted): applies the local
+   hit (pages, num_computed_tokens) and pins it until `on_admit` or `on_release`.
+3. `on_admit(seq)` once the request holds a state slot: restores the hit's state into it.
+4. `checkpoint_for(seq, end)` for a chunk ending on the grid; `register` the pending checkpoints
+   after the forward ran, or `discard` them when it failed.
+5. `on_release(seq)` when the request frees its pages (finished, preempted, aborted).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gpu_worker.cache.remote import FetchedBlock
+
+
+class CachedSequence(Protocol):
+    """What the cache reads and writes of a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int  # set to the hit's length by attach
+    num_cached_tokens: int  # prompt tokens served from the cache
+    page_ids: list[int]  # KV page table; attach puts the hit's pages here
+    state_slot: int | None
+    block_hashes: list[bytes]  # chained hashes of full blocks, grown lazily by the cache
+    trace_context: object | None  # parents the shared tier calls made for this sequence
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def tokens(self, start: int, end: int) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLookup:
+    """One lookup of a queued request's prefix."""
+
+    tier: str  # "worker" (local pools) or "shared" (cache_svc)
+    hit: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCheckpoint:
+    """A checkpoint slot the step in flight fills; registered once the forward ran."""
+
+    seq: CachedSequence
+    block_index: int  # the block that ends where the chunk ends
+    checkpoint_id: int
+
+
+class PrefixCache(ABC):
+    """See the module docstring for the calling order."""
+
+    @abstractmethod
+    def start_fetch(self, seq: CachedSequence) -> Future[list[FetchedBlock]] | None:
+        """Asks the shared tier for blocks beyond the local hit; None when there is nothing to ask."""
+
+    @abstractmethod
+    def import_fetched(self, fetch: Future[list[FetchedBlock]]) -> CacheLookup | None:
+        """Writes a finished fetch's blocks into the local tier; None when the fetch failed."""
+
+    @abstractmethod
+    def attach(self, seq: CachedSequence) -> CacheLookup | None:
+        """Applies the local hit to a sequence being queued; None when no lookup was made."""
+
+    @abstractmethod
+    def on_admit(self, seq: CachedSequence) -> None:
+        """Restores the hit's state into the sequence's fresh state slot."""
+
+    @abstractmethod
+    def on_release(self, seq: CachedSequence) -> None:
+        """The sequence gives up its pages: unpin a hit it still holds."""
+
+    @abstractmethod
+    def checkpoint_for(self, seq: CachedSequence, end: int) -> PendingCheckpoint | None:
+        """A checkpoint slot for the block ending at `end` (on the grid), unless it is cached."""
+
+    @abstractmethod
+    def register(self, pending: list[PendingCheckpoint]) -> None:
+        """After the forward: the checkpointed blocks become cache entries."""
+
+    @abstractmethod
+    def discard(self, pending: list[PendingCheckpoint]) -> None:
+        """The forward failed: free the pending checkpoint slots."""
+
+    @abstractmethod
+    def num_free_pages(self, free_pages: int, enough: int) -> int:
+        """KV pages the scheduler may count as free, given `free_pages` free outright."""
+
+    @abstractmethod
+    def make_room(self, num_pages: int) -> None:
+        """Evicts unused cached blocks until `num_pages` pages are free (or nothing is left)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stops background work (the shared tier's publisher)."""
+
+
+class NoPrefixCache(PrefixCache):
+    """Caching off: every request computes its whole prompt."""
+
+    def start_fetch(self, seq: CachedSequence) -> Future[list[FetchedBlock]] | None:
+        return None
+
+    def import_fetched(self, fetch: Future[list[FetchedBlock]]) -> CacheLookup | None:
+        return None
+
+    def attach(self, seq: CachedSequence) -> CacheLookup | None:
+        return None
+
+    def on_admit(self, seq: CachedSequence) -> None:
+        pass
+
+    def on_release(self, seq: CachedSequence) -> None:
+        pass
+
+    def checkpoint_for(self, seq: CachedSequence, end: int) -> PendingCheckpoint | None:
+        return None
+
+    def register(self, pending: list[PendingCheckpoint]) -> None:
+        pass
+
+    def discard(self, pending: list[PendingCheckpoint]) -> None:
+        pass
+
+    def num_free_pages(self, free_pages: int, enough: int) -> int:
+        return free_pages
+
+    def make_room(self, num_pages: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,27 @@
+"""Generation API wire messages <-> engine types. The only worker module besides the servicer
+that imports generated protobuf code."""
+
+from __future__ import annotations
+
+from gpu_worker.engine.admission import GenerationInput
+from hybridserve.v1 import generation_pb2 as pb
+
+
+def generation_input_from_pb(msg: pb.GenerateRequest) -> GenerationInput:
+    """Copies the request's fields; validation happens in admission (build_request)."""
+    kind = msg.WhichOneof("input")
+    s = msg.sampling
+    return GenerationInput(
+        request_id=msg.request_id,
+        prompt=msg.prompt if kind == "prompt" else None,
+        prompt_token_ids=tuple(msg.prompt_token_ids.ids) if kind == "prompt_token_ids" else None,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed if s.HasField("seed") else None,
+        logprobs=s.logprobs,
+        stop=tuple(s.stop),
+        ignore_eos=s.ignore_eos,
+        priority=msg.priority,
+    )

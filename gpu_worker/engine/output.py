@@ -1,0 +1,69 @@
+"""The output processor: a sampled token's effect on its request. Appends it, detokenises it,
+checks EOS, stop strings and max_tokens, and streams it; a request that ends gets an `Ending`,
+whose last event is delivered once the step's observers have seen the step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_worker.engine.finish import FinishReason
+from gpu_worker.engine.request import Request, RequestOutput
+from hybridserve.errors import HybridServeError
+
+TopLogprobs = tuple[tuple[int, float], ...]  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """A request that left the engine, and the last event its client gets."""
+
+    request: Request
+    reason: FinishReason
+    last: RequestOutput
+    error: HybridServeError | None = None  # reason is ERROR; the stream raises it
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
+        self._eos_ids = frozenset(eos_token_ids)
+
+    def append(self, request: Request, token_id: int, logprob: float, top: TopLogprobs) -> Ending | None:
+        """Appends one sampled token: streams it now, or returns the request's ending (the token
+        rides on the last event)."""
+        request.output_token_ids.append(token_id)
+        is_eos = token_id in self._eos_ids and not request.params.ignore_eos
+        text, hit_stop = request.stop_checker.push([] if is_eos else [token_id])
+        reason = finish_reason(is_eos, hit_stop, len(request.output_token_ids) >= request.params.max_tokens)
+        if reason is not None and not hit_stop:
+            text += request.stop_checker.flush()
+        event = RequestOutput(token_ids=(token_id,), logprobs=(logprob,), top_logprobs=(top,), text=text)
+        if reason is None:
+            request.events.put(event)
+            return None
+        return Ending(request, reason, request.last_output(reason, event))
+
+    @staticmethod
+    def aborted(request: Request, reason: FinishReason) -> Ending:
+        """Ended from outside the step (abort): an empty last event with the usage."""
+        return Ending(request, reason, request.last_output(reason))
+
+    @staticmethod
+    def failed(request: Request, error: HybridServeError) -> Ending:
+        """Ended by an error: the stream raises it."""
+        return Ending(request, FinishReason.ERROR, RequestOutput(error=error), error)
+
+    @staticmethod
+    def deliver(ending: Ending) -> None:
+        ending.request.events.put(ending.last)
+
+
+def finish_reason(is_eos: bool, hit_stop: bool, reached_max_tokens: bool) -> FinishReason | None:
+    """Why the request ends after this token, if it does. A stop string wins (its text is cut
+    there), then EOS, then the length limit: the token that hits the limit may also be EOS."""
+    if hit_stop:
+        return FinishReason.STOP
+    if is_eos:
+        return FinishReason.EOS
+    if reached_max_tokens:
+        return FinishReason.LENGTH
+    return None

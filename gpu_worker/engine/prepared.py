@@ -1,0 +1,62 @@
+"""A plan turned into runner input: the rows of the batch and what each row means."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_worker.batch import Batch, SequenceChunk
+from gpu_worker.cache.interface import PendingCheckpoint
+from gpu_worker.engine.request import Request
+from scheduler_svc.core import Slice
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One batch row: a request's chunk [start, end) of its known tokens."""
+
+    request: Request
+    slice: Slice  # as planned
+    chunk: SequenceChunk
+    yields: bool  # the chunk reaches the end of the known tokens: the step samples the next token
+    checkpoint: PendingCheckpoint | None  # the state at the chunk's end goes to this slot
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedStep:
+    rows: tuple[Row, ...]  # in batch order
+    preempted_request_ids: tuple[str, ...]  # by the plan, then those that found no pages
+
+    @property
+    def batch(self) -> Batch | None:
+        return Batch(tuple(r.chunk for r in self.rows)) if self.rows else None
+
+    @property
+    def yielding(self) -> list[Request]:
+        """Requests that get a new token from this step, in row order."""
+        return [r.request for r in self.rows if r.yields]
+
+    @property
+    def yielding_ids(self) -> set[str]:
+        return {r.request.request_id for r in self.rows if r.yields}
+
+    @property
+    def yielding_rows(self) -> list[int]:
+        return [i for i, r in enumerate(self.rows) if r.yields]
+
+    @property
+    def checkpoints(self) -> list[PendingCheckpoint]:
+        return [r.checkpoint for r in self.rows if r.checkpoint is not None]
+
+
+def make_row(request: Request, planned: Slice, checkpoint: PendingCheckpoint | None) -> Row:
+    """The row of `planned` for a request whose pages already cover the chunk."""
+    start = request.num_computed_tokens
+    end = start + planned.num_tokens
+    chunk = SequenceChunk(
+        token_ids=request.tokens(start, end),
+        start_pos=start,
+        page_ids=tuple(request.page_ids),
+        state_slot=request.state_slot if request.state_slot is not None else -1,
+        save_checkpoint_id=checkpoint.checkpoint_id if checkpoint is not None else None,
+    )
+    return Row(request, planned, chunk, end == request.num_tokens, checkpoint)

@@ -1,0 +1,37 @@
+"""Streaming text with stop strings, one instance per request."""
+
+from __future__ import annotations
+
+from gpu_worker.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class StopChecker:
+    """Incremental text with stop strings: holds back the tail that could still become a stop
+    string, and cuts the text where one appears."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._text = ""
+        self._emitted = 0
+
+    def push(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Returns (text to emit now, whether a stop string was reached)."""
+        if self._detok is None:
+            return "", False
+        self._text += self._detok.push(token_ids)
+        for s in self._stop:
+            index = self._text.find(s, max(self._emitted - len(s), 0))
+            if index >= 0:
+                delta = self._text[self._emitted : max(index, self._emitted)]
+                self._emitted = len(self._text)
+                return delta, True
+        end = max(len(self._text) - self._hold, self._emitted)
+        delta, self._emitted = self._text[self._emitted : end], end
+        return delta, False
+
+    def flush(self) -> str:
+        """The held-back tail (the request ended without a stop string)."""
+        delta, self._emitted = self._text[self._emitted :], len(self._text)
+        return delta

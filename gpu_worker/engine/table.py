@@ -1,0 +1,77 @@
+"""The request table: which requests the engine holds and in which queue, in service order.
+
+    fetching  asking the shared cache tier for their prefix (not yet plannable)
+    waiting   queued without a state slot (pages only of a prefix-cache hit); insertion order
+    running   hold pages and a state slot; admission order
+
+Moves between queues only; allocation is the allocator's, and the engine composes the two.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from gpu_worker.engine.request import Request
+from scheduler_svc.core import RequestState
+
+if TYPE_CHECKING:
+    from gpu_worker.cache.remote import FetchedBlock
+
+
+class RequestTable:
+    def __init__(self) -> None:
+        self.running: dict[str, Request] = {}
+        self.waiting: dict[str, Request] = {}
+        self.fetching: dict[str, tuple[Request, Future[list[FetchedBlock]]]] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_plannable_work(self) -> bool:
+        """Requests the scheduler can plan (fetching ones are not, yet)."""
+        return bool(self.running or self.waiting)
+
+    def live_requests(self) -> list[Request]:
+        return [*self.running.values(), *self.waiting.values(), *(r for r, _ in self.fetching.values())]
+
+    def add_fetching(self, request: Request, fetch: Future[list[FetchedBlock]]) -> None:
+        self.fetching[request.request_id] = (request, fetch)
+
+    def pop_fetched(self) -> list[tuple[Request, Future[list[FetchedBlock]]]]:
+        """Removes and returns the requests whose fetch finished, in queue order."""
+        done = [rid for rid, (_, fetch) in self.fetching.items() if fetch.done()]
+        return [self.fetching.pop(rid) for rid in done]
+
+    def add_waiting(self, request: Request) -> None:
+        self.waiting[request.request_id] = request
+
+    def pop_waiting(self, request_id: str) -> Request | None:
+        return self.waiting.pop(request_id, None)
+
+    def add_running(self, request: Request) -> None:
+        self.running[request.request_id] = request
+
+    def get_running(self, request_id: str) -> Request | None:
+        return self.running.get(request_id)
+
+    def pop_running(self, request_id: str) -> Request | None:
+        return self.running.pop(request_id, None)
+
+    def pop_live(self, request_id: str) -> Request | None:
+        """Removes a request from whichever queue holds it."""
+        fetching = self.fetching.pop(request_id, None)
+        if fetching is not None:
+            return fetching[0]
+        return self.running.pop(request_id, None) or self.waiting.pop(request_id, None)
+
+    def sched_states(self, yielding_ids: set[str]) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
+        """The scheduler's view of running and waiting requests; those in `yielding_ids` are
+        counted with the token the step in flight will add."""
+        running = tuple(r.sched_state(int(r.request_id in yielding_ids)) for r in self.running.values())
+        return running, tuple(r.sched_state() for r in self.waiting.values())
