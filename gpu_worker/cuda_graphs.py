@@ -65,7 +65,7 @@ class CudaGraphCapture:
         self.graphs: list[torch.cuda.CUDAGraph] = []
 
     def __call__(self, step: Callable[[], None]) -> Replay:
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
             step()
@@ -101,7 +101,7 @@ class DecodeGraphs:
         self._table_scratch = torch.zeros(m * w, dtype=torch.int32, device=device)
         self._meta_host = torch.zeros(4, m, dtype=torch.int64, pin_memory=pin)
         self._table_host = torch.zeros(m * w, dtype=torch.int32, pin_memory=pin)
-        self._copied = torch.cuda.Event() if pin else None  # the staging buffers may be rewritten
+        self._copied = torch.cuda.Event() if pin else None  # type: ignore[no-untyped-call]  # staging may be rewritten
         self._no_mask = torch.zeros(0, dtype=torch.bool, device=device)
         self._replays: dict[int, Replay] = {}
         self._logits: dict[int, torch.Tensor] = {}

@@ -90,7 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def observer_settings(server_settings: WorkerServerSettings) -> ObserverSettings:
     """The observers' settings from the worker's (the metrics port starts the endpoint)."""
-    return ObserverSettings(record_steps=server_settings.record_steps, record_sample_rate=server_settings.record_sample_rate)
+    return ObserverSettings(
+        record_steps=server_settings.record_steps, record_sample_rate=server_settings.record_sample_rate
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:

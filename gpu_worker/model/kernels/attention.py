@@ -1,3 +1,6 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+# (`@triton.jit` kernels take pointers and tl.constexpr values that have no Python types; their callers
+# in ops.py stay strict.)
 """Paged attention in Triton: the KV write, decode over the page table, prefill of packed ragged chunks.
 
 Written from the attention equations, softmax(q k^T * scale) v, with the streaming ("online") softmax:

@@ -1,3 +1,6 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+# (`@triton.jit` kernels take pointers and tl.constexpr values that have no Python types; their callers
+# in ops.py stay strict.)
 """Mamba2 per-token work in Triton: causal-conv window update (decode), causal conv over packed varlen
 prefill, and the selective state update (decode) with D and the z gate.
 
