@@ -139,32 +139,43 @@ class StepRecorder:
     ) -> bytes:
         """Writes one line; returns the serialized PlanStepRequest (for a span event). Called inside
         the step's span (the current span), whose trace id goes on the line."""
+        line, request = self.prepare(step_index, step_input, plan, plan_latency_s, wall_s)
+        self.write(line)
+        return request
+
+    def prepare(
+        self, step_index: int, step_input: StepInput, plan: StepPlan, plan_latency_s: float, wall_s: float | None = None
+    ) -> tuple[dict[str, Any], bytes]:
+        """One step's line without its request events, and the serialized PlanStepRequest. Called
+        inside the step's span, whose trace id goes on the line; `write` adds the events."""
         request = encode_step(step_input)
-        now = time.time()
-        record: dict[str, Any] = {
+        line: dict[str, Any] = {
             "step_index": step_index,
             "request": base64.b64encode(request).decode("ascii"),
             "plan": base64.b64encode(encode_plan(plan)).decode("ascii"),
             "plan_latency_s": round(plan_latency_s, 6),
-            "time_unix_s": round(now, 6),
+            "time_unix_s": round(time.time(), 6),
         }
         if wall_s is not None:
-            record["wall_s"] = round(wall_s, 6)
+            line["wall_s"] = round(wall_s, 6)
         trace_id = trace_id_of()
         if trace_id:
-            record["trace_id"] = trace_id
+            line["trace_id"] = trace_id
+        return line, request
+
+    def write(self, line: dict[str, Any]) -> None:
+        """Writes a prepared line with the request events seen since the last one."""
         with self._lock:
             pending, self._pending = self._pending, []
         if pending:
-            offset_s = now - time.monotonic()
-            record["request_events"] = [to_unix(event, offset_s) for event in pending]
-        line = json.dumps(record, separators=(",", ":"))
+            offset_s = time.time() - time.monotonic()
+            line = {**line, "request_events": [to_unix(event, offset_s) for event in pending]}
+        text = json.dumps(line, separators=(",", ":"))
         with self._lock:
             if not self._file.closed:
-                self._file.write(line + "\n")
+                self._file.write(text + "\n")
                 self._file.flush()
                 self.num_recorded += 1
-        return request
 
     def close(self) -> None:
         with self._lock:

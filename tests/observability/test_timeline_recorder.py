@@ -7,8 +7,8 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from gpu_worker.engine.request import GenerationParams, Request, StopChecker
-from gpu_worker.sampling import SamplingParams
+from gpu_worker.engine.finish import FinishReason
+from gpu_worker.engine.records import FirstToken, RequestFinished, RequestQueued
 from gpu_worker.step_recorder import StepRecorder
 from hybridserve import cli
 from hybridserve.cli.timeline.records import load_records
@@ -44,7 +44,8 @@ def test_traced_run_records_step_and_request_trace_ids_and_events(start_stack, t
         assert e["trace_id"] == request_traces[e["request_id"]]
         if e["event"] == "finished":
             assert e["reason"] == "length" and e["completion_tokens"] == 5
-            assert e["arrival_unix_s"] <= e["first_token_unix_s"] <= e["finish_unix_s"] <= lines[-1]["time_unix_s"]
+            # a step's line is written after the step, with the "finished" events of the requests it ended
+            assert e["arrival_unix_s"] <= e["first_token_unix_s"] <= e["finish_unix_s"] <= time.time()
 
     assert all(r.is_identical for r in replay_file(record))  # replay reads the new keys' files
     assert cli.main(["replay", str(record)]) == 0
@@ -59,9 +60,12 @@ def test_traced_run_records_step_and_request_trace_ids_and_events(start_stack, t
     assert all(lane.finish_reason == "length" for lane in lanes)
 
 
-def request(rid: str) -> Request:
-    params = GenerationParams(SamplingParams(), max_tokens=4)
-    return Request(rid, [5, 6, 7], params, time.monotonic(), None, StopChecker(None, ()), None)
+def queued(rid: str, arrival: float) -> RequestQueued:
+    return RequestQueued(rid, 3, 4, 0, 1.0, 1.0, 0, None, (), arrival)
+
+
+def finished(rid: str, arrival: float, reason: FinishReason) -> RequestFinished:
+    return RequestFinished(rid, reason, None, 3, 0, 1, arrival, time.monotonic())
 
 
 def test_events_ride_on_the_next_recorded_line_and_cost_nothing_unsampled(tmp_path):
@@ -69,11 +73,11 @@ def test_events_ride_on_the_next_recorded_line_and_cost_nothing_unsampled(tmp_pa
     plan = plan_step(step)
     path = tmp_path / "s.jsonl"
     recorder = StepRecorder(path)
-    first = request("r1")
-    recorder.request_queued(first)
+    arrival = time.monotonic()
+    recorder.request_queued(queued("r1", arrival))
     recorder.record(0, step, plan, 0.001, wall_s=0.002)
-    first.first_token_time = time.monotonic()
-    recorder.request_finished(first, "stop")
+    recorder.request_first_token(FirstToken("r1", arrival, time.monotonic()))
+    recorder.request_finished(finished("r1", arrival, FinishReason.STOP))
     recorder.record(1, step, plan, 0.001)  # an older caller: no wall time
     recorder.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -82,8 +86,8 @@ def test_events_ride_on_the_next_recorded_line_and_cost_nothing_unsampled(tmp_pa
     assert "trace_id" not in lines[0] and lines[0]["request_events"][0]["trace_id"] == ""
 
     off = StepRecorder(tmp_path / "off.jsonl", sample_rate=0.0)
-    off.request_queued(request("r2"))
-    off.request_finished(request("r2"), "abort")
+    off.request_queued(queued("r2", time.monotonic()))
+    off.request_finished(finished("r2", time.monotonic(), FinishReason.ABORT))
     assert off._pending == []
     off.close()
 
