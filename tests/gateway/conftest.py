@@ -3,6 +3,7 @@ child on port 0 (workers on ports picked here, so a killed worker can come back 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -147,17 +148,30 @@ class Stack:
         return f"http://{self.gateway.address}/v1"
 
 
+@contextlib.contextmanager
+def gateway_stack(
+    model_dir: Path, scheduler: ServerProcess, *gateway_extra: str, env: dict[str, str] | None = None
+) -> Iterator[Stack]:
+    """Two workers behind a gateway; every process stops, also when one of them fails to start."""
+    ports = [free_port(), free_port()]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    workers: list[ServerProcess] = []
+    try:
+        for port in ports:
+            workers.append(start_worker(model_dir, scheduler.address, port))
+        gateway = start_gateway(addresses, model_dir, *gateway_extra, env=env)
+        try:
+            wait_ready(gateway, 2)
+            yield Stack(scheduler, workers, addresses, gateway)
+        finally:
+            assert gateway.stop() == 0, gateway.output
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
 @pytest.fixture(scope="module")
 def stack(model_dir, scheduler) -> Iterator[Stack]:
     """Two workers behind a gateway that requires API_KEY."""
-    ports = [free_port(), free_port()]
-    workers = [start_worker(model_dir, scheduler.address, port) for port in ports]
-    addresses = [f"127.0.0.1:{p}" for p in ports]
-    gateway = start_gateway(addresses, model_dir, "--max-body-mb", "0.05", env={"HYBRIDSERVE_API_KEYS": API_KEY})
-    try:
-        wait_ready(gateway, 2)
-        yield Stack(scheduler, workers, addresses, gateway)
-    finally:
-        assert gateway.stop() == 0, gateway.output
-        for worker in workers:
-            worker.stop()
+    with gateway_stack(model_dir, scheduler, "--max-body-mb", "0.05", env={"HYBRIDSERVE_API_KEYS": API_KEY}) as s:
+        yield s

@@ -18,24 +18,23 @@ import pytest
 from hybridserve.children import free_port
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.gateway.conftest import MODEL_NAME, Stack, generated_tokens, start_gateway, start_worker, wait_ready
+from tests.gateway.conftest import (
+    MODEL_NAME,
+    Stack,
+    gateway_stack,
+    generated_tokens,
+    start_gateway,
+    start_worker,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def routed(model_dir, scheduler) -> Iterator[Stack]:
-    ports = [free_port(), free_port()]
-    workers = [start_worker(model_dir, scheduler.address, port) for port in ports]
-    addresses = [f"127.0.0.1:{p}" for p in ports]
-    gateway = start_gateway(addresses, model_dir)
-    try:
-        wait_ready(gateway, 2)
-        yield Stack(scheduler, workers, addresses, gateway)
-    finally:
-        assert gateway.stop() == 0, gateway.output
-        for worker in workers:
-            worker.stop()
+    with gateway_stack(model_dir, scheduler) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
