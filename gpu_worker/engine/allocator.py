@@ -56,6 +56,12 @@ class Allocator:
             self.state_pool.free_slot(request.state_slot)
             request.state_slot = None
 
+    def drop_prefix(self, request: Request) -> None:
+        """A waiting request gives up its cached-prefix hit (pages and pins) and will compute its
+        whole prompt: the way out when such hits leave no pages to admit anyone."""
+        self.release(request)
+        request.num_computed_tokens = 0
+
     def num_free_pages(self, enough: int) -> int:
         """Free KV pages as the scheduler should count them: cached blocks nobody uses are free
         (counted only when fewer than `enough` are free outright)."""

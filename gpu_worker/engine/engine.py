@@ -39,6 +39,7 @@ from gpu_worker.engine.records import FirstToken, Occupancy, StepRecord
 from gpu_worker.engine.request import Request
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.engine.table import RequestTable
+from gpu_worker.engine.unstall import Remedy, stall_remedy
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampling import SampleOutput, sample
 from hybridserve.errors import (
@@ -165,8 +166,16 @@ class Engine:
         planned = self._await_plan(pending)  # 1. plan
         if planned is None:
             return None
+        stalled = not planned.plan.slices and not planned.plan.preempted_request_ids
+        if stalled and pending is not None:
+            return None  # planned ahead from a predicted state: plan again from the real one
         waited_s = time.monotonic() - started
         step_index, self.step_index = self.step_index, self.step_index + 1
+        if stalled:  # the plan is empty: reclaim something, so that the next plan differs
+            preempted, endings = self._unstall()
+            self._emit(step_index, planned, PreparedStep((), preempted), False, waited_s, started)
+            self._end(endings)
+            return None
         prepared = self._prepare(planned.plan)  # 2. prepare (allocate)
         following = self._plan_ahead(prepared)  # (async) step N+1's plan while step N runs
         output = self._forward(prepared)  # 3. forward
@@ -217,8 +226,10 @@ class Engine:
     # ---- 2. prepare ------------------------------------------------------------------------------
     def _prepare(self, plan: StepPlan) -> PreparedStep:
         """Preempts, admits and allocates what the plan asks; a slice whose request ended since it
-        was planned (async scheduling) or that found no pages is skipped."""
-        preempted = [rid for rid in plan.preempted_request_ids if self._preempt(rid)]
+        was planned (async scheduling) or that found no pages is skipped. Preempted requests are
+        queued again only after the step's pages are taken: queueing attaches a request's cached
+        prefix, which would pin again the pages its preemption freed for this step's plan."""
+        requeue = [r for rid in plan.preempted_request_ids if (r := self._preempt(rid)) is not None]
         rows: list[Row] = []
         for planned in plan.slices:
             request = self.table.get_running(planned.request_id) or self._admit(planned.request_id)
@@ -230,12 +241,14 @@ class Engine:
             if not self.allocator.ensure_pages(request, end):
                 log.warning("no KV pages for %s although planned; preempting it", request.request_id)
                 self._preempt(request.request_id)
-                preempted.append(request.request_id)
+                requeue.append(request)
                 continue
             checkpoint = self.allocator.checkpoint_for(request, end) if planned.ends_on_checkpoint else None
             rows.append(make_row(request, planned, checkpoint))
             request.num_computed_tokens = end
-        return PreparedStep(tuple(rows), tuple(preempted))
+        for request in requeue:
+            self._enqueue(request)
+        return PreparedStep(tuple(rows), tuple(r.request_id for r in requeue))
 
     def _admit(self, request_id: str) -> Request | None:
         request = self.table.pop_waiting(request_id)
@@ -244,15 +257,33 @@ class Engine:
             self.table.add_running(request)
         return request
 
-    def _preempt(self, request_id: str) -> bool:
-        """Frees a running request and queues it again to recompute everything it knows."""
+    def _preempt(self, request_id: str) -> Request | None:
+        """Frees a running request to recompute everything it knows; the caller queues it again."""
         request = self.table.pop_running(request_id)
-        if request is None:
-            return False
-        self.allocator.release(request)
-        request.fold_for_recompute()
-        self._enqueue(request)
-        return True
+        if request is not None:
+            self.allocator.release(request)
+            request.fold_for_recompute()
+        return request
+
+    def _unstall(self) -> tuple[tuple[str, ...], list[Ending]]:
+        """Applies one remedy for an empty plan (gpu_worker/engine/unstall.py); returns the
+        preempted request ids and the endings."""
+        remedy = stall_remedy(list(self.table.waiting.values()), list(self.table.running.values()))
+        log.warning("a step planned nothing; remedy: %s %s", remedy.remedy.value, remedy.request_id)
+        if remedy.remedy is Remedy.DROP_PREFIX:
+            self.allocator.drop_prefix(self.table.waiting[remedy.request_id])
+            return (), []
+        if remedy.remedy is Remedy.PREEMPT:
+            preempted = self._preempt(remedy.request_id)
+            if preempted is not None:
+                self._enqueue(preempted)
+            return ((remedy.request_id,) if preempted is not None else ()), []
+        request = self._remove(remedy.request_id)
+        error = ResourceExhaustedError(
+            f"request {remedy.request_id} cannot be scheduled: its tokens do not fit in the free KV pages;"
+            " lower max_tokens or shorten the prompt"
+        )
+        return (), ([self.outputs.failed(request, error)] if request is not None else [])
 
     # ---- 3. forward, 4. sample, 5. apply ---------------------------------------------------------
     def _forward(self, prepared: PreparedStep) -> ForwardOutput | HybridServeError | None:

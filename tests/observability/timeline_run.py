@@ -22,7 +22,7 @@ JOBS = [(90, 12), (20, 24), (70, 10), (36, 20), (110, 6), (52, 16)]
 WORKER_FLAGS = [
     "--device", "cpu", "--memory-budget-mb", "1", "--num-checkpoint-slots", "2", "--max-num-seqs", "4",
     "--max-num-batched-tokens", "64", "--max-num-prefill-tokens-per-step", "32", "--block-size", "16",
-    "--mamba-block-size", "8", "--kv-page-size", "8", "--record-sample-rate", "1.0", "--no-prefix-caching",
+    "--mamba-block-size", "8", "--kv-page-size", "8", "--record-sample-rate", "1.0",
 ]  # fmt: skip
 
 

@@ -26,7 +26,7 @@ from gpu_worker.runner import RunnerConfig
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.state_pool import MambaStatePool
 from gpu_worker.tokenizer import Tokenizer, build_byte_tokenizer
-from hybridserve.errors import DeadlineExceededError, HybridServeError, UnavailableError
+from hybridserve.errors import DeadlineExceededError, HybridServeError, ResourceExhaustedError, UnavailableError
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig, StepInput, StepPlan, plan_step
 
 TOKENIZER = Tokenizer(build_byte_tokenizer())
@@ -289,3 +289,23 @@ def test_no_scheduler_fails_every_live_request(start_engine):
         assert isinstance(stream(r)[-1].error, UnavailableError)
     assert calls.is_set() and not log.steps
     assert {e.reason for e in log.finished.values()} == {FinishReason.ERROR}
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_planner_stuck_on_empty_plans_never_spins_the_engine(start_engine, async_scheduling):
+    """A scheduler that plans nothing from step 2 on: the engine takes one remedy per empty plan
+    (preempt the running request, then fail it when nothing holds a page) instead of looping."""
+
+    def stuck(step_input: StepInput) -> StepPlan:
+        plan = plan_step(step_input)
+        return plan if step_input.step_index < 2 else replace(plan, slices=(), preempted_request_ids=())
+
+    engine, runner, log = start_engine(FakeRunner(num_pages=64), plan=stuck, async_scheduling=async_scheduling)
+    r = request("r", 20, 10)
+    engine.submit(r)
+    error = stream(r)[-1].error
+    assert isinstance(error, ResourceExhaustedError) and "cannot be scheduled" in str(error)
+    empty = [s for s in log.steps if not s.plan.slices and not s.plan.preempted_request_ids]
+    assert len(empty) == 2 and empty[0].preempted_request_ids == ("r",), "preempted, then failed"
+    assert log.finished["r"].reason is FinishReason.ERROR
+    assert_drained(log, runner)
