@@ -61,6 +61,7 @@ class Allocator:
         whole prompt: the way out when such hits leave no pages to admit anyone."""
         self.release(request)
         request.num_computed_tokens = 0
+        request.num_cached_tokens = 0  # usage: none of its prompt is served from the cache now
 
     def num_free_pages(self, enough: int) -> int:
         """Free KV pages as the scheduler should count them: cached blocks nobody uses are free
