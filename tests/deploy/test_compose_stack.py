@@ -1,6 +1,6 @@
 """The compose stack for real: a private dockerd (no bridge, no iptables), the project image built
 offline from a debootstrapped base and a host wheelhouse, `docker-compose up` of schedulers,
-Redis, cache and worker (and the gateway once the CLI has it) on host networking, generation from
+Redis, cache, worker and gateway on host networking, generation from
 the host through the stack, a repeated long prompt served from the prefix cache, `down`."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from hybridserve.children import free_port
-from hybridserve.cli import COMMANDS
 from tests.deploy.compose_files import FILE_SETS, compose_command, rendered_config
 from tests.deploy.dockerd import Dockerd
 from tests.deploy.host_tools import run
@@ -28,8 +27,7 @@ from tests.deploy.images import build_project_image, import_base_image
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 IMAGE = "hybridserve:ci"
-HAS_GATEWAY = "gateway" in COMMANDS
-SERVICES = ["scheduler-a", "scheduler-b", "redis", "cache", "worker", *(["gateway"] if HAS_GATEWAY else [])]
+SERVICES = ["scheduler-a", "scheduler-b", "redis", "cache", "worker", "gateway"]
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the scheduler plans the next step. " * 12
 
 
@@ -138,7 +136,7 @@ def generate(target: str, prompt: str) -> dict[str, Any]:
 
 
 def test_stack_serves_and_reuses_cached_prefixes(stack: Stack) -> None:
-    target = f"127.0.0.1:{stack.ports['GATEWAY_GRPC' if HAS_GATEWAY else 'WORKER']}"
+    target = f"127.0.0.1:{stack.ports['GATEWAY_GRPC']}"  # through the front door
     short = generate(target, "Hello from the compose stack")
     assert short["usage"]["completion_tokens"] > 0 and short["finish_reason"]
     cold = generate(target, LONG_PROMPT)
