@@ -49,11 +49,11 @@ async def _until(condition: Any, timeout_s: float) -> None:
     await asyncio.wait_for(poll(), timeout_s)
 
 
-def test_a_stream_ends_at_the_last_message_and_the_worker_call_is_not_cancelled():
+def test_a_stream_ends_at_the_last_message_and_the_worker_call_is_not_cancelled() -> None:
     async def scenario() -> dict[str, Any]:
         worker = HeldStatusWorker()
         server = grpc.aio.server()
-        pb_grpc.add_GenerationServicer_to_server(worker, server)
+        pb_grpc.add_GenerationServicer_to_server(worker, server)  # type: ignore[no-untyped-call]
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
