@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from typing import Any
 
 import grpc
@@ -136,46 +135,18 @@ async def watch_readiness(dispatcher: Dispatcher, servicer: HealthServicer, inte
         await asyncio.sleep(interval_s)
 
 
-# grpc.aio servers sharing the gRPC port. One server takes in one new call at a time, each a round
-# trip from gRPC's completion queue through its poller thread to the event loop; a burst of calls
-# (a closed loop's clients that finished in the same step) queued behind it: 32 streams through one
-# server, client send to handler start p90 24-125 ms; through four, 12-26 ms. The kernel spreads
-# connections over the servers' listening sockets (SO_REUSEPORT).
-NUM_SERVERS = 4
-
-
-def _free_port(host: str, port: int) -> int:
-    """`port` (0: a free one) if nobody listens on it. The servers share the port with SO_REUSEPORT,
-    which would let a second gateway on the same port bind silently; a plain bind fails instead."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from None
-        return int(probe.getsockname()[1])
-
-
-def create_grpc_servers(
-    proxy: GenerationProxy, host: str, port: int, num_servers: int = NUM_SERVERS
-) -> tuple[list[grpc.aio.Server], int, HealthServicer]:
-    """`num_servers` servers of the proxy, health and reflection on one port; one health servicer."""
-    port = _free_port(host, port)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+def create_grpc_server(proxy: GenerationProxy, host: str, port: int) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(proxy, server)  # type: ignore[no-untyped-call]
     health_servicer = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [
         pb.DESCRIPTOR.services_by_name["Generation"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     ]
-    servers = []
-    for _ in range(num_servers):
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if num_servers > 1 else 0)])
-        pb_grpc.add_GenerationServicer_to_server(proxy, server)  # type: ignore[no-untyped-call]
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(names, server)
-        if server.add_insecure_port(address) == 0:
-            raise OSError(f"cannot bind {address}")
-        servers.append(server)
-    return servers, port, health_servicer
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return server, bound, health_servicer

@@ -22,7 +22,7 @@ from gateway.affinity import PrefixTable
 from gateway.auth import load_keys
 from gateway.chat_template import ChatTemplate, TemplateError, load_chat_template
 from gateway.dispatch import Dispatcher, RoutingSettings
-from gateway.grpc_proxy import GenerationProxy, create_grpc_servers, watch_readiness
+from gateway.grpc_proxy import GenerationProxy, create_grpc_server, watch_readiness
 from gateway.http_app import Gateway, build_app
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool, split_host_port
@@ -175,9 +175,8 @@ async def serve(config: GatewayConfig, template: ChatTemplate | None) -> None:
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     print(f"listening on {config.host}:{http_port}", flush=True)
     proxy = GenerationProxy(dispatcher, metrics, config.api_keys, tokenizer, config.request_timeout_s)
-    grpc_servers, grpc_port, health_servicer = create_grpc_servers(proxy, config.host, config.grpc_port)
-    for grpc_server in grpc_servers:
-        await grpc_server.start()
+    grpc_server, grpc_port, health_servicer = create_grpc_server(proxy, config.host, config.grpc_port)
+    await grpc_server.start()
     print(f"grpc listening on {config.host}:{grpc_port}", flush=True)
     log.info("routing %s over %s", config.routing.mode, ", ".join(config.workers))
     readiness = asyncio.create_task(watch_readiness(dispatcher, health_servicer, config.poll_interval_s))
@@ -187,7 +186,7 @@ async def serve(config: GatewayConfig, template: ChatTemplate | None) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await readiness
     await health_servicer.enter_graceful_shutdown()
-    await asyncio.gather(*(s.stop(config.grace_s) for s in grpc_servers))
+    await grpc_server.stop(config.grace_s)
     await runner.cleanup()
     await pool.close()
     log.info("stopped")

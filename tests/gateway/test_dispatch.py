@@ -1,7 +1,6 @@
 """The dispatcher against a stand-in worker on a real gRPC server (port 0, a real channel): a stream
 ends at the worker's last message without waiting for the worker's status, and the worker's call is
-still left to end by itself (OK), not cancelled (which would abort the request on the worker). The
-gRPC front: several servers on one port, which a second gateway cannot take."""
+still left to end by itself (OK), not cancelled (which would abort the request on the worker)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from grpc_health.v1._async import HealthServicer
 
 from gateway.affinity import PrefixTable
 from gateway.dispatch import Dispatcher, RoutingSettings
-from gateway.grpc_proxy import GenerationProxy, create_grpc_servers
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from hybridserve.v1 import generation_pb2 as pb
@@ -90,28 +88,3 @@ def test_a_stream_ends_at_the_last_message_and_the_worker_call_is_not_cancelled(
     assert seen["outcome_at_end"] == ""  # the worker had not sent its status when the stream ended
     assert seen["in_flight_at_end"] == 0 and seen["live_at_end"] == {}
     assert seen["outcome"] == "returned"  # the finished call was left to end, not cancelled
-
-
-def test_the_grpc_servers_share_their_port_and_a_second_gateway_cannot_bind_it() -> None:
-    async def scenario() -> tuple[int, int, str]:
-        proxy = GenerationProxy(None, GatewayMetrics(), frozenset(), None, 1.0)  # type: ignore[arg-type]
-        servers, port, _health = create_grpc_servers(proxy, "127.0.0.1", 0, num_servers=3)
-        for server in servers:
-            await server.start()
-        try:
-            try:
-                create_grpc_servers(proxy, "127.0.0.1", port, num_servers=3)
-            except OSError as exc:
-                refused = str(exc)
-            else:
-                refused = ""
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                check = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-            return len(servers), check.status, refused
-        finally:
-            for server in servers:
-                await server.stop(None)
-
-    num_servers, status, refused = asyncio.run(scenario())
-    assert num_servers == 3 and status == health_pb2.HealthCheckResponse.SERVING
-    assert refused.startswith("cannot bind 127.0.0.1:"), refused
