@@ -6,10 +6,16 @@ its queue is full; INTERNAL, UNKNOWN, ABORTED) is tried no more for this request
 worker gets it: the client never sees the failure. A request refused as invalid is not retried. After
 the first message, a failure ends the request with `UpstreamError(after_first_message=True)`: the
 tokens already relayed cannot be taken back. Cancelling the consumer cancels the worker call, which
-aborts the request on the worker at once."""
+aborts the request on the worker at once.
+
+A message with a finish reason is the worker's last (it returns right after it): the stream ends
+there, without waiting for the worker's trailing status, which is read in the background. Waiting
+put a hop (often several milliseconds under load) between every request's last token and the
+client's end of stream, and so before its next request in a closed loop."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import uuid
@@ -68,6 +74,7 @@ class Dispatcher:
         self.metrics = metrics
         self.live: dict[str, str] = {}  # request id -> worker address, while the call runs
         self._counter = itertools.count()
+        self._settling: set[asyncio.Task[None]] = set()  # worker calls past their last message
 
     def block_size(self) -> int:
         """The workers' cache grid, from the first ready worker's GetInfo (0 when unknown)."""
@@ -124,7 +131,7 @@ class Dispatcher:
             matched = self.table.num_matched_blocks(prefix_hashes, worker.address)
             self.metrics.routed(worker.address, matched > 0)
             self.table.record(prefix_hashes, worker.address)
-            relayed = False
+            relayed = finished = False
             queued = max(0, num_prompt_tokens - matched * self.block_size())  # prefill ahead, until the 1st message
             worker.num_in_flight += 1
             worker.num_queued_prefill_tokens += queued
@@ -135,7 +142,10 @@ class Dispatcher:
                     if not relayed:
                         relayed = True
                         worker.num_queued_prefill_tokens -= queued
+                    finished = message.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                     yield message
+                    if finished:
+                        return
                 return
             except grpc.aio.AioRpcError as exc:
                 error = UpstreamError(exc.code(), exc.details() or "", worker.address, relayed)
@@ -147,8 +157,26 @@ class Dispatcher:
                 self.metrics.retried(exc.code().name)
                 last_error = error
             finally:
-                call.cancel()  # no-op when finished; aborts the worker's request when the consumer left
+                if finished:
+                    self._settle(call, worker.address)
+                else:
+                    call.cancel()  # no-op when ended; aborts the worker's request when the consumer left
                 worker.num_in_flight -= 1
                 if not relayed:
                     worker.num_queued_prefill_tokens -= queued
                 self.live.pop(request.request_id, None)
+
+    def _settle(self, call: grpc.aio.UnaryStreamCall, address: str) -> None:  # type: ignore[type-arg]
+        """Reads the status of a call past its last message off the request's path; the task holds
+        the call (a call collected before its status is cancelled, which would abort on the worker)."""
+        task = asyncio.get_running_loop().create_task(_await_status(call, address))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+
+async def _await_status(call: grpc.aio.UnaryStreamCall, address: str) -> None:  # type: ignore[type-arg]
+    """The trailing status of a finished worker call; anything but OK is only logged (the client has
+    its whole output)."""
+    code = await call.code()
+    if code != grpc.StatusCode.OK:
+        log.warning("worker %s ended a finished request with %s: %s", address, code.name, await call.details())
