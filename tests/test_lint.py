@@ -27,3 +27,19 @@ def test_ruff_clean():
 def test_mypy_clean():
     result = run("mypy", "scheduler_svc", "hybridserve", "cache_svc", "gateway", "gpu_worker")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_merge_conflict_markers():
+    """No tracked text file keeps a merge's conflict markers (they can survive in prose unnoticed)."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    markers = ("<<<<<<< ", ">>>>>>> ")
+    found = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix in {".png", ".safetensors", ".pyc"} or not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        found += [f"{name}:{i}" for i, line in enumerate(text.splitlines(), 1) if line.startswith(markers)]
+    assert not found, f"merge conflict markers left in: {found}"
