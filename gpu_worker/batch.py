@@ -23,6 +23,9 @@ class SequenceChunk:
     page_ids: tuple[int, ...]  # KV page table covering at least [0, start_pos + len) (kv_page_size units)
     state_slot: int  # live Mamba state slot; holds the state at start_pos (ignored when start_pos == 0)
     save_checkpoint_id: int | None = None  # copy the end-of-chunk state here (chunk ends on the grid)
+    # (position, checkpoint id): keep the state after token `position` (start_pos < position <
+    # start_pos + len, a block boundary inside the chunk) in that checkpoint slot
+    boundary_checkpoints: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,12 +128,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> ForwardOutput:
-        """Run every sequence's chunk; update KV pages and state slots; save requested checkpoints.
+        """Run every sequence's chunk; update KV pages and state slots; save requested checkpoints
+        (at a chunk's end, and at the block boundaries inside prefill chunks).
 
         Each sequence gets exactly the logits it would get alone. Raises InvalidArgumentError for a
         malformed batch (empty chunk, page table too short, duplicate or out-of-range state slot)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self._forward_graphed(batch)
+        for seq in batch.sequences:  # boundary checkpoints are written by the mixers: check ids first
+            for _, checkpoint_id in seq.boundary_checkpoints:
+                self.state_pool.checkpoint_row(checkpoint_id)
         packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
         if packed.fresh_slots is not None:
             self.state_pool.zero_slots(packed.fresh_slots)

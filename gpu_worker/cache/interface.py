@@ -8,8 +8,8 @@ Contract, in the order the engine calls it (all on the engine thread):
 2. `attach(seq)` as the request enters the waiting queue (fresh or preempted): applies the local
    hit (pages, num_computed_tokens) and pins it until `on_admit` or `on_release`.
 3. `on_admit(seq)` once the request holds a state slot: restores the hit's state into it.
-4. `checkpoint_for(seq, end)` for a chunk ending on the grid; `register` the pending checkpoints
-   after the forward ran, or `discard` them when it failed.
+4. `checkpoints_for(seq, start, end)` for every block boundary a chunk [start, end) crosses or ends
+   on; `register` the pending checkpoints after the forward ran, or `discard` them when it failed.
 5. `on_release(seq)` when the request frees its pages (finished, preempted, aborted).
 """
 
@@ -55,8 +55,9 @@ class PendingCheckpoint:
     """A checkpoint slot the step in flight fills; registered once the forward ran."""
 
     seq: CachedSequence
-    block_index: int  # the block that ends where the chunk ends
+    block_index: int  # the block whose end boundary the state is taken at
     checkpoint_id: int
+    position: int  # that boundary, tokens: (block_index + 1) * block_size
 
 
 class PrefixCache(ABC):
@@ -83,8 +84,8 @@ class PrefixCache(ABC):
         """The sequence gives up its pages: unpin a hit it still holds."""
 
     @abstractmethod
-    def checkpoint_for(self, seq: CachedSequence, end: int) -> PendingCheckpoint | None:
-        """A checkpoint slot for the block ending at `end` (on the grid), unless it is cached."""
+    def checkpoints_for(self, seq: CachedSequence, start: int, end: int) -> list[PendingCheckpoint]:
+        """Checkpoint slots for the block boundaries in (start, end] not cached yet, in order."""
 
     @abstractmethod
     def register(self, pending: list[PendingCheckpoint]) -> None:
@@ -125,8 +126,8 @@ class NoPrefixCache(PrefixCache):
     def on_release(self, seq: CachedSequence) -> None:
         pass
 
-    def checkpoint_for(self, seq: CachedSequence, end: int) -> PendingCheckpoint | None:
-        return None
+    def checkpoints_for(self, seq: CachedSequence, start: int, end: int) -> list[PendingCheckpoint]:
+        return []
 
     def register(self, pending: list[PendingCheckpoint]) -> None:
         pass

@@ -116,34 +116,51 @@ class PrefixCacheManager(PrefixCache):
             self.local.release(hit)
 
     # ---- checkpoints while serving ------------------------------------------------------------------
-    def checkpoint_for(self, seq: CachedSequence, end: int) -> PendingCheckpoint | None:
-        """A checkpoint slot for the block ending at `end` (on the grid) unless it is cached."""
-        block_index = end // self.block_size - 1
-        if block_index < 0 or self.local.has_checkpoint(self.hashes(seq, end)[block_index]):
-            return None
-        checkpoint_id = self.local.allocate_checkpoint()
-        if checkpoint_id is None:
-            return None
-        return PendingCheckpoint(seq, block_index, checkpoint_id)
+    def checkpoints_for(self, seq: CachedSequence, start: int, end: int) -> list[PendingCheckpoint]:
+        """Checkpoint slots for every block boundary in (start, end] whose block has no state cached
+        yet: the chunk keeps the state at each (the mixers take the inner ones from the scan), so
+        every full block becomes a hit point whatever the chunking. Stops when no slot is free."""
+        first, last = start // self.block_size + 1, end // self.block_size
+        if last < first:
+            return []
+        hashes = self.hashes(seq, end)
+        pending: list[PendingCheckpoint] = []
+        for boundary in range(first, last + 1):
+            block_index = boundary - 1
+            if self.local.has_checkpoint(hashes[block_index]):
+                continue
+            checkpoint_id = self.local.allocate_checkpoint()
+            if checkpoint_id is None:
+                break
+            pending.append(PendingCheckpoint(seq, block_index, checkpoint_id, boundary * self.block_size))
+        return pending
 
     def register(self, pending: list[PendingCheckpoint]) -> None:
-        """After the forward: every full block up to the checkpoint becomes a cache entry (the inner
-        ones KV-only), and new ones go to the shared tier."""
-        pages_per_block = self.block_size // self.runner.kv_page_size_tokens
+        """After the forward: every full block up to a sequence's last checkpoint becomes a cache
+        entry (KV-only where no state was kept), and new ones go to the shared tier."""
+        by_seq: dict[int, tuple[CachedSequence, dict[int, int]]] = {}
         for p in pending:
-            hashes = p.seq.block_hashes
-            for index in range(p.block_index + 1):
-                checkpoint_id = p.checkpoint_id if index == p.block_index else None
-                if checkpoint_id is None and hashes[index] in self.local:
-                    continue
-                page_ids = p.seq.page_ids[index * pages_per_block : (index + 1) * pages_per_block]
-                parent = hashes[index - 1] if index else b""
-                fresh = (
-                    not self.local.has_checkpoint(hashes[index]) if checkpoint_id else hashes[index] not in self.local
-                )
-                self.local.insert(hashes[index], parent, page_ids, checkpoint_id)
-                if fresh and self.shared is not None:
-                    self.shared.publish(hashes[index], parent, export_block(self.runner, page_ids, checkpoint_id))
+            by_seq.setdefault(id(p.seq), (p.seq, {}))[1][p.block_index] = p.checkpoint_id
+        for seq, checkpoints in by_seq.values():
+            self._register_blocks(seq, checkpoints)
+
+    def _register_blocks(self, seq: CachedSequence, checkpoints: dict[int, int]) -> None:
+        pages_per_block = self.block_size // self.runner.kv_page_size_tokens
+        hashes = seq.block_hashes
+        for index in range(max(checkpoints) + 1):
+            checkpoint_id = checkpoints.get(index)
+            if checkpoint_id is None and hashes[index] in self.local:
+                continue
+            page_ids = seq.page_ids[index * pages_per_block : (index + 1) * pages_per_block]
+            parent = hashes[index - 1] if index else b""
+            fresh = (
+                not self.local.has_checkpoint(hashes[index])
+                if checkpoint_id is not None
+                else hashes[index] not in self.local
+            )
+            self.local.insert(hashes[index], parent, page_ids, checkpoint_id)
+            if fresh and self.shared is not None:
+                self.shared.publish(hashes[index], parent, export_block(self.runner, page_ids, checkpoint_id))
 
     def discard(self, pending: list[PendingCheckpoint]) -> None:
         """The forward failed: the slots hold nothing."""

@@ -243,8 +243,8 @@ class Engine:
                 self._preempt(request.request_id)
                 requeue.append(request)
                 continue
-            checkpoint = self.allocator.checkpoint_for(request, end) if planned.ends_on_checkpoint else None
-            rows.append(make_row(request, planned, checkpoint))
+            checkpoints = self.allocator.checkpoints_for(request, request.num_computed_tokens, end)
+            rows.append(make_row(request, planned, checkpoints))
             request.num_computed_tokens = end
         for request in requeue:
             self._enqueue(request)
