@@ -56,6 +56,11 @@ FLAGS = {
         "KV pages + Mamba state slots + checkpoints, MiB", name="--memory-budget-mb", scale=1 << 20
     ),
     "num_checkpoint_slots": Flag("Mamba state checkpoints kept on the worker (one per cached block)"),
+    "checkpoint_memory_bytes": Flag(
+        "memory for Mamba state checkpoints, MiB; when set, replaces --num-checkpoint-slots (LRU within it)",
+        name="--checkpoint-memory-mb",
+        scale=1 << 20,
+    ),
     "device": Flag("auto | cpu | cuda[:i]"),
     "dtype": Flag("auto | float32 | bfloat16"),
     "metrics_port": Flag(METRICS_PORT_HELP),
@@ -69,7 +74,13 @@ ENGINE_FIELDS = (
     "scheduler_addresses", "cache_address", "async_scheduling", "max_queue_len", "default_max_tokens",
     "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s",
 )  # fmt: skip
-RUNNER_FIELDS = ("memory_budget_bytes", "num_checkpoint_slots", "device", "dtype")  # the rest follow the config
+RUNNER_FIELDS = (
+    "memory_budget_bytes",
+    "num_checkpoint_slots",
+    "checkpoint_memory_bytes",
+    "device",
+    "dtype",
+)  # the rest follow the config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
 

@@ -119,13 +119,14 @@ class PrefixCacheManager(PrefixCache):
     def checkpoints_for(self, seq: CachedSequence, start: int, end: int) -> list[PendingCheckpoint]:
         """Checkpoint slots for every block boundary in (start, end] whose block has no state cached
         yet: the chunk keeps the state at each (the mixers take the inner ones from the scan), so
-        every full block becomes a hit point whatever the chunking. Stops when no slot is free."""
+        every full block becomes a hit point whatever the chunking. The deepest boundaries come
+        first when slots run short (a deeper hit saves more); the list is in position order."""
         first, last = start // self.block_size + 1, end // self.block_size
         if last < first:
             return []
         hashes = self.hashes(seq, end)
         pending: list[PendingCheckpoint] = []
-        for boundary in range(first, last + 1):
+        for boundary in range(last, first - 1, -1):
             block_index = boundary - 1
             if self.local.has_checkpoint(hashes[block_index]):
                 continue
@@ -133,7 +134,7 @@ class PrefixCacheManager(PrefixCache):
             if checkpoint_id is None:
                 break
             pending.append(PendingCheckpoint(seq, block_index, checkpoint_id, boundary * self.block_size))
-        return pending
+        return pending[::-1]
 
     def register(self, pending: list[PendingCheckpoint]) -> None:
         """After the forward: every full block up to a sequence's last checkpoint becomes a cache

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gpu_worker.batch import Batch
+from gpu_worker.runner import ModelRunner, RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from tests.model.model_helpers import FAMILY_SPECS, SPECS, Request, make_hf_model, make_runner, save_hf_model
 
@@ -52,3 +53,14 @@ def test_a_boundary_checkpoint_outside_its_chunk_is_invalid_argument(tmp_path):
         request.num_computed = 0
         with pytest.raises(InvalidArgumentError):
             runner.forward(Batch((chunk,)))
+
+
+def test_a_checkpoint_memory_budget_sets_the_number_of_checkpoint_slots(tmp_path):
+    path = save_hf_model(make_hf_model(SPECS["gqa_groups2"]), tmp_path)
+    per_state = make_runner(path).state_bytes_per_request
+    config = RunnerConfig(
+        memory_budget_bytes=8 << 20, kv_page_size_tokens=4, checkpoint_memory_bytes=3 * per_state + 1, device="cpu"
+    )
+    runner = ModelRunner.from_model_dir(path, config)
+    assert runner.state_pool.num_checkpoint_slots == 3
+    assert runner.describe()["num_checkpoint_slots"] == 3
