@@ -39,6 +39,11 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.sequences)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the multi-token chunks."""
+        return sum(len(s.token_ids) for s in self.sequences if len(s.token_ids) > 1)
+
 
 @dataclass(frozen=True, slots=True)
 class ForwardOutput:

@@ -16,6 +16,10 @@ from gpu_worker.runner import ModelRunner
 from hybridserve.errors import InvalidArgumentError
 
 
+class ForeignCheckpointError(InvalidArgumentError):
+    """A well-formed checkpoint of another model fingerprint, block size or format version."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlockCheckpoint:
     """CPU tensors of one block."""
@@ -83,5 +87,5 @@ def from_bytes(data: bytes, checksum: bytes, fingerprint: str, block_size: int) 
     header_len = struct.unpack("<Q", data[:8])[0]
     meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
     if meta.get("fingerprint") != fingerprint or meta.get("block_size") != str(block_size):
-        raise InvalidArgumentError("checkpoint belongs to another model fingerprint or block size")
+        raise ForeignCheckpointError("checkpoint belongs to another model fingerprint or block size")
     return BlockCheckpoint(kv=tensors["kv"], conv=tensors.get("conv"), ssm=tensors.get("ssm"))

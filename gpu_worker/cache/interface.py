@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from gpu_worker.cache.remote import FetchedBlock
+    from gpu_worker.cache.remote import FetchResult
 
 
 class CachedSequence(Protocol):
@@ -44,10 +44,26 @@ class CachedSequence(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class CacheLookup:
-    """One lookup of a queued request's prefix."""
+    """One lookup of a queued request's prefix. The worker-tier lookup is the request's outcome
+    (the shared tier's blocks were imported before it)."""
 
     tier: str  # "worker" (local pools) or "shared" (cache_svc)
     hit: bool
+    request_id: str = ""
+    num_query_tokens: int = 0  # tokens of the usable full blocks looked up
+    num_hit_tokens: int = 0  # of those, served from the cache
+    miss_reason: str = ""  # MissReason value for the first block past the hit; "" when none was missed
+    decision: str = ""  # shared tier: "fetch" or "recompute" (fetch-or-recompute); "" when not asked
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Totals since start, for GetInfo (token counts named as vLLM's hit-rate metrics)."""
+
+    prefix_cache_queries: int = 0  # tokens looked up (usable full blocks of queued requests)
+    prefix_cache_hits: int = 0  # of those, served from the cache
+    num_declined_tokens: int = 0  # held by the shared tier but recomputed (fetch slower than recompute)
+    miss_reasons: dict[str, int] | None = None  # lookups that stopped short, by MissReason value
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +80,11 @@ class PrefixCache(ABC):
     """See the module docstring for the calling order."""
 
     @abstractmethod
-    def start_fetch(self, seq: CachedSequence) -> Future[list[FetchedBlock]] | None:
+    def start_fetch(self, seq: CachedSequence) -> Future[FetchResult] | None:
         """Asks the shared tier for blocks beyond the local hit; None when there is nothing to ask."""
 
     @abstractmethod
-    def import_fetched(self, fetch: Future[list[FetchedBlock]]) -> CacheLookup | None:
+    def import_fetched(self, fetch: Future[FetchResult]) -> CacheLookup | None:
         """Writes a finished fetch's blocks into the local tier; None when the fetch failed."""
 
     @abstractmethod
@@ -96,6 +112,14 @@ class PrefixCache(ABC):
         """The forward failed: free the pending checkpoint slots."""
 
     @abstractmethod
+    def record_forward(self, num_prefill_tokens: int, seconds: float) -> None:
+        """A forward ran: its prefill tokens and wall time feed the fetch-or-recompute rule."""
+
+    @abstractmethod
+    def stats(self) -> CacheStats:
+        """Hit-rate totals and miss reasons since start."""
+
+    @abstractmethod
     def num_free_pages(self, free_pages: int, enough: int) -> int:
         """KV pages the scheduler may count as free, given `free_pages` free outright."""
 
@@ -111,10 +135,10 @@ class PrefixCache(ABC):
 class NoPrefixCache(PrefixCache):
     """Caching off: every request computes its whole prompt."""
 
-    def start_fetch(self, seq: CachedSequence) -> Future[list[FetchedBlock]] | None:
+    def start_fetch(self, seq: CachedSequence) -> Future[FetchResult] | None:
         return None
 
-    def import_fetched(self, fetch: Future[list[FetchedBlock]]) -> CacheLookup | None:
+    def import_fetched(self, fetch: Future[FetchResult]) -> CacheLookup | None:
         return None
 
     def attach(self, seq: CachedSequence) -> CacheLookup | None:
@@ -134,6 +158,12 @@ class NoPrefixCache(PrefixCache):
 
     def discard(self, pending: list[PendingCheckpoint]) -> None:
         pass
+
+    def record_forward(self, num_prefill_tokens: int, seconds: float) -> None:
+        pass
+
+    def stats(self) -> CacheStats:
+        return CacheStats()
 
     def num_free_pages(self, free_pages: int, enough: int) -> int:
         return free_pages

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from gpu_worker.kv_pool import KVPagePool
 from gpu_worker.state_pool import MambaStatePool
 
+MAX_EVICTED_REMEMBERED = 1 << 16  # block hashes whose entry or state was evicted, for miss reasons
+
 
 @dataclass(slots=True)
 class CacheEntry:
@@ -55,6 +57,7 @@ class LocalPrefixCache:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()  # least recently used first
+        self._evicted: OrderedDict[bytes, None] = OrderedDict()  # evicted entries or states, newest last
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -81,6 +84,25 @@ class LocalPrefixCache:
             entry.pins += 1
             self._entries.move_to_end(entry.block_hash)
         return Hit(tuple(found))
+
+    def num_leading(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks have an entry (with or without state)."""
+        count = 0
+        for h in block_hashes:
+            if h not in self._entries:
+                break
+            count += 1
+        return count
+
+    def was_evicted(self, block_hash: bytes) -> bool:
+        """Whether this block's entry or its state was evicted (and not cached again since)."""
+        return block_hash in self._evicted and not self.has_checkpoint(block_hash)
+
+    def _remember_eviction(self, block_hash: bytes) -> None:
+        self._evicted[block_hash] = None
+        self._evicted.move_to_end(block_hash)
+        if len(self._evicted) > MAX_EVICTED_REMEMBERED:
+            self._evicted.popitem(last=False)
 
     def release(self, hit: Hit) -> None:
         for entry in hit.entries:
@@ -125,10 +147,12 @@ class LocalPrefixCache:
                 return None
             self.state_pool.free_checkpoint(victim.checkpoint_id)
             victim.checkpoint_id = None
+            self._remember_eviction(victim.block_hash)
         return self.state_pool.allocate_checkpoint()
 
     def _evict(self, entry: CacheEntry) -> None:
         del self._entries[entry.block_hash]
+        self._remember_eviction(entry.block_hash)
         self.kv_pool.free(entry.page_ids)
         if entry.checkpoint_id is not None:
             self.state_pool.free_checkpoint(entry.checkpoint_id)

@@ -15,9 +15,10 @@ from concurrent.futures import Future
 
 from gpu_worker.cache.blocks import chain_hashes
 from gpu_worker.cache.checkpoint_io import export_block, import_block
-from gpu_worker.cache.interface import CachedSequence, CacheLookup, PendingCheckpoint, PrefixCache
+from gpu_worker.cache.interface import CachedSequence, CacheLookup, CacheStats, PendingCheckpoint, PrefixCache
 from gpu_worker.cache.local import Hit, LocalPrefixCache
-from gpu_worker.cache.remote import FetchedBlock, SharedTier
+from gpu_worker.cache.misses import FetchOrRecompute, MissReason
+from gpu_worker.cache.remote import FetchedBlock, FetchResult, SharedTier
 from gpu_worker.runner import ModelRunner
 
 log = logging.getLogger("hybridserve.cache")
@@ -33,7 +34,14 @@ class PrefixCacheManager(PrefixCache):
         self.local = LocalPrefixCache(runner.kv_pool, runner.state_pool)
         self.shared = shared
         self._hits: dict[str, Hit] = {}  # request_id -> pinned hit awaiting admission
+        self._shared_misses: dict[str, MissReason] = {}  # request_id -> why the shared tier gave no more
         self.num_shared_hits = 0
+        bytes_per_block = block_size * runner.kv_bytes_per_token + runner.state_bytes_per_request
+        self.fetch_policy = FetchOrRecompute(bytes_per_block, block_size)
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_declined_tokens = 0
+        self.miss_reasons: dict[str, int] = {}
 
     # ---- queueing ---------------------------------------------------------------------------------
     def hashes(self, seq: CachedSequence, num_tokens: int) -> list[bytes]:
@@ -48,7 +56,7 @@ class PrefixCacheManager(PrefixCache):
         """Hashes of the blocks a hit may cover: full blocks, leaving >= 1 token to compute."""
         return self.hashes(seq, seq.num_tokens - 1)
 
-    def start_fetch(self, seq: CachedSequence) -> Future[list[FetchedBlock]] | None:
+    def start_fetch(self, seq: CachedSequence) -> Future[FetchResult] | None:
         """Asks the shared tier for blocks beyond the local hit; None when there is nothing to ask."""
         if self.shared is None:
             return None
@@ -56,16 +64,24 @@ class PrefixCacheManager(PrefixCache):
         local = sum(1 for _ in _leading(wanted, self.local))
         if local >= len(wanted):
             return None
-        return self.shared.fetch_prefix(wanted, local, seq.trace_context)
+        return self.shared.fetch_prefix(seq.request_id, wanted, local, seq.trace_context, self.fetch_policy)
 
-    def import_fetched(self, fetch: Future[list[FetchedBlock]]) -> CacheLookup | None:
-        """Writes a finished fetch's blocks into the local tier. A failed fetch (the shared tier's
-        own errors are already empty results) imports nothing and reports no lookup."""
+    def import_fetched(self, fetch: Future[FetchResult]) -> CacheLookup | None:
+        """Writes a finished fetch's blocks into the local tier and keeps why it gave no more for the
+        request's lookup. A failed fetch (the shared tier's own errors are already empty results)
+        imports nothing and reports no lookup."""
         if fetch.cancelled() or fetch.exception() is not None:
             return None
-        blocks = fetch.result()
-        self._import_blocks(blocks)
-        return CacheLookup("shared", bool(blocks))
+        result = fetch.result()
+        self._import_blocks(result.blocks)
+        if result.miss_reason is not None:
+            self._shared_misses[result.request_id] = result.miss_reason
+        if result.miss_reason is MissReason.FETCH_SLOWER:
+            self.num_declined_tokens += result.num_offered_blocks * self.block_size
+        reason = result.miss_reason.value if result.miss_reason is not None else ""
+        return CacheLookup(
+            "shared", bool(result.blocks), result.request_id, miss_reason=reason, decision=result.decision
+        )
 
     def _import_blocks(self, blocks: list[FetchedBlock]) -> None:
         """Stops at the first block that does not fit."""
@@ -90,17 +106,40 @@ class PrefixCacheManager(PrefixCache):
             self.num_shared_hits += 1
 
     def attach(self, seq: CachedSequence) -> CacheLookup:
-        """Applies the local hit to a request being queued (fresh or preempted)."""
-        hit = self.local.acquire(self.usable_hashes(seq))
+        """Applies the local hit to a request being queued (fresh or preempted); the lookup says
+        how many tokens it asked and got, and why it stopped short."""
+        wanted = self.usable_hashes(seq)
+        hit = self.local.acquire(wanted)
+        num_blocks = hit.num_blocks if hit is not None else 0
+        shared_miss = self._shared_misses.pop(seq.request_id, None)
+        reason = self._miss_reason(wanted, num_blocks, shared_miss) if num_blocks < len(wanted) else None
+        self.num_query_tokens += len(wanted) * self.block_size
+        self.num_hit_tokens += num_blocks * self.block_size
+        if reason is not None:
+            self.miss_reasons[reason.value] = self.miss_reasons.get(reason.value, 0) + 1
+        lookup = CacheLookup(
+            "worker", hit is not None, seq.request_id, len(wanted) * self.block_size, num_blocks * self.block_size,
+            reason.value if reason is not None else "",
+        )  # fmt: skip
         if hit is None:
-            return CacheLookup("worker", False)
+            return lookup
         seq.page_ids = hit.page_ids
         self.runner.kv_pool.share(seq.page_ids)
         seq.num_computed_tokens = hit.num_blocks * self.block_size
         cached = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
         seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
         self._hits[seq.request_id] = hit
-        return CacheLookup("worker", True)
+        return lookup
+
+    def _miss_reason(self, wanted: list[bytes], num_hit_blocks: int, shared_miss: MissReason | None) -> MissReason:
+        """Why block `num_hit_blocks` of `wanted` is not part of the hit."""
+        present = self.local.num_leading(wanted)
+        if present > num_hit_blocks:  # KV cached past the hit, but no state at a boundary there
+            evicted = any(self.local.was_evicted(h) for h in wanted[num_hit_blocks:present])
+            return MissReason.EVICTED if evicted else MissReason.KV_WITHOUT_STATE
+        if shared_miss is not None:
+            return shared_miss
+        return MissReason.EVICTED if self.local.was_evicted(wanted[num_hit_blocks]) else MissReason.NO_ENTRY
 
     def on_admit(self, seq: CachedSequence) -> None:
         """Restores the hit's state into the request's fresh slot and unpins the entries."""
@@ -167,6 +206,13 @@ class PrefixCacheManager(PrefixCache):
         """The forward failed: the slots hold nothing."""
         for p in pending:
             self.runner.state_pool.free_checkpoint(p.checkpoint_id)
+
+    def record_forward(self, num_prefill_tokens: int, seconds: float) -> None:
+        """Prefill speed for the fetch-or-recompute rule."""
+        self.fetch_policy.record_prefill(num_prefill_tokens, seconds)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self.num_query_tokens, self.num_hit_tokens, self.num_declined_tokens, dict(self.miss_reasons))
 
     # ---- capacity ---------------------------------------------------------------------------------
     def num_free_pages(self, free_pages: int, enough: int) -> int:

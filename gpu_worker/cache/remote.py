@@ -18,6 +18,7 @@ import grpc
 from opentelemetry import context as otel_context
 
 from gpu_worker.cache.checkpoint_io import BlockCheckpoint, from_bytes, to_bytes
+from gpu_worker.cache.misses import FetchOrRecompute, MissReason, reason_for_checkpoint_error
 from hybridserve import telemetry
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import cache_pb2 as pb
@@ -27,11 +28,34 @@ log = logging.getLogger("hybridserve.cache.client")
 T = TypeVar("T")
 
 
+_BLOCK_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)  # about one block, not the tier
+
+
 @dataclass(frozen=True, slots=True)
 class FetchedBlock:
     block_hash: bytes
     parent_hash: bytes
     checkpoint: BlockCheckpoint
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """What the shared tier gave for one request's prefix."""
+
+    request_id: str
+    blocks: list[FetchedBlock]  # verified, in order, the last with state (empty: none)
+    miss_reason: MissReason | None  # why it gave no more (None: it held nothing more)
+    decision: str  # "fetch" or "recompute" (fetch-or-recompute), "" when it held nothing to offer
+    num_offered_blocks: int  # blocks it held beyond the local hit
+
+
+def _reason_for_status(code: grpc.StatusCode | None) -> MissReason:
+    """A failed Fetch of one block: gone since the lookup, damaged, or the tier is down."""
+    if code == grpc.StatusCode.NOT_FOUND:
+        return MissReason.EVICTED
+    if code == grpc.StatusCode.DATA_LOSS:
+        return MissReason.FAILED_VERIFICATION
+    return MissReason.SHARED_TIER_DOWN
 
 
 class SharedTier:
@@ -85,39 +109,67 @@ class SharedTier:
 
     # ---- lookup + fetch (off the engine thread) ----------------------------------------------------
     def fetch_prefix(
-        self, block_hashes: list[bytes], num_local_blocks: int, trace_context: object | None = None
-    ) -> Future[list[FetchedBlock]]:
-        """Fetches the blocks after the first num_local_blocks that the shared tier holds; the cache
-        calls are traced as children of `trace_context` (the request's span) when given."""
-        return self._fetch_pool.submit(self._fetch_traced, trace_context, block_hashes, num_local_blocks)
+        self,
+        request_id: str,
+        block_hashes: list[bytes],
+        num_local_blocks: int,
+        trace_context: object | None = None,
+        policy: FetchOrRecompute | None = None,
+    ) -> Future[FetchResult]:
+        """Fetches the blocks after the first num_local_blocks that the shared tier holds, unless
+        `policy` expects computing them to be faster; the cache calls are traced as children of
+        `trace_context` (the request's span) when given."""
+        return self._fetch_pool.submit(
+            self._fetch_traced, trace_context, request_id, block_hashes, num_local_blocks, policy
+        )
 
     def _fetch_traced(
-        self, trace_context: object | None, block_hashes: list[bytes], num_local_blocks: int
-    ) -> list[FetchedBlock]:
+        self,
+        trace_context: object | None,
+        request_id: str,
+        block_hashes: list[bytes],
+        num_local_blocks: int,
+        policy: FetchOrRecompute | None,
+    ) -> FetchResult:
         token = otel_context.attach(trace_context) if trace_context is not None else None  # type: ignore[arg-type]
         try:
-            return self._fetch_prefix(block_hashes, num_local_blocks)
+            return self._fetch_prefix(request_id, block_hashes, num_local_blocks, policy)
         finally:
             if token is not None:
                 otel_context.detach(token)
 
-    def _fetch_prefix(self, block_hashes: list[bytes], num_local_blocks: int) -> list[FetchedBlock]:
+    def _fetch_prefix(
+        self, request_id: str, block_hashes: list[bytes], num_local_blocks: int, policy: FetchOrRecompute | None
+    ) -> FetchResult:
         lookup = pb.LookupRequest(model_fingerprint=self.fingerprint, block_hashes=block_hashes)
-        found = self._call(lambda: self._stub.Lookup(lookup, timeout=self.deadline_s))
-        if found is None or found.num_hit_blocks <= num_local_blocks:
-            return []
+        found, _ = self._try(lambda: self._stub.Lookup(lookup, timeout=self.deadline_s))
+        if found is None:
+            return FetchResult(request_id, [], MissReason.SHARED_TIER_DOWN, "", 0)
+        offered = found.num_hit_blocks - num_local_blocks
+        if offered <= 0:
+            return FetchResult(request_id, [], None, "", 0)
+        decision = policy.decide(offered) if policy is not None else None
+        if decision is not None and not decision.fetch:
+            return FetchResult(request_id, [], MissReason.FETCH_SLOWER, "recompute", offered)
+        started, num_bytes = time.monotonic(), 0
         fetched: list[FetchedBlock] = []
+        reason: MissReason | None = None
         for index in range(num_local_blocks, found.num_hit_blocks):
-            checkpoint = self._fetch_one(block_hashes[index])
+            checkpoint, size, reason = self._fetch_one(block_hashes[index])
             if checkpoint is None:
                 break
+            num_bytes += size
             parent = block_hashes[index - 1] if index else b""
             fetched.append(FetchedBlock(block_hashes[index], parent, checkpoint))
+        if policy is not None:
+            policy.record_fetch(num_bytes, time.monotonic() - started)
         while fetched and not fetched[-1].checkpoint.has_state:
             fetched.pop()  # a hit must end on the state at its boundary: KV alone is a miss
-        return fetched
+            reason = reason or MissReason.KV_WITHOUT_STATE
+        return FetchResult(request_id, fetched, reason, "fetch", offered)
 
-    def _fetch_one(self, block_hash: bytes) -> BlockCheckpoint | None:
+    def _fetch_one(self, block_hash: bytes) -> tuple[BlockCheckpoint | None, int, MissReason | None]:
+        """(checkpoint, its size in bytes, None) or (None, 0, why not)."""
         request = pb.FetchRequest(model_fingerprint=self.fingerprint, block_hash=block_hash)
 
         def fetch() -> tuple[bytes, bytes]:
@@ -129,23 +181,33 @@ class SharedTier:
                     chunks.append(chunk.data)
             return b"".join(chunks), checksum
 
-        got = self._call(fetch)
+        got, code = self._try(fetch)
         if got is None:
-            return None
+            return None, 0, _reason_for_status(code)
         try:
-            return from_bytes(got[0], got[1], self.fingerprint, self.block_size)
+            return from_bytes(got[0], got[1], self.fingerprint, self.block_size), len(got[0]), None
         except InvalidArgumentError as exc:
             log.warning("discarding fetched block %s: %s", block_hash.hex()[:12], exc)
-            return None
+            return None, 0, reason_for_checkpoint_error(exc)
 
-    def _call(self, fn: Callable[[], T]) -> T | None:
-        """fn() or, when the shared tier fails, None (logged once per outage)."""
+    def _try(self, fn: Callable[[], T]) -> tuple[T | None, grpc.StatusCode | None]:
+        """(fn(), None) or, when the call fails, (None, its status code)."""
+        try:
+            return self._call(fn, raise_errors=True), None
+        except grpc.RpcError as err:
+            return None, err.code()
+
+    def _call(self, fn: Callable[[], T], raise_errors: bool = False) -> T | None:
+        """fn() or, when the shared tier fails, None (logged once per outage); with raise_errors
+        the RpcError is raised after logging."""
         try:
             result = fn()
         except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND and self._healthy:
+            if err.code() not in _BLOCK_ERRORS and self._healthy:
                 log.warning("shared cache tier at %s unavailable (%s); serving misses", self.address, err.code().name)
                 self._healthy = False
+            if raise_errors:
+                raise
             return None
         if not self._healthy:
             log.info("shared cache tier at %s is back", self.address)

@@ -292,7 +292,9 @@ class Engine:
         if batch is None:
             return None
         try:
+            started = time.monotonic()
             output = self.runner.forward(batch)
+            self.prefix.record_forward(batch.num_prefill_tokens, time.monotonic() - started)
         except Exception as exc:
             self.prefix.discard(prepared.checkpoints)
             log.exception("forward failed; failing the step's requests")
