@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from gpu_worker.engine.engine import Engine
-from gpu_worker.engine.observer import EngineObserver
+from gpu_worker.engine.observer import EngineObserver, FanOut
 from gpu_worker.engine.records import StepRecord
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.runner import ModelRunner, RunnerConfig
@@ -63,7 +63,8 @@ def assert_same(got: tuple[list[int], list[float], int], want: tuple[list[int], 
 
 @pytest.fixture
 def serve(scheduler_address) -> Iterator[Callable[..., Served]]:
-    """serve(path, config, prefix_caching, cache_address=None, num_checkpoint_slots=32, **settings)."""
+    """serve(path, config, prefix_caching, cache_address=None, num_checkpoint_slots=32, observer=None,
+    **engine settings)."""
     started: list[tuple[grpc.Server, Engine, grpc.Channel, SchedulerClient]] = []
 
     def start(
@@ -72,6 +73,7 @@ def serve(scheduler_address) -> Iterator[Callable[..., Served]]:
         prefix_caching: bool,
         cache_address: str | None = None,
         num_checkpoint_slots: int = 32,
+        observer: EngineObserver | None = None,
         **overrides: object,
     ) -> Served:
         runner_config = RunnerConfig(
@@ -87,7 +89,8 @@ def serve(scheduler_address) -> Iterator[Callable[..., Served]]:
                                  give_up_after_s=settings.scheduler_give_up_s)  # fmt: skip
         runner = ModelRunner.from_model_dir(path, runner_config)
         chunks = ChunkLog()
-        engine = Engine(runner, client.plan, settings, observer=chunks, prefix=build_prefix_cache(
+        observers = FanOut([chunks, observer]) if observer is not None else chunks
+        engine = Engine(runner, client.plan, settings, observer=observers, prefix=build_prefix_cache(
             runner, settings, prefix_caching))  # fmt: skip
         engine.start()
         server, port, _ = grpc_server.create_server([add_to_server(GenerationServicer(engine, path.name))])
