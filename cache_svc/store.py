@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -25,6 +27,16 @@ class StoreUnavailable(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerAccess:
+    """What a worker needs to read and write block keys directly."""
+
+    redis_url: str  # without credentials
+    username: str
+    password: str
+    ttl_s: int  # the lease of a block a worker writes: its key's TTL
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     """How the cache service reaches and governs Redis; its flags are derived from these fields."""
 
@@ -34,6 +46,7 @@ class StoreConfig:
     max_memory_bytes: int = 1 << 30  # Redis maxmemory set at start-up (0 = leave Redis's setting)
     ttl_s: int = 24 * 3600  # every block key expires this long after its last publish
     socket_timeout_s: float = 1.0
+    worker_user: str = "hybridserve-worker"  # Redis ACL user handed to workers for the direct data path; "" = none
 
 
 class CheckpointStore:
@@ -43,6 +56,7 @@ class CheckpointStore:
             config.redis_url, password=config.redis_password, socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.socket_timeout_s, health_check_interval=5,
         )  # fmt: skip
+        self._worker_password = secrets.token_urlsafe(24)  # the workers' Redis user, as this service sets it
 
     def configure_memory(self) -> None:
         """Applies the memory budget and LRU eviction among our (TTL-carrying) keys."""
@@ -78,6 +92,7 @@ class CheckpointStore:
                 keys.FIELD_FINGERPRINT: fingerprint,
                 keys.FIELD_PARENT: parent.hex(),
                 keys.FIELD_BLOCK_SIZE: str(block_size),
+                keys.FIELD_VERSION: str(keys.SCHEMA_VERSION),
             })  # fmt: skip
             pipe.expire(key, self.config.ttl_s)
             pipe.execute()
@@ -87,8 +102,12 @@ class CheckpointStore:
         and deleted). The caller verifies the checksum while it streams (see `discard`)."""
         key = self._key(fingerprint, block_hash)
         with _redis_errors():
-            fields = self.redis.hmget(key, [keys.FIELD_DATA, keys.FIELD_SHA256, keys.FIELD_FINGERPRINT])
-        data, digest, stored_fingerprint = (_as_bytes(f) for f in fields)
+            fields = self.redis.hmget(
+                key, [keys.FIELD_DATA, keys.FIELD_SHA256, keys.FIELD_FINGERPRINT, keys.FIELD_VERSION]
+            )
+        data, digest, stored_fingerprint, version = (_as_bytes(f) for f in fields)
+        if version != str(keys.SCHEMA_VERSION).encode():
+            return None  # another schema version: a miss
         if data is None:
             return None
         if digest is None:
@@ -105,6 +124,25 @@ class CheckpointStore:
         log.warning("deleting checkpoint %s: %s", key, why)
         with _redis_errors():
             self.redis.delete(key)
+
+    def grant_worker_access(self) -> WorkerAccess | None:
+        """Sets up (again: Redis may have restarted) the workers' Redis ACL user, limited to the
+        block keys and data commands, with this service's password added to any it has (other
+        replicas' stay valid); None when there is no such user or Redis refuses (workers then go
+        through the service)."""
+        if not self.config.worker_user:
+            return None
+        rules = keys.worker_acl_rules(self.config.key_prefix, self._worker_password)
+        try:
+            with _redis_errors():
+                self.redis.execute_command("ACL", "SETUSER", self.config.worker_user, *rules)  # type: ignore[no-untyped-call]
+        except redis.exceptions.ResponseError as exc:
+            log.warning("cannot set up the workers' Redis user (%s); workers fetch through the service", exc)
+            return None
+        parsed = urlsplit(self.config.redis_url)
+        netloc = f"{parsed.hostname or '127.0.0.1'}:{parsed.port or 6379}"
+        url = urlunsplit((parsed.scheme, netloc, parsed.path, "", ""))  # the address, never the service's login
+        return WorkerAccess(url, self.config.worker_user, self._worker_password, self.config.ttl_s)
 
     def used_memory_bytes(self) -> int:
         with _redis_errors():

@@ -1,7 +1,10 @@
 """The worker's client of the shared tier (cache_svc). Publishing happens on a background thread,
 off the step's critical path; lookups and fetches run on a small pool so the engine never waits on
-the network. Every failure (cache_svc or Redis down, a damaged checkpoint) is a miss, logged once
-per outage; the gRPC channel reconnects by itself when the service returns."""
+the network. Lookups go to the service; checkpoint bytes move directly between the worker and
+Redis when the service grants access (cache_svc/client.py: one pipelined round trip per run of
+blocks, verified here), else through the service's Publish and Fetch. Every failure (cache_svc or
+Redis down, a damaged checkpoint) is a miss, logged once per outage; the gRPC channel reconnects
+by itself when the service returns, and the direct path is asked for again after it failed."""
 
 from __future__ import annotations
 
@@ -12,11 +15,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
 
+from cache_svc.client import BlockWrite, DataPathError, DirectBlocks
 from gpu_worker.cache.checkpoint_io import BlockCheckpoint, from_bytes, to_bytes
 from gpu_worker.cache.misses import FetchOrRecompute, MissReason, reason_for_checkpoint_error
 from hybridserve import telemetry
@@ -28,6 +33,7 @@ log = logging.getLogger("hybridserve.cache.client")
 T = TypeVar("T")
 
 
+PUBLISH_BATCH_BLOCKS = 32  # most blocks one pipelined publish carries
 _BLOCK_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)  # about one block, not the tier
 
 
@@ -75,6 +81,9 @@ class SharedTier:
         self._publisher.start()
         self._healthy = True
         self.num_published = 0
+        self._direct: DirectBlocks | None = None  # the direct data path, once the service granted it
+        self._direct_refused = False  # the service hands out none: Publish and Fetch through it
+        self._direct_lock = threading.Lock()
 
     # ---- publish (engine thread enqueues, the publisher sends) ------------------------------------
     def publish(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
@@ -84,21 +93,65 @@ class SharedTier:
             log.debug("publish queue full; dropping block %s", block_hash.hex()[:12])
 
     def _publish_loop(self) -> None:
-        while (item := self._publish_queue.get()) is not None:
+        """Sends what is queued, a run of blocks at a time (one pipelined write on the direct path)."""
+        while True:
+            batch = [self._publish_queue.get()]
+            while batch[-1] is not None and len(batch) < PUBLISH_BATCH_BLOCKS:
+                try:
+                    batch.append(self._publish_queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                self._publish_one(*item)
+                self._publish_batch([item for item in batch if item is not None])
             finally:
-                self._publish_queue.task_done()
-        self._publish_queue.task_done()
+                for _ in batch:
+                    self._publish_queue.task_done()
+            if batch[-1] is None:
+                return
 
-    def _publish_one(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
-        data, checksum = to_bytes(checkpoint, self.fingerprint, self.block_size)
-        request = pb.PublishRequest(
-            model_fingerprint=self.fingerprint, block_hash=block_hash, parent_hash=parent_hash,
-            block_size=self.block_size, checkpoint=data, checksum=checksum,
-        )  # fmt: skip
-        if self._call(lambda: self._stub.Publish(request, timeout=self.deadline_s * 5)) is not None:
-            self.num_published += 1
+    def _publish_batch(self, items: list[tuple[bytes, bytes, BlockCheckpoint]]) -> None:
+        if not items:
+            return
+        encoded = [(h, parent, *to_bytes(c, self.fingerprint, self.block_size)) for h, parent, c in items]
+        direct = self._direct_path()
+        if direct is not None:
+            try:
+                direct.write([BlockWrite(*e) for e in encoded], self.fingerprint, self.block_size)
+                self.num_published += len(encoded)
+            except DataPathError as exc:
+                log.warning("direct publish of %d blocks failed: %s", len(encoded), exc)
+                self._drop_direct(direct)
+            return
+        for block_hash, parent_hash, data, checksum in encoded:
+            request = pb.PublishRequest(
+                model_fingerprint=self.fingerprint, block_hash=block_hash, parent_hash=parent_hash,
+                block_size=self.block_size, checkpoint=data, checksum=checksum,
+            )  # fmt: skip
+            if self._call(partial(self._stub.Publish, request, timeout=self.deadline_s * 5)) is not None:
+                self.num_published += 1
+
+    @property
+    def uses_direct_path(self) -> bool:
+        """Whether checkpoint bytes currently move directly between this worker and Redis."""
+        return self._direct is not None
+
+    def _direct_path(self) -> DirectBlocks | None:
+        """The direct data path, asked of the service once (again after a failed ask)."""
+        if self._direct is not None or self._direct_refused:
+            return self._direct
+        with self._direct_lock:
+            if self._direct is None and not self._direct_refused:
+                request = pb.AccessRequest(model_fingerprint=self.fingerprint)
+                access, code = self._try(lambda: self._stub.Access(request, timeout=self.deadline_s))
+                if access is not None:
+                    try:
+                        self._direct = DirectBlocks(access, socket_timeout_s=self.deadline_s * 5)
+                    except DataPathError as exc:
+                        log.warning("not using the direct data path: %s", exc)
+                        self._direct_refused = True
+                elif code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                    self._direct_refused = True
+        return self._direct
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Waits until every queued publish was sent or failed; False on timeout (tests, shutdown)."""
@@ -151,22 +204,66 @@ class SharedTier:
         decision = policy.decide(offered) if policy is not None else None
         if decision is not None and not decision.fetch:
             return FetchResult(request_id, [], MissReason.FETCH_SLOWER, "recompute", offered)
-        started, num_bytes = time.monotonic(), 0
-        fetched: list[FetchedBlock] = []
-        reason: MissReason | None = None
-        for index in range(num_local_blocks, found.num_hit_blocks):
-            checkpoint, size, reason = self._fetch_one(block_hashes[index])
-            if checkpoint is None:
-                break
-            num_bytes += size
-            parent = block_hashes[index - 1] if index else b""
-            fetched.append(FetchedBlock(block_hashes[index], parent, checkpoint))
+        started = time.monotonic()
+        direct = self._direct_path()
+        if direct is not None:
+            fetched, reason, num_bytes = self._read_direct(direct, block_hashes, num_local_blocks, found.num_hit_blocks)
+        else:
+            fetched, reason, num_bytes = self._read_via_service(block_hashes, num_local_blocks, found.num_hit_blocks)
         if policy is not None:
             policy.record_fetch(num_bytes, time.monotonic() - started)
         while fetched and not fetched[-1].checkpoint.has_state:
             fetched.pop()  # a hit must end on the state at its boundary: KV alone is a miss
             reason = reason or MissReason.KV_WITHOUT_STATE
         return FetchResult(request_id, fetched, reason, "fetch", offered)
+
+    def _drop_direct(self, direct: DirectBlocks) -> None:
+        """A failed direct call: ask the service again next time (Redis may have restarted and
+        forgotten the workers' user)."""
+        with self._direct_lock:
+            if self._direct is direct:
+                self._direct = None
+        direct.close()
+
+    def _read_direct(
+        self, direct: DirectBlocks, block_hashes: list[bytes], first: int, end: int
+    ) -> tuple[list[FetchedBlock], MissReason | None, int]:
+        """Blocks [first, end) in one pipelined read, verified here; stops at the first bad one."""
+        try:
+            rows = direct.read(block_hashes[first:end])
+        except DataPathError as exc:
+            log.warning("direct read failed: %s", exc)
+            self._drop_direct(direct)
+            return [], MissReason.SHARED_TIER_DOWN, 0
+        fetched: list[FetchedBlock] = []
+        num_bytes = 0
+        for index, row in enumerate(rows, start=first):
+            if row is None:
+                return fetched, MissReason.EVICTED, num_bytes  # gone since the lookup
+            if not row.is_current_schema or row.fingerprint != self.fingerprint:
+                return fetched, MissReason.FOREIGN_FINGERPRINT, num_bytes
+            try:
+                checkpoint = from_bytes(row.data, row.checksum, self.fingerprint, self.block_size)
+            except InvalidArgumentError as exc:
+                log.warning("discarding fetched block %s: %s", block_hashes[index].hex()[:12], exc)
+                return fetched, reason_for_checkpoint_error(exc), num_bytes
+            num_bytes += len(row.data)
+            fetched.append(FetchedBlock(block_hashes[index], block_hashes[index - 1] if index else b"", checkpoint))
+        return fetched, None, num_bytes
+
+    def _read_via_service(
+        self, block_hashes: list[bytes], first: int, end: int
+    ) -> tuple[list[FetchedBlock], MissReason | None, int]:
+        """Blocks [first, end) streamed by the service one by one; stops at the first bad one."""
+        fetched: list[FetchedBlock] = []
+        num_bytes = 0
+        for index in range(first, end):
+            checkpoint, size, reason = self._fetch_one(block_hashes[index])
+            if checkpoint is None:
+                return fetched, reason, num_bytes
+            num_bytes += size
+            fetched.append(FetchedBlock(block_hashes[index], block_hashes[index - 1] if index else b"", checkpoint))
+        return fetched, None, num_bytes
 
     def _fetch_one(self, block_hash: bytes) -> tuple[BlockCheckpoint | None, int, MissReason | None]:
         """(checkpoint, its size in bytes, None) or (None, 0, why not)."""
@@ -219,3 +316,5 @@ class SharedTier:
         self._publisher.join(5)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
+        if self._direct is not None:
+            self._direct.close()

@@ -80,7 +80,7 @@ def publish_then_damage(serve, checkpoint, cache_service, redis_server, how: str
     first.run(prompt)
     assert first.engine.prefix.shared.flush()
     client = redis_server.client()
-    for key in client.scan_iter("hybridserve:blk:*"):
+    for key in client.scan_iter("hybridserve:v2:blk:*"):
         data = client.hget(key, keys.FIELD_DATA)
         if how == "flip":
             damaged = bytearray(data)

@@ -1,0 +1,105 @@
+"""The client side of the cache service's direct data path: a worker reads and writes block
+checkpoints in Redis itself, under the keys, user and lease that `BlockCache.Access` hands out, one
+pipelined round trip for a run of blocks. The service keeps the schema (cache_svc/keys.py), the
+policy (memory budget, TTL) and the lookups; the worker verifies what it reads (checksum, model
+fingerprint, schema version) and never deletes: a bad entry is a miss until a worker that computed
+the block writes it again, or it expires."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import redis
+
+from cache_svc import keys
+from hybridserve.v1 import cache_pb2 as pb
+
+
+class DataPathError(Exception):
+    """Redis did not answer or refused the worker's user."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """One block as Redis holds it (not verified yet)."""
+
+    data: bytes
+    checksum: bytes  # the stored SHA-256 of data (32 bytes; empty when absent or malformed)
+    fingerprint: str
+    version: int  # the schema version that wrote it (0 when absent)
+
+    @property
+    def is_current_schema(self) -> bool:
+        return self.version == keys.SCHEMA_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWrite:
+    block_hash: bytes
+    parent_hash: bytes
+    data: bytes
+    checksum: bytes  # SHA-256 of data, 32 bytes
+
+
+class DirectBlocks:
+    """Block keys of one model, read and written directly. Thread-safe (redis-py's pool)."""
+
+    def __init__(self, access: pb.AccessResponse, socket_timeout_s: float = 5.0) -> None:
+        if access.schema_version != keys.SCHEMA_VERSION:
+            raise DataPathError(
+                f"the cache service speaks key schema {access.schema_version}, not {keys.SCHEMA_VERSION}"
+            )
+        self.key_prefix = access.key_prefix
+        self.ttl_s = int(access.ttl_s)
+        self.redis = redis.Redis.from_url(
+            access.redis_url, username=access.username, password=access.password,
+            socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+        )  # fmt: skip
+
+    def read(self, block_hashes: list[bytes]) -> list[StoredBlock | None]:
+        """The stored blocks, in order (None where absent), in one round trip."""
+        fields = [keys.FIELD_DATA, keys.FIELD_SHA256, keys.FIELD_FINGERPRINT, keys.FIELD_VERSION]
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for block_hash in block_hashes:
+                pipe.hmget(self.key_prefix + block_hash.hex(), fields)
+            rows = pipe.execute()
+        except redis.RedisError as exc:
+            raise DataPathError(f"direct read failed: {exc}") from exc
+        return [_stored(row) for row in rows]
+
+    def write(self, blocks: list[BlockWrite], fingerprint: str, block_size: int) -> None:
+        """Stores blocks under the service's schema with its TTL, in one round trip."""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for block in blocks:
+                key = self.key_prefix + block.block_hash.hex()
+                pipe.hset(key, mapping={
+                    keys.FIELD_DATA: block.data, keys.FIELD_SHA256: block.checksum.hex(),
+                    keys.FIELD_FINGERPRINT: fingerprint, keys.FIELD_PARENT: block.parent_hash.hex(),
+                    keys.FIELD_BLOCK_SIZE: str(block_size), keys.FIELD_VERSION: str(keys.SCHEMA_VERSION),
+                })  # fmt: skip
+                pipe.expire(key, self.ttl_s)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise DataPathError(f"direct write failed: {exc}") from exc
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+def checksum_of(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _stored(row: list[bytes | None]) -> StoredBlock | None:
+    data, digest, fingerprint, version = row
+    if data is None:
+        return None
+    try:
+        checksum = bytes.fromhex(digest.decode()) if digest else b""
+        number = int(version) if version else 0
+    except ValueError:
+        checksum, number = b"", 0
+    return StoredBlock(data, checksum, fingerprint.decode(errors="replace") if fingerprint else "", number)
