@@ -15,6 +15,8 @@ import redis
 from cache_svc import keys
 from hybridserve.v1 import cache_pb2 as pb
 
+SOCKET_READ_BYTES = 1 << 20  # checkpoints are MBs: fewer, larger reads than redis-py's 64 KiB default
+
 
 class DataPathError(Exception):
     """Redis did not answer or refused the worker's user."""
@@ -55,6 +57,7 @@ class DirectBlocks:
         self.redis = redis.Redis.from_url(
             access.redis_url, username=access.username, password=access.password,
             socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+            socket_read_size=SOCKET_READ_BYTES,
         )  # fmt: skip
 
     def read(self, block_hashes: list[bytes]) -> list[StoredBlock | None]:

@@ -21,7 +21,7 @@ from typing import TypeVar
 import grpc
 from opentelemetry import context as otel_context
 
-from cache_svc.client import BlockWrite, DataPathError, DirectBlocks
+from cache_svc.client import BlockWrite, DataPathError, DirectBlocks, StoredBlock
 from gpu_worker.cache.checkpoint_io import BlockCheckpoint, from_bytes, to_bytes
 from gpu_worker.cache.misses import FetchOrRecompute, MissReason, reason_for_checkpoint_error
 from hybridserve import telemetry
@@ -34,6 +34,7 @@ T = TypeVar("T")
 
 
 PUBLISH_BATCH_BLOCKS = 32  # most blocks one pipelined publish carries
+PIPELINE_BYTES = 4 << 20  # a fetch reads blocks in pipelined batches of about this many bytes
 _BLOCK_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)  # about one block, not the tier
 
 
@@ -53,6 +54,12 @@ class FetchResult:
     miss_reason: MissReason | None  # why it gave no more (None: it held nothing more)
     decision: str  # "fetch" or "recompute" (fetch-or-recompute), "" when it held nothing to offer
     num_offered_blocks: int  # blocks it held beyond the local hit
+
+
+def _done(value: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
 
 
 def _reason_for_status(code: grpc.StatusCode | None) -> MissReason:
@@ -77,6 +84,7 @@ class SharedTier:
         self._stub = pb_grpc.BlockCacheStub(channel)  # type: ignore[no-untyped-call]
         self._publish_queue: queue.Queue[tuple[bytes, bytes, BlockCheckpoint] | None] = queue.Queue(max_pending)
         self._fetch_pool = ThreadPoolExecutor(2, thread_name_prefix="cache-fetch")
+        self._verify_pool = ThreadPoolExecutor(2, thread_name_prefix="cache-verify")  # overlaps the next read
         self._publisher = threading.Thread(target=self._publish_loop, name="cache-publish", daemon=True)
         self._publisher.start()
         self._healthy = True
@@ -207,7 +215,10 @@ class SharedTier:
         started = time.monotonic()
         direct = self._direct_path()
         if direct is not None:
-            fetched, reason, num_bytes = self._read_direct(direct, block_hashes, num_local_blocks, found.num_hit_blocks)
+            hint = policy.bytes_per_block if policy is not None else 0
+            fetched, reason, num_bytes = self._read_direct(
+                direct, block_hashes, num_local_blocks, found.num_hit_blocks, hint
+            )
         else:
             fetched, reason, num_bytes = self._read_via_service(block_hashes, num_local_blocks, found.num_hit_blocks)
         if policy is not None:
@@ -226,18 +237,42 @@ class SharedTier:
         direct.close()
 
     def _read_direct(
-        self, direct: DirectBlocks, block_hashes: list[bytes], first: int, end: int
+        self, direct: DirectBlocks, block_hashes: list[bytes], first: int, end: int, block_bytes_hint: int
     ) -> tuple[list[FetchedBlock], MissReason | None, int]:
-        """Blocks [first, end) in one pipelined read, verified here; stops at the first bad one."""
-        try:
-            rows = direct.read(block_hashes[first:end])
-        except DataPathError as exc:
-            log.warning("direct read failed: %s", exc)
-            self._drop_direct(direct)
-            return [], MissReason.SHARED_TIER_DOWN, 0
+        """Blocks [first, end) read in pipelined batches of about PIPELINE_BYTES (one round trip
+        each), each batch verified on another thread while the next is read; stops at the first
+        bad block."""
+        per_batch = max(1, PIPELINE_BYTES // block_bytes_hint) if block_bytes_hint > 0 else end - first
+        checks: list[Future[tuple[list[FetchedBlock], MissReason | None, int]]] = []
+        for start in range(first, end, per_batch):
+            if any(c.done() and c.result()[1] is not None for c in checks):
+                break  # a bad block: what follows cannot be part of the hit
+            indices = range(start, min(start + per_batch, end))
+            try:
+                rows = direct.read([block_hashes[i] for i in indices])
+            except DataPathError as exc:
+                log.warning("direct read failed: %s", exc)
+                self._drop_direct(direct)
+                checks.append(_done(([], MissReason.SHARED_TIER_DOWN, 0)))
+                break
+            checks.append(self._verify_pool.submit(self._verify_rows, block_hashes, indices, rows))
         fetched: list[FetchedBlock] = []
         num_bytes = 0
-        for index, row in enumerate(rows, start=first):
+        for check in checks:
+            blocks, reason, size = check.result()
+            fetched += blocks
+            num_bytes += size
+            if reason is not None:
+                return fetched, reason, num_bytes
+        return fetched, None, num_bytes
+
+    def _verify_rows(
+        self, block_hashes: list[bytes], indices: range, rows: list[StoredBlock | None]
+    ) -> tuple[list[FetchedBlock], MissReason | None, int]:
+        """Checks the rows read for `indices`: present, this model and schema, intact."""
+        fetched: list[FetchedBlock] = []
+        num_bytes = 0
+        for index, row in zip(indices, rows, strict=True):
             if row is None:
                 return fetched, MissReason.EVICTED, num_bytes  # gone since the lookup
             if not row.is_current_schema or row.fingerprint != self.fingerprint:
@@ -315,6 +350,7 @@ class SharedTier:
         self._publish_queue.put(None)
         self._publisher.join(5)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
         if self._direct is not None:
             self._direct.close()
