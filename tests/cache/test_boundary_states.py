@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from gpu_worker.batch import Batch
+from gpu_worker.model.kernels import ops as ops_module
+from gpu_worker.model.kernels import reference
+from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from tests.model.model_helpers import FAMILY_SPECS, SPECS, Request, make_hf_model, make_runner, save_hf_model
@@ -64,3 +67,38 @@ def test_a_checkpoint_memory_budget_sets_the_number_of_checkpoint_slots(tmp_path
     runner = ModelRunner.from_model_dir(path, config)
     assert runner.state_pool.num_checkpoint_slots == 3
     assert runner.describe()["num_checkpoint_slots"] == 3
+
+
+class _ReferenceMambaKernels:
+    """The Triton Mamba kernels' contract (kernels/reference.py) behind the kernels' signatures, so
+    the CUDA backend's mixer path (TritonOps.mamba_mix) runs on CPU."""
+
+    @staticmethod
+    def conv_varlen(x, conv_state, weight, bias, spans):
+        return reference.conv_varlen(x, conv_state, weight, bias, [tuple(s) for s in spans.tolist()])
+
+
+@pytest.mark.parametrize("name", ["gqa_groups2", "conv2_chunk5"])
+def test_the_kernel_path_keeps_the_same_boundary_states(name, tmp_path, monkeypatch):
+    """TritonOps.mamba_mix (the CUDA backend's mixer path, its conv kernel swapped for the reference
+    loop) writes the same boundary states as the reference mixer."""
+    monkeypatch.setattr(ops_module, "mamba_k", _ReferenceMambaKernels)
+    spec = SPECS[name]
+    path = save_hf_model(make_hf_model(spec), tmp_path)
+    states = []
+    for use_ops in (False, True):
+        runner = make_runner(path)
+        if use_ops:
+            for module in runner.model.modules():
+                if isinstance(module, Mamba2Mixer):
+                    module.ops = ops_module.TritonOps()
+        request = Request(runner, _tokens(spec.vocab_size, 30, 4))
+        runner.forward(Batch((request.chunk(3),)))
+        chunk = replace(request.chunk(27), boundary_checkpoints=((4, 0), (3 + spec.mamba_chunk_size, 1), (29, 2)))
+        runner.forward(Batch((chunk,)))
+        rows = [runner.state_pool.checkpoint_row(i) for i in range(3)]
+        states.append([(conv[rows].clone(), ssm[rows].clone()) for conv, ssm in runner.state_pool.layer_states()])
+    for (conv_ref, ssm_ref), (conv_ops, ssm_ops) in zip(*states, strict=True):
+        assert conv_ref.abs().sum() > 0 and ssm_ref.abs().sum() > 0
+        torch.testing.assert_close(conv_ops, conv_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ssm_ops, ssm_ref, rtol=1e-5, atol=1e-5)
