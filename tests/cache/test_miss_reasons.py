@@ -74,7 +74,7 @@ def test_kv_without_state_and_evicted(serve, checkpoint):
     assert reasons(worker) == {"no_entry": 2, "kv_without_state": 1, "evicted": 1}
 
 
-def publish_then_damage(serve, checkpoint, cache_service, redis_server, how: str):
+def publish_then_damage(serve, checkpoint, cache_service, redis_server, how: str, observer=None):
     first = serve(checkpoint, CONFIG, prefix_caching=True, cache_address=cache_service.address)
     prompt = tokens(3 * BLOCK + 3, 7)
     first.run(prompt)
@@ -89,7 +89,7 @@ def publish_then_damage(serve, checkpoint, cache_service, redis_server, how: str
         elif how == "foreign":  # a well-formed checkpoint of another model under this key
             foreign = save(load(data), metadata={"fingerprint": "0" * 64, "block_size": str(BLOCK)})
             client.hset(key, mapping={keys.FIELD_DATA: foreign, keys.FIELD_SHA256: hashlib.sha256(foreign).hexdigest()})
-    second = serve(checkpoint, CONFIG, prefix_caching=True, cache_address=cache_service.address)
+    second = serve(checkpoint, CONFIG, prefix_caching=True, cache_address=cache_service.address, observer=observer)
     return second, prompt[: 3 * BLOCK] + tokens(5, 8)
 
 
@@ -108,14 +108,22 @@ def test_shared_tier_down(serve, checkpoint, cache_service, redis_server):
 
 
 def test_fetch_slower_than_recompute_declines_the_hit_and_reports_it_apart(
-    serve, checkpoint, cache_service, redis_server
+    serve, checkpoint, cache_service, redis_server, monkeypatch
 ):
-    worker, prompt = publish_then_damage(serve, checkpoint, cache_service, redis_server, "none")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "false")
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    worker, prompt = publish_then_damage(
+        serve, checkpoint, cache_service, redis_server, "none", TracingObserver(provider)
+    )
     worker.engine.prefix.fetch_policy.record_fetch(1000, 10.0)  # a measured 100 B/s link
     worker.engine.prefix.fetch_policy.record_prefill(1_000_000, 1.0)  # and a fast prefill
     assert worker.run(prompt)[2] == 0
     info = worker.info()
     assert dict(info.prefix_cache_miss_reasons) == {"fetch_slower_than_recompute": 1}
     assert info.prefix_cache_declined_tokens == 3 * BLOCK
-    fast = publish_then_damage(serve, checkpoint, cache_service, redis_server, "none")[0]
+    fast = publish_then_damage(serve, checkpoint, cache_service, redis_server, "none", TracingObserver(provider))[0]
     assert fast.run(prompt)[2] == 3 * BLOCK, "unmeasured, the worker fetches"
+    provider.force_flush()
+    decisions = [s.attributes.get("hybridserve.cache.shared.decision") for s in exporter.get_finished_spans()]
+    assert [d for d in decisions if d] == ["recompute", "fetch"]
