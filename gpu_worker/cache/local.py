@@ -1,8 +1,8 @@
 """The worker's local prefix-cache tier.
 
-An entry is one full block: the KV pages holding its tokens and, when a chunk ended exactly there, a
-state checkpoint taken at its end boundary (a chunk spanning several blocks leaves the inner ones
-KV-only: state exists only where a step ends). The cache holds one reference on each page
+An entry is one full block: the KV pages holding its tokens and a state checkpoint taken at its end
+boundary (every boundary a chunk reaches is checkpointed; an entry is KV-only when no checkpoint
+slot was free or its checkpoint was taken for a newer block). The cache holds one reference on each page
 (KVPagePool.share) and owns the checkpoint slots. A hit of k blocks needs the entries of blocks
 0..k-1, the last of them with a checkpoint: their pages give the KV of the whole prefix, the
 checkpoint the Mamba state there. KV without the matching state is a miss.
@@ -29,7 +29,7 @@ class CacheEntry:
     block_hash: bytes
     parent_hash: bytes
     page_ids: list[int]  # the block's KV pages, in order
-    checkpoint_id: int | None  # state at the block's end boundary, if a step ended there
+    checkpoint_id: int | None  # state at the block's end boundary; None when not kept (KV-only)
     pins: int = 0  # requests waiting to restore from it
 
 

@@ -1,8 +1,10 @@
 """Prefix caching as the engine sees it: find a request's cached prefix when it is queued, restore
-it when it is admitted, checkpoint blocks as chunks reach the grid, publish them to the shared tier.
+it when it is admitted, checkpoint every block boundary a chunk reaches, publish new blocks to the
+shared tier, and say why each lookup stopped short (gpu_worker/cache/misses.py).
 
-Grid: the scheduler's block_size (state exists only there); KV pages stay small. A request with a
-hit of k blocks is queued with num_computed_tokens = k * block_size, holding references to those
+Grid: the scheduler's block_size (checkpoints are taken there: at a chunk's end by copying the
+state slot, inside a chunk by the mixers, gpu_worker/model/boundary_states.py); KV pages stay
+small. A request with a hit of k blocks is queued with num_computed_tokens = k * block_size, holding references to those
 blocks' pages, and its state slot is restored from block k-1's checkpoint when it is admitted. At
 least one prompt token is always left to compute, so the step that finishes the prompt yields logits.
 """
