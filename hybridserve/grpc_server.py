@@ -33,6 +33,10 @@ STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 )
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DRAIN_HELP = (
+    "on SIGTERM: readiness turns NOT_SERVING, new calls are refused (UNAVAILABLE) and calls in flight get"
+    " this many seconds to finish; the rest are then cancelled"
+)
 
 Adder = Callable[[grpc.Server], str]  # registers one servicer, returns its full service name
 
