@@ -77,7 +77,5 @@ def run(args: argparse.Namespace) -> int:
     )
     server.start()
     grpc_server.announce(settings.host, port)
-    grpc_server.serve_until_signal(
-        server, health_servicer, grace_s=settings.drain_timeout_s, on_stop=stop_telemetry
-    )
+    grpc_server.serve_until_signal(server, health_servicer, grace_s=settings.drain_timeout_s, on_stop=stop_telemetry)
     return 0

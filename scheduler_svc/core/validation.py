@@ -38,14 +38,18 @@ def _is_consistent(r: RequestState, is_waiting: bool) -> bool:
 
 def _is_running_ok(r: RequestState) -> bool:
     computed, prompt, output = r.num_computed_tokens, r.num_prompt_tokens, r.num_output_tokens
-    if not math.isfinite(r.arrival_time) or not r.request_id or prompt < 1 or computed < 0 or output < 0 or r.max_tokens < output or r.max_tokens < 1:
+    if not r.request_id or prompt < 1 or computed < 0 or output < 0 or r.max_tokens < output or r.max_tokens < 1:
+        return False
+    if not math.isfinite(r.arrival_time):
         return False
     return output == 0 if computed < prompt else computed == prompt + output - 1
 
 
 def _is_waiting_ok(r: RequestState) -> bool:
     computed, prompt = r.num_computed_tokens, r.num_prompt_tokens
-    return math.isfinite(r.arrival_time) and bool(r.request_id) and 0 <= computed < prompt and r.num_output_tokens == 0 and r.max_tokens >= 1
+    if not (bool(r.request_id) and 0 <= computed < prompt and r.num_output_tokens == 0 and r.max_tokens >= 1):
+        return False
+    return math.isfinite(r.arrival_time)
 
 
 def _explain(request: RequestState, position: str, is_waiting: bool, seen: set[str]) -> None:
