@@ -6,7 +6,6 @@ free afterwards (GetInfo); the service resumes once the component is back."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,7 +19,6 @@ from tests.faults.stack import (
     run_streams,
     serves,
     tally,
-    write_model,
 )
 
 pytestmark = pytest.mark.slow
@@ -30,13 +28,6 @@ MAX_TOKENS = 12
 DEADLINE_S = 60.0
 OUTAGE_S = 1.0
 PROMPTS = prompts(N)
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(write_model(tmp_path_factory.mktemp("faults")))
-    yield running
-    running.stop()
 
 
 @pytest.fixture(scope="module")
