@@ -178,6 +178,10 @@ class Stack:
             return
         self.procs.pop(name).stop(signal.SIGKILL)
 
+    def terminate(self, name: str) -> int:
+        """SIGTERM (a rolling restart): the process drains and exits; returns its exit code."""
+        return self.procs.pop(name).stop(signal.SIGTERM)
+
     def stop(self) -> None:
         for name in ("worker", "scheduler", "cache"):
             proc = self.procs.pop(name, None)

@@ -118,6 +118,23 @@ def test_redis_killed_under_64_streams(stack, reference):
     client.close()
 
 
+@pytest.mark.parametrize("name", ["scheduler", "cache"])
+def test_sigterm_of_scheduler_or_cache_under_64_streams_loses_nothing(stack, reference, name):
+    """A rolling restart: the old process drains its calls in flight and exits cleanly; the worker
+    carries on through the gap."""
+    exit_codes: list[int] = []
+
+    def restart() -> None:
+        stack.wait_progress(2 * N)
+        exit_codes.append(stack.terminate(name))
+        stack.start(name)
+
+    outcomes = run_streams(stack.worker_address, PROMPTS, MAX_TOKENS, DEADLINE_S, expected=reference, during=restart)
+    assert tally(outcomes) == {"completed": N}, [o.details for o in outcomes if o.kind != "completed"][:3]
+    assert exit_codes == [0]
+    assert_pools_free(stack)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="worker side: readiness stays SERVING while no scheduler answers (issue 10, finding 5)",
