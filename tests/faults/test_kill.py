@@ -58,7 +58,8 @@ def assert_pools_free(stack: Stack) -> None:
     info = stack.wait_quiet()
     assert info.num_running == 0 and info.num_waiting == 0, info
     assert info.num_state_slots_free == info.num_state_slots_total, info
-    whole_pool = prompts(1, length=info.num_kv_pages_total * KV_PAGE_SIZE - MAX_TOKENS, seed=7)[0]
+    longest = min(info.num_kv_pages_total * KV_PAGE_SIZE, info.max_model_len)
+    whole_pool = prompts(1, length=longest - MAX_TOKENS, seed=7)[0]
     tokens = serves(stack.worker_address, whole_pool, MAX_TOKENS, timeout_s=60)
     assert tokens is not None and len(tokens) == MAX_TOKENS, "a request that needs the whole pool is served"
 
