@@ -4,11 +4,12 @@ tests/faults/). Each stream's outcome is sorted into completed (the tokens of a 
 of the same prompts), clear error (a status with a message: UNAVAILABLE, ABORTED, ...), hung (its
 deadline passed, or no answer) and wrong output; for each restart, the seconds until the process
 listens again and until a new request is served (for the cache service and Redis: and a BlockCache
-Lookup is answered, so Redis is reached again). Last, 256 streams on the worker with a readiness
-check every 20 ms on the side: the checks' latency (p50, p99, max) and how many failed or took over a
-second, and the streams' outcomes.
+Lookup is answered, so Redis is reached again). Last, 256 streams on the worker with readiness
+checks on the side (4 probers, each every 20 ms, a fresh channel per check as a probe makes it): the
+checks' latency (p50, p99, max) and how many failed or took over a second, and the streams' outcomes.
 
     python bench/bench_faults.py [--streams 64] [--max-tokens 12] [--outage-s 1] [--health-streams 256]
+                                 [--health-max-tokens 32]
 """
 
 from __future__ import annotations
@@ -80,29 +81,38 @@ def cache_answers(stack: Stack, timeout_s: float) -> bool:
 
 
 def health_under_load(stack: Stack, args: argparse.Namespace) -> tuple[list[float], int, Counter[str]]:
+    """Readiness checks (each on a fresh channel, as a probe makes them) from PROBERS threads, each
+    every 20 ms, while `--health-streams` streams run on the worker."""
     latencies: list[float] = []
     failures = 0
     done = threading.Event()
+    lock = threading.Lock()
 
     def probe() -> None:
         nonlocal failures
         while not done.is_set():
             took, status = health_check_s(stack.worker_address, timeout_s=5.0)
-            latencies.append(took)
-            failures += health_status_name(status) != "SERVING"
+            with lock:
+                latencies.append(took)
+                failures += health_status_name(status) != "SERVING"
             time.sleep(0.02)
 
-    prober = threading.Thread(target=probe, daemon=True)
+    probers = [threading.Thread(target=probe, daemon=True) for _ in range(PROBERS)]
     many = prompts(args.health_streams, length=24, seed=5)
 
     def start_probing() -> None:
-        prober.start()
+        for prober in probers:
+            prober.start()
 
-    outcomes = run_streams(stack.worker_address, many, args.max_tokens, args.deadline_s, during=start_probing)
+    outcomes = run_streams(stack.worker_address, many, args.health_max_tokens, args.deadline_s, during=start_probing)
     done.set()
-    prober.join(10)
+    for prober in probers:
+        prober.join(10)
     counts = tally(outcomes) + Counter(f"  {o.code.name}" for o in outcomes if o.code is not None)
     return latencies, failures, counts
+
+
+PROBERS = 4
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -120,6 +130,7 @@ def main() -> int:
     parser.add_argument("--outage-s", type=float, default=1.0)
     parser.add_argument("--deadline-s", type=float, default=60.0)
     parser.add_argument("--health-streams", type=int, default=256)
+    parser.add_argument("--health-max-tokens", type=int, default=32)
     args = parser.parse_args()
     PROMPTS.extend(prompts(args.streams))
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as folder:
@@ -139,7 +150,10 @@ def main() -> int:
     for row in rows:
         cells = "".join(f"{row.get(k, 0):>14}" for k in KINDS)
         print(f"{row['fault']:<22}{cells}{row['listening']:>13.2f}{row['served']:>10.2f}  {row['codes'] or '-'}")
-    print(f"\nreadiness checks during {args.health_streams} streams on one worker: {len(latencies)} checks")
+    print(
+        f"\nreadiness checks ({PROBERS} probers, each every 20 ms) during {args.health_streams} streams of"
+        f" {args.health_max_tokens} tokens on one worker: {len(latencies)} checks"
+    )
     if latencies:
         print(
             f"  latency p50 {quantile(latencies, 0.5) * 1e3:.1f} ms, p99 {quantile(latencies, 0.99) * 1e3:.1f} ms,"
