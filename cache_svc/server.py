@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import grpc
 
 from cache_svc.service import BlockCacheServicer, add_to_server
-from cache_svc.store import CheckpointStore, StoreConfig, StoreUnavailable
+from cache_svc.store import CheckpointStore, StoreConfig, StoreCredentialsError, StoreUnavailable
 from hybridserve import grpc_server
+from hybridserve.errors import InvalidArgumentError
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
 from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 
@@ -24,6 +25,11 @@ class CacheServerSettings:
     host: str = "127.0.0.1"  # bind address
     port: int = 50053  # 0 picks a free port
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = a free port
+    drain_timeout_s: float = 30.0  # on SIGTERM: seconds calls in flight may take to finish
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0:
+            raise InvalidArgumentError(f"--drain-timeout-s must be a number >= 0, got {self.drain_timeout_s}")
 
 
 FLAGS = {
@@ -40,6 +46,7 @@ FLAGS = {
     "host": Flag("bind address"),
     "port": Flag("0 picks a free port"),
     "metrics_port": Flag(METRICS_PORT_HELP),
+    "drain_timeout_s": Flag(grpc_server.DRAIN_HELP),
 }
 
 
@@ -52,6 +59,7 @@ def create_server(
     config: StoreConfig, host: str = "127.0.0.1", port: int = 0
 ) -> tuple[grpc.Server, int, grpc_server.Health, CheckpointStore]:
     store = CheckpointStore(config)
+    store.check_credentials()  # StoreCredentialsError: wrong credentials are not worth serving with
     try:
         store.configure_memory()
     except StoreUnavailable as exc:  # serve anyway: callers see misses until Redis answers
@@ -66,13 +74,22 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(CacheServerSettings, args)
     config = settings_from_args(StoreConfig, args)
     stop_telemetry = start_service_telemetry("hybridserve-cache", settings.metrics_port, settings.host)
-    server, port, health_servicer, store = create_server(config, settings.host, settings.port)
+    try:
+        server, port, health_servicer, store = create_server(config, settings.host, settings.port)
+    except StoreCredentialsError as exc:
+        stop_telemetry()
+        raise SystemExit(
+            f"cache: {exc}. Set the password in HYBRIDSERVE_CACHE_REDIS_PASSWORD (or user:password in the"
+            " --redis URL) to Redis's requirepass / ACL user"
+        ) from None
+    stop_watching = grpc_server.watch_health(health_servicer, is_alive=lambda: True, is_ready=store.ping)
     server.start()
     grpc_server.announce(settings.host, port)
 
     def stop() -> None:
+        stop_watching.set()
         store.close()
         stop_telemetry()
 
-    grpc_server.serve_until_signal(server, health_servicer, on_stop=stop)
+    grpc_server.serve_until_signal(server, health_servicer, grace_s=settings.drain_timeout_s, on_stop=stop)
     return 0

@@ -9,9 +9,9 @@ from typing import Literal
 import grpc
 
 from cache_svc import keys
-from cache_svc.store import CheckpointStore, StoreUnavailable
+from cache_svc.store import CheckpointStore, StoreFull, StoreUnavailable
 from hybridserve import grpc_server
-from hybridserve.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hybridserve.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError
 from hybridserve.v1 import cache_pb2 as pb
 
 FETCH_CHUNK_BYTES = 2 << 20  # under gRPC's default 4 MiB message limit
@@ -95,6 +95,8 @@ class _unavailable:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> Literal[False]:
         if isinstance(exc, StoreUnavailable):
             raise UnavailableError(str(exc)) from exc
+        if isinstance(exc, StoreFull):
+            raise ResourceExhaustedError(str(exc)) from exc
         return False
 
 

@@ -17,13 +17,22 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from cache_svc import keys
+from cache_svc import keys, memory_policy
 
 log = logging.getLogger("hybridserve.cache.store")
 
 
 class StoreUnavailable(Exception):
     """Redis did not answer."""
+
+
+class StoreFull(Exception):
+    """Redis is at maxmemory with nothing it may evict: a write failed for lack of room."""
+
+
+class StoreCredentialsError(Exception):
+    """Redis answered and refused our credentials (a wrong or missing password or user): retrying
+    cannot help, so the service refuses to start."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,19 +61,68 @@ class StoreConfig:
 class CheckpointStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
+        self.policy_applications = 0  # times the memory policy was found missing and set
         self.redis = redis.Redis.from_url(
             config.redis_url, password=config.redis_password, socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.socket_timeout_s, health_check_interval=5,
+            redis_connect_func=self._on_connect,
         )  # fmt: skip
         self._worker_password = secrets.token_urlsafe(24)  # the workers' Redis user, as this service sets it
 
+    def _on_connect(self, connection: redis.connection.AbstractConnection) -> None:
+        """Runs on every new connection, before its first command: authenticates (redis-py's own
+        step), then puts the memory policy back if Redis lost it (a restarted Redis starts with
+        maxmemory 0 and noeviction), so a restart is repaired before anything is written."""
+        connection.on_connect()  # type: ignore[no-untyped-call]
+        if self.config.max_memory_bytes <= 0:
+            return
+        replaced = memory_policy.ensure(connection, self.config.max_memory_bytes)
+        if replaced is not None:
+            log.log(
+                logging.WARNING if self.policy_applications else logging.INFO,
+                "Redis at %s had maxmemory %s and policy %s%s; set to %d bytes and %s", self.where, *replaced,
+                " (restarted?)" if self.policy_applications else "", self.config.max_memory_bytes,
+                memory_policy.POLICY,
+            )  # fmt: skip
+            self.policy_applications += 1
+
     def configure_memory(self) -> None:
-        """Applies the memory budget and LRU eviction among our (TTL-carrying) keys."""
+        """Applies the memory budget and LRU eviction among our (TTL-carrying) keys (every new
+        connection checks them again, see _on_connect)."""
         if self.config.max_memory_bytes <= 0:
             return
         with _redis_errors():
             self.redis.config_set("maxmemory", str(self.config.max_memory_bytes))
-            self.redis.config_set("maxmemory-policy", "volatile-lru")
+            self.redis.config_set("maxmemory-policy", memory_policy.POLICY)
+
+    def check_credentials(self) -> None:
+        """Raises StoreCredentialsError when Redis refuses our credentials; a Redis that does not
+        answer passes (the service serves misses until it does)."""
+        try:
+            self.redis.ping()
+        except redis.exceptions.AuthenticationError as exc:
+            raise StoreCredentialsError(f"Redis at {self.where} refused the credentials: {exc}") from exc
+        except redis.exceptions.ResponseError as exc:
+            if "AUTH" not in str(exc).upper():
+                raise
+            raise StoreCredentialsError(f"Redis at {self.where} refused the credentials: {exc}") from exc
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            log.warning("Redis at %s does not answer yet (%s); serving misses until it does", self.where, exc)
+
+    def ping(self) -> bool:
+        """Whether Redis answers now (and, through _on_connect, has its memory policy)."""
+        try:
+            return bool(self.redis.ping())
+        except redis.exceptions.RedisError:
+            return False
+
+    @property
+    def where(self) -> str:
+        """host:port/db of the Redis, without credentials (for messages)."""
+        kwargs = self.redis.connection_pool.connection_kwargs
+        if "path" in kwargs:
+            return f"unix:{kwargs['path']}"
+        return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
 
     def lookup(self, fingerprint: str, block_hashes: list[bytes]) -> int:
         """How many leading blocks are stored (data not verified here: fetch does that)."""
@@ -134,9 +192,10 @@ class CheckpointStore:
             return None
         rules = keys.worker_acl_rules(self.config.key_prefix, self._worker_password)
         try:
-            with _redis_errors():
-                self.redis.execute_command("ACL", "SETUSER", self.config.worker_user, *rules)  # type: ignore[no-untyped-call]
-        except redis.exceptions.ResponseError as exc:
+            self.redis.execute_command("ACL", "SETUSER", self.config.worker_user, *rules)  # type: ignore[no-untyped-call]
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+        except redis.exceptions.ResponseError as exc:  # no ACL (Redis < 6) or no right to set users
             log.warning("cannot set up the workers' Redis user (%s); workers fetch through the service", exc)
             return None
         parsed = urlsplit(self.config.redis_url)
@@ -167,6 +226,15 @@ class _redis_errors:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> Literal[False]:
-        if exc is not None and isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
+        if exc is None:
+            return False
+        if isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
             raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+        if isinstance(exc, redis.exceptions.OutOfMemoryError):
+            raise StoreFull(
+                f"Redis is at its maxmemory and has nothing it may evict ({exc}); the checkpoint was not"
+                " stored (raise --max-memory-mb, or publish smaller blocks)"
+            ) from exc
+        if isinstance(exc, redis.exceptions.ResponseError):  # READONLY, NOPERM, ...: Redis refused the command
+            raise StoreUnavailable(f"redis refused the command: {exc}") from exc
         return False

@@ -33,6 +33,10 @@ STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 )
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DRAIN_HELP = (
+    "on SIGTERM: readiness turns NOT_SERVING, new calls are refused (UNAVAILABLE) and calls in flight get"
+    " this many seconds to finish; the rest are then cancelled"
+)
 
 Adder = Callable[[grpc.Server], str]  # registers one servicer, returns its full service name
 
@@ -117,9 +121,21 @@ def _abort(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
     code = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in %s", method)
-        context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
-    log.info("rejected %s: %s: %s", method, code.name, exc)
-    context.abort(code, str(exc))
+        context.abort(code, clip(f"internal error: {type(exc).__name__}: {exc}"))
+    message = clip(str(exc))
+    log.info("rejected %s: %s: %s", method, code.name, message)
+    context.abort(code, message)
+
+
+MAX_DETAILS_CHARS = 1024  # status details travel as metadata; clients refuse more than 8-16 KiB of it
+
+
+def clip(message: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """A message that echoes a caller's value (an id, a string) cut to `limit` characters, so a huge
+    value neither floods the log nor makes the status itself too big for the client to read."""
+    if len(message) <= limit:
+        return message
+    return f"{message[: limit - 40]}... ({len(message)} characters in all)"
 
 
 def _guard_unary(behaviour: Callable[..., Any], method: str) -> Callable[..., Any]:

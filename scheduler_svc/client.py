@@ -40,8 +40,10 @@ log = logging.getLogger("hybridserve.scheduler.client")
 
 RETRYABLE_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")  # never INTERNAL or UNKNOWN: the planner is deterministic
 MAX_ATTEMPTS = 5  # gRPC caps a retry policy at 5 attempts per call
-# The call found no replica within its deadline: ask again until the give-up deadline.
-_WAIT_AGAIN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+# The call found no replica within its deadline, or the replica went away under it (a draining
+# server cancels the calls it received but had not started: this client never cancels its own):
+# ask again until the give-up deadline.
+_WAIT_AGAIN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 def _split_host_port(address: str) -> tuple[str, str]:

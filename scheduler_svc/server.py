@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import grpc
 
 from hybridserve import grpc_server
+from hybridserve.errors import InvalidArgumentError
+from hybridserve.grpc_server import DRAIN_HELP
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
 from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 from scheduler_svc import service
@@ -45,6 +47,11 @@ class SchedulerServerSettings:
     max_message_bytes: int = grpc_server.DEFAULT_MAX_MESSAGE_BYTES  # largest request accepted, bytes
     bench_service: bool = False  # also serve the benchmark-only SchedulerBench service
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = a free port
+    drain_timeout_s: float = 30.0  # on SIGTERM: seconds calls in flight may take to finish
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0:
+            raise InvalidArgumentError(f"--drain-timeout-s must be a number >= 0, got {self.drain_timeout_s}")
 
 
 FLAGS = {
@@ -54,6 +61,7 @@ FLAGS = {
     "max_message_bytes": Flag("largest request accepted (bigger ones get RESOURCE_EXHAUSTED)"),
     "bench_service": Flag("also serve the benchmark-only SchedulerBench service (Echo)"),
     "metrics_port": Flag(METRICS_PORT_HELP),
+    "drain_timeout_s": Flag(DRAIN_HELP),
 }
 
 
@@ -69,5 +77,5 @@ def run(args: argparse.Namespace) -> int:
     )
     server.start()
     grpc_server.announce(settings.host, port)
-    grpc_server.serve_until_signal(server, health_servicer, on_stop=stop_telemetry)
+    grpc_server.serve_until_signal(server, health_servicer, grace_s=settings.drain_timeout_s, on_stop=stop_telemetry)
     return 0

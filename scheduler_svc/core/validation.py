@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from hybridserve.errors import InvalidArgumentError
 from scheduler_svc.core.state import RequestState, StepInput
 
@@ -38,12 +40,16 @@ def _is_running_ok(r: RequestState) -> bool:
     computed, prompt, output = r.num_computed_tokens, r.num_prompt_tokens, r.num_output_tokens
     if not r.request_id or prompt < 1 or computed < 0 or output < 0 or r.max_tokens < output or r.max_tokens < 1:
         return False
+    if not math.isfinite(r.arrival_time):
+        return False
     return output == 0 if computed < prompt else computed == prompt + output - 1
 
 
 def _is_waiting_ok(r: RequestState) -> bool:
     computed, prompt = r.num_computed_tokens, r.num_prompt_tokens
-    return bool(r.request_id) and 0 <= computed < prompt and r.num_output_tokens == 0 and r.max_tokens >= 1
+    if not (bool(r.request_id) and 0 <= computed < prompt and r.num_output_tokens == 0 and r.max_tokens >= 1):
+        return False
+    return math.isfinite(r.arrival_time)
 
 
 def _explain(request: RequestState, position: str, is_waiting: bool, seen: set[str]) -> None:
@@ -62,6 +68,11 @@ def _validate_request(request: RequestState, where: str, is_waiting: bool) -> No
         request.num_computed_tokens,
         request.num_output_tokens,
     )
+    if not math.isfinite(request.arrival_time):
+        raise InvalidArgumentError(
+            f"{where}: arrival_time = {request.arrival_time} must be a finite number (a monotonic clock"
+            " reading, e.g. seconds); the queue is ordered by it"
+        )
     if prompt < 1:
         raise InvalidArgumentError(f"{where}: num_prompt_tokens = {prompt} must be >= 1")
     if computed < 0 or output < 0:
@@ -71,6 +82,18 @@ def _validate_request(request: RequestState, where: str, is_waiting: bool) -> No
     if request.max_tokens < max(output, 1):
         raise InvalidArgumentError(
             f"{where}: max_tokens = {request.max_tokens} must be >= 1 and >= num_output_tokens ({output})"
+        )
+    if is_waiting and computed >= prompt:
+        raise InvalidArgumentError(
+            f"{where}: a waiting request must have prompt tokens left to compute: num_computed_tokens"
+            f" = {computed} must be < num_prompt_tokens = {prompt} (a prefix-cache hit counts at most"
+            " num_prompt_tokens - 1 tokens; a preempted request comes back with its outputs folded into"
+            " num_prompt_tokens and num_output_tokens = 0)"
+        )
+    if is_waiting and output != 0:
+        raise InvalidArgumentError(
+            f"{where}: num_output_tokens = {output} in a waiting request; it must be 0 (a preempted"
+            " request comes back with its outputs folded into num_prompt_tokens)"
         )
     if computed < prompt and output != 0:
         raise InvalidArgumentError(
@@ -82,9 +105,4 @@ def _validate_request(request: RequestState, where: str, is_waiting: bool) -> No
             f"{where}: num_computed_tokens = {computed} is beyond what a decode can be at; once the prompt"
             f" ({prompt} tokens) is computed it must equal num_prompt_tokens + num_output_tokens - 1"
             f" = {prompt + output - 1}"
-        )
-    if is_waiting and computed >= prompt:
-        raise InvalidArgumentError(
-            f"{where}: a waiting request must have prompt tokens left to compute (num_computed_tokens"
-            f" = {computed} >= num_prompt_tokens = {prompt})"
         )

@@ -1,6 +1,6 @@
 """The compose files as docker-compose 1.29 reads them: each file set renders, every service is on
 host networking, every hybridserve command and probe parses against the CLI, the GPU file reserves
-a GPU, and the worker's grace period covers its drain."""
+a GPU, and each server's grace period covers its drain."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from hybridserve.cli import COMMANDS, build_parser
 from tests.deploy.compose_files import DEPLOY, FILE_SETS, HYBRIDSERVE_SERVICES, config_env, rendered_config
 
-WORKER_DRAIN_S = 30  # the worker's default drain timeout
+DRAIN_S = 30  # the default drain timeout of the worker, the schedulers and the cache service
 GRACE = re.compile(r"^(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?$")
 
 
@@ -81,12 +81,15 @@ def test_dependencies_wait_for_health(configs: dict[str, dict[str, Any]]) -> Non
         assert all("healthcheck" in services[n] for n in needs)
 
 
-def test_worker_grace_period_covers_its_drain(configs: dict[str, dict[str, Any]]) -> None:
+@pytest.mark.parametrize("service", ["worker", "scheduler-a", "scheduler-b", "cache"])
+def test_grace_period_covers_the_drain(configs: dict[str, dict[str, Any]], service: str) -> None:
     for file_set, config in configs.items():
-        grace = GRACE.match(str(config["services"]["worker"]["stop_grace_period"]))
+        if service not in config["services"]:
+            continue
+        grace = GRACE.match(str(config["services"][service].get("stop_grace_period", "10s")))
         assert grace is not None
         seconds = int(grace.group(1) or 0) * 60 + float(grace.group(2) or 0)
-        assert seconds > WORKER_DRAIN_S, f"{file_set}: worker stop_grace_period {seconds}s <= drain {WORKER_DRAIN_S}s"
+        assert seconds > DRAIN_S, f"{file_set}: {service} stop_grace_period {seconds}s <= drain {DRAIN_S}s"
 
 
 def test_gpu_file_reserves_a_gpu_for_the_worker_only(configs: dict[str, dict[str, Any]]) -> None:

@@ -1,0 +1,168 @@
+"""Faults under load: kill -9 of each component (scheduler, worker, cache service, Redis) while 64
+greedy streams run on one worker, against real processes (tests/faults/stack.py: the same stack as
+tests/faults/). Each stream's outcome is sorted into completed (the tokens of a cold reference run
+of the same prompts), clear error (a status with a message: UNAVAILABLE, ABORTED, ...), hung (its
+deadline passed, or no answer) and wrong output; for each restart, the seconds until the process
+listens again and until a new request is served (for the cache service and Redis: and a BlockCache
+Lookup is answered, so Redis is reached again). Last, 256 streams on the worker with readiness
+checks on the side (4 probers, each every 20 ms, a fresh channel per check as a probe makes it): the
+checks' latency (p50, p99, max) and how many failed or took over a second, and the streams' outcomes.
+
+    python bench/bench_faults.py [--streams 64] [--max-tokens 12] [--outage-s 1] [--health-streams 256]
+                                 [--health-max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hybridserve.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
+from tests.faults.stack import (  # noqa: E402
+    COMPONENTS,
+    Stack,
+    health_check_s,
+    health_status_name,
+    prompts,
+    run_streams,
+    serves,
+    tally,
+    write_model,
+)
+
+KINDS = ("completed", "clear error", "hung", "wrong output", "unclear error")
+
+
+def fault_round(stack: Stack, name: str, args: argparse.Namespace, reference: list[list[int]]) -> dict[str, object]:
+    timings: dict[str, float] = {}
+
+    def fault() -> None:
+        stack.wait_progress(2 * args.streams)
+        stack.kill(name)
+        time.sleep(args.outage_s)
+        start = time.monotonic()
+        stack.start(name)
+        timings["listening"] = time.monotonic() - start
+        served = serves(stack.worker_address, prompts(1, seed=int(start))[0], 4, timeout_s=120) is not None
+        if name in ("cache", "redis"):  # the shared tier itself answers again (Redis through the service)
+            served = served and cache_answers(stack, timeout_s=120)
+        timings["served"] = time.monotonic() - start if served else float("inf")
+
+    outcomes = run_streams(
+        stack.worker_address, PROMPTS[: args.streams], args.max_tokens, args.deadline_s, reference, during=fault
+    )
+    codes = Counter(o.code.name for o in outcomes if o.code is not None)
+    return {"fault": f"kill -9 {name}", **tally(outcomes), **timings, "codes": dict(codes)}
+
+
+def cache_answers(stack: Stack, timeout_s: float) -> bool:
+    """Polls a BlockCache Lookup until it is answered (OK), or timeout_s."""
+    request = cache_pb2.LookupRequest(model_fingerprint="0" * 64, block_hashes=[b"0" * 32])
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(stack.cache_address) as channel:
+        stub = cache_pb2_grpc.BlockCacheStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                stub.Lookup(request, timeout=2)
+                return True
+            except grpc.RpcError:
+                time.sleep(0.02)
+    return False
+
+
+def health_under_load(stack: Stack, args: argparse.Namespace) -> tuple[list[float], int, Counter[str]]:
+    """Readiness checks (each on a fresh channel, as a probe makes them) from PROBERS threads, each
+    every 20 ms, while `--health-streams` streams run on the worker."""
+    latencies: list[float] = []
+    failures = 0
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def probe() -> None:
+        nonlocal failures
+        while not done.is_set():
+            took, status = health_check_s(stack.worker_address, timeout_s=5.0)
+            with lock:
+                latencies.append(took)
+                failures += health_status_name(status) != "SERVING"
+            time.sleep(0.02)
+
+    probers = [threading.Thread(target=probe, daemon=True) for _ in range(PROBERS)]
+    many = prompts(args.health_streams, length=24, seed=5)
+
+    def start_probing() -> None:
+        for prober in probers:
+            prober.start()
+
+    outcomes = run_streams(stack.worker_address, many, args.health_max_tokens, args.deadline_s, during=start_probing)
+    done.set()
+    for prober in probers:
+        prober.join(10)
+    counts = tally(outcomes) + Counter(f"  {o.code.name}" for o in outcomes if o.code is not None)
+    return latencies, failures, counts
+
+
+PROBERS = 4
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+PROMPTS: list[list[int]] = []
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--outage-s", type=float, default=1.0)
+    parser.add_argument("--deadline-s", type=float, default=60.0)
+    parser.add_argument("--health-streams", type=int, default=256)
+    parser.add_argument("--health-max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    PROMPTS.extend(prompts(args.streams))
+    with tempfile.TemporaryDirectory(prefix="bench-faults-") as folder:
+        stack = Stack(write_model(Path(folder)))
+        try:
+            cold = run_streams(stack.worker_address, PROMPTS, args.max_tokens, args.deadline_s)
+            assert tally(cold) == {"completed": args.streams}, tally(cold)
+            reference = [o.tokens for o in cold]
+            rows = [fault_round(stack, name, args, reference) for name in COMPONENTS]
+            latencies, failures, counts = health_under_load(stack, args)
+        finally:
+            stack.stop()
+    print(f"\n{args.streams} streams, {args.max_tokens} tokens each, outage {args.outage_s:.1f} s before the restart")
+    header = f"{'fault':<22}" + "".join(f"{k:>14}" for k in KINDS) + f"{'listening s':>13}{'served s':>10}  statuses"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        cells = "".join(f"{row.get(k, 0):>14}" for k in KINDS)
+        print(f"{row['fault']:<22}{cells}{row['listening']:>13.2f}{row['served']:>10.2f}  {row['codes'] or '-'}")
+    print(
+        f"\nreadiness checks ({PROBERS} probers, each every 20 ms) during {args.health_streams} streams of"
+        f" {args.health_max_tokens} tokens on one worker: {len(latencies)} checks"
+    )
+    if latencies:
+        print(
+            f"  latency p50 {quantile(latencies, 0.5) * 1e3:.1f} ms, p99 {quantile(latencies, 0.99) * 1e3:.1f} ms,"
+            f" max {max(latencies) * 1e3:.1f} ms; over 1 s: {sum(t > 1.0 for t in latencies)};"
+            f" not SERVING or failed: {failures}; mean {statistics.mean(latencies) * 1e3:.1f} ms"
+        )
+    print("  streams: " + ", ".join(f"{k.strip()} {v}" for k, v in sorted(counts.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

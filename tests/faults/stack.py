@@ -1,0 +1,249 @@
+"""The whole stack as real processes for fault tests and bench/bench_faults.py: Redis, the cache
+service, a scheduler and a worker, each on a port picked once so a killed one comes back at its
+address; N concurrent greedy streams whose outcomes are sorted into completed (the reference
+tokens), a clear error status, hung (the deadline passed, or no answer) and wrong output."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cache_svc.embedded_redis import RedisProcess
+from gpu_worker.init_model import ModelSpec, write_random_checkpoint
+from hybridserve.children import free_port
+from hybridserve.v1 import generation_pb2 as pb
+from hybridserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.procs import ServerProcess
+
+# Small enough for 64 streams on two shared CPU cores; the byte tokenizer, a 16-token cache block.
+# The worker's pool is small too (--memory-budget-mb 2: about 550 KV pages), so a run evicts.
+SPEC = ModelSpec(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, attn_layer_indices=(1, 3), mamba_n_heads=4,
+    mamba_d_state=16,
+)  # fmt: skip
+BLOCK_SIZE = 16
+MAX_MEMORY_MB = 64  # the cache service's Redis budget
+KV_PAGE_SIZE = 4
+# The worker's local prefix tier holds at most this many blocks (one Mamba checkpoint each), fewer
+# than 64 prompts have: each run evicts, and misses go to the shared tier (cache service, Redis).
+CHECKPOINT_SLOTS = 32
+CLEAR_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
+})  # fmt: skip
+COMPONENTS = ("scheduler", "worker", "cache", "redis")
+
+
+def prompts(count: int, length: int = 40, seed: int = 0) -> list[list[int]]:
+    """Distinct token-id prompts, several blocks long (so the shared tier has blocks to hold)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(length)] for _ in range(count)]
+
+
+def greedy(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
+
+
+@dataclass
+class Outcome:
+    kind: str  # "completed", "clear error", "hung", "wrong output"
+    elapsed_s: float
+    tokens: list[int] = field(default_factory=list)
+    code: grpc.StatusCode | None = None
+    details: str = ""
+
+
+def classify(
+    tokens: list[int], last: pb.GenerateResponse | None, error: grpc.RpcError | None, expected: list[int] | None
+) -> tuple[str, grpc.StatusCode | None, str]:
+    if error is not None:
+        code, details = error.code(), error.details() or ""
+        if code in CLEAR_CODES and details:
+            return "clear error", code, details
+        return ("hung" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "unclear error"), code, details
+    if last is None or last.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+        return "wrong output", None, "the stream ended without a finish reason"
+    if expected is not None and tokens != expected:
+        return "wrong output", None, f"tokens {tokens} != reference {expected}"
+    return "completed", None, ""
+
+
+def run_streams(
+    address: str,
+    requests: Sequence[list[int]],
+    max_tokens: int,
+    deadline_s: float,
+    expected: Sequence[list[int]] | None = None,
+    during: Callable[[], None] | None = None,
+) -> list[Outcome]:
+    """One stream per prompt, all at once (each on a thread, one channel); `during` runs on this
+    thread while they are in flight. Returns each stream's outcome, in prompt order."""
+    outcomes: list[Outcome | None] = [None] * len(requests)
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        def one(i: int) -> None:
+            start = time.monotonic()
+            tokens: list[int] = []
+            last: pb.GenerateResponse | None = None
+            error: grpc.RpcError | None = None
+            try:
+                for message in stub.Generate(greedy(requests[i], max_tokens), timeout=deadline_s):
+                    tokens.extend(message.token_ids)
+                    last = message
+            except grpc.RpcError as exc:
+                error = exc
+            kind, code, details = classify(tokens, last, error, None if expected is None else expected[i])
+            outcomes[i] = Outcome(kind, time.monotonic() - start, tokens, code, details)
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        if during is not None:
+            during()
+        for t in threads:
+            t.join(deadline_s + 30)  # a thread still alive here is a client hung past its own deadline
+    return [o if o is not None else Outcome("hung", float("inf")) for o in outcomes]
+
+
+def tally(outcomes: Sequence[Outcome]) -> Counter[str]:
+    return Counter(o.kind for o in outcomes)
+
+
+class Stack:
+    """Redis, cache service, scheduler and worker processes; `kill(name)` is kill -9 and `start(name)`
+    brings it back on the same port."""
+
+    def __init__(self, model_dir: Path, worker_flags: Sequence[str] = ()) -> None:
+        self.model_dir = model_dir
+        self.worker_flags = list(worker_flags)
+        self.ports = {name: free_port() for name in ("scheduler", "worker", "cache")}
+        self.redis: RedisProcess | None = None
+        self.redis_port = free_port()
+        self.procs: dict[str, ServerProcess] = {}
+        try:
+            for name in COMPONENTS[::-1]:  # redis, cache, worker's dependencies first
+                if name != "worker":
+                    self.start(name)
+            self.start("worker")
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def worker_address(self) -> str:
+        return f"127.0.0.1:{self.ports['worker']}"
+
+    @property
+    def cache_address(self) -> str:
+        return f"127.0.0.1:{self.ports['cache']}"
+
+    def start(self, name: str) -> None:
+        if name == "redis":
+            self.redis = RedisProcess(port=self.redis_port)
+            return
+        args = {
+            "scheduler": ["scheduler", "--port", str(self.ports["scheduler"])],
+            "cache": [
+                "cache", "--redis", f"redis://127.0.0.1:{self.redis_port}/0", "--port", str(self.ports["cache"]),
+                "--max-memory-mb", str(MAX_MEMORY_MB),
+            ],
+            "worker": [
+                "worker", "--model", str(self.model_dir), "--scheduler", f"127.0.0.1:{self.ports['scheduler']}",
+                "--cache", self.cache_address, "--port", str(self.ports["worker"]), "--device", "cpu",
+                "--memory-budget-mb", "2", "--max-num-seqs", "16", "--max-queue-len", "64",
+                "--block-size", str(BLOCK_SIZE), "--mamba-block-size", "8", "--kv-page-size", str(KV_PAGE_SIZE),
+                "--num-checkpoint-slots", str(CHECKPOINT_SLOTS), "--scheduler-give-up-s", "20", *self.worker_flags,
+            ],
+        }[name]  # fmt: skip
+        self.procs[name] = ServerProcess(args, timeout_s=180)
+
+    def kill(self, name: str) -> None:
+        if name == "redis":
+            assert self.redis is not None
+            self.redis.kill()
+            self.redis.stop()  # removes its (empty) data folder; the process is gone already
+            self.redis = None
+            return
+        self.procs.pop(name).stop(signal.SIGKILL)
+
+    def terminate(self, name: str) -> int:
+        """SIGTERM (a rolling restart): the process drains and exits; returns its exit code."""
+        return self.procs.pop(name).stop(signal.SIGTERM)
+
+    def stop(self) -> None:
+        for name in ("worker", "scheduler", "cache"):
+            proc = self.procs.pop(name, None)
+            if proc is not None:
+                proc.stop()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def info(self, timeout_s: float = 5.0) -> pb.GetInfoResponse:
+        with grpc.insecure_channel(self.worker_address) as channel:
+            return pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest(), timeout=timeout_s)
+
+    def wait_quiet(self, timeout_s: float = 30.0) -> pb.GetInfoResponse:
+        """GetInfo once the worker runs and queues nothing (or the last answer at the timeout)."""
+        deadline = time.monotonic() + timeout_s
+        info = self.info()
+        while (info.num_running or info.num_waiting) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            info = self.info()
+        return info
+
+    def wait_progress(self, tokens: int, timeout_s: float = 60.0) -> None:
+        """Blocks until the worker generated `tokens` more tokens than when called."""
+        start = self.info().num_generated_tokens
+        deadline = time.monotonic() + timeout_s
+        while self.info().num_generated_tokens < start + tokens:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the worker generated fewer than {tokens} tokens in {timeout_s:.0f} s")
+            time.sleep(0.02)
+
+
+def health_check_s(address: str, service: str = "readiness", timeout_s: float = 5.0) -> tuple[float, int | None]:
+    """(seconds one grpc.health.v1 Check took, its status or None on an error) on a fresh channel."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        start = time.monotonic()
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s).status
+        except grpc.RpcError:
+            status = None
+        return time.monotonic() - start, status
+
+
+def serves(address: str, prompt: list[int], max_tokens: int, timeout_s: float) -> list[int] | None:
+    """The tokens of one request, retried until timeout_s (None if none succeeded): recovery."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                stream = pb_grpc.GenerationStub(channel).Generate(
+                    greedy(prompt, max_tokens), timeout=max(deadline - time.monotonic(), 0.1)
+                )
+                return [t for m in stream for t in m.token_ids]
+        except grpc.RpcError:
+            time.sleep(0.05)
+    return None
+
+
+def write_model(folder: Path) -> Path:
+    return write_random_checkpoint(folder / "tiny", SPEC, seed=11)
+
+
+def health_status_name(status: int | None) -> str:
+    return "error" if status is None else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
