@@ -8,9 +8,12 @@ the block writes it again, or it expires."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
+from redis.client import Pipeline
 
 from cache_svc import keys
 from hybridserve.v1 import cache_pb2 as pb
@@ -30,6 +33,7 @@ class StoredBlock:
     checksum: bytes  # the stored SHA-256 of data (32 bytes; empty when absent or malformed)
     fingerprint: str
     version: int  # the schema version that wrote it (0 when absent)
+    oversized: bool = False  # larger than the reader's bound: not read (data empty)
 
     @property
     def is_current_schema(self) -> bool:
@@ -60,17 +64,30 @@ class DirectBlocks:
             socket_read_size=SOCKET_READ_BYTES,
         )  # fmt: skip
 
-    def read(self, block_hashes: list[bytes]) -> list[StoredBlock | None]:
-        """The stored blocks, in order (None where absent), in one round trip."""
+    def read(self, block_hashes: list[bytes], max_bytes: int = 0) -> list[StoredBlock | None]:
+        """The stored blocks, in order (None where absent), in one round trip; with max_bytes > 0
+        the sizes are asked first (one more round trip) and a block larger than that ends the run
+        as an `oversized` row, its bytes never read."""
+        if max_bytes > 0:
+            sizes = self._call(lambda pipe, key: pipe.hstrlen(key, keys.FIELD_DATA), block_hashes)
+            too_big = next((i for i, size in enumerate(sizes) if int(size) > max_bytes), None)
+            if too_big is not None:
+                return [*self.read(block_hashes[:too_big]), StoredBlock(b"", b"", "", 0, oversized=True)]
         fields = [keys.FIELD_DATA, keys.FIELD_SHA256, keys.FIELD_FINGERPRINT, keys.FIELD_VERSION]
+        rows = self._call(lambda pipe, key: pipe.hmget(key, fields), block_hashes)
+        return [_stored(row) for row in rows]
+
+    def _call(self, command: Callable[[Pipeline, str], object], block_hashes: list[bytes]) -> list[Any]:
+        """One command per block key, pipelined in one round trip."""
+        if not block_hashes:
+            return []
         try:
             pipe = self.redis.pipeline(transaction=False)
             for block_hash in block_hashes:
-                pipe.hmget(self.key_prefix + block_hash.hex(), fields)
-            rows = pipe.execute()
+                command(pipe, self.key_prefix + block_hash.hex())
+            return pipe.execute()
         except redis.RedisError as exc:
             raise DataPathError(f"direct read failed: {exc}") from exc
-        return [_stored(row) for row in rows]
 
     def write(self, blocks: list[BlockWrite], fingerprint: str, block_size: int) -> None:
         """Stores blocks under the service's schema with its TTL, in one round trip."""

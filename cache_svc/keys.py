@@ -13,8 +13,8 @@ the memory budget. Keys and entries of another schema version are misses (never 
 deleted: they expire).
 
 Who touches what. The cache service owns the schema, the policy (memory budget, TTL) and the
-lookups; workers read and write the block hashes directly (the fast data path: pipelined HMGET /
-HSET for a run of blocks, no copy through the service) as the Redis ACL user the service sets up,
+lookups; workers read and write the block hashes directly (the fast data path: pipelined HSTRLEN +
+HMGET / HSET for a run of blocks, no copy through the service) as the Redis ACL user the service sets up,
 limited to keys matching `block_key_pattern` and the data commands in WORKER_COMMANDS.
 """
 
@@ -27,7 +27,7 @@ FIELD_FINGERPRINT = b"fingerprint"
 FIELD_PARENT = b"parent"
 FIELD_BLOCK_SIZE = b"block_size"
 FIELD_VERSION = b"version"
-WORKER_COMMANDS = ("hmget", "hset", "expire", "exists", "ping")  # no CONFIG, no KEYS, no FLUSH*, no DEL
+WORKER_COMMANDS = ("hmget", "hstrlen", "hset", "expire", "exists", "ping")  # no CONFIG, no KEYS, no FLUSH*, no DEL
 
 
 def block_key_prefix(prefix: str, fingerprint: str) -> str:

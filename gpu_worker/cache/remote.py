@@ -56,6 +56,12 @@ class FetchResult:
     num_offered_blocks: int  # blocks it held beyond the local hit
 
 
+def max_block_bytes(block_bytes: int) -> int:
+    """The most bytes a fetch reads for one block of `block_bytes` expected (twice that, plus room
+    for the format's header); 0 (no bound) when the size is not known."""
+    return 2 * block_bytes + (64 << 10) if block_bytes > 0 else 0
+
+
 def _done(value: T) -> Future[T]:
     future: Future[T] = Future()
     future.set_result(value)
@@ -249,7 +255,7 @@ class SharedTier:
                 break  # a bad block: what follows cannot be part of the hit
             indices = range(start, min(start + per_batch, end))
             try:
-                rows = direct.read([block_hashes[i] for i in indices])
+                rows = direct.read([block_hashes[i] for i in indices], max_block_bytes(block_bytes_hint))
             except DataPathError as exc:
                 log.warning("direct read failed: %s", exc)
                 self._drop_direct(direct)
@@ -275,6 +281,11 @@ class SharedTier:
         for index, row in zip(indices, rows, strict=True):
             if row is None:
                 return fetched, MissReason.EVICTED, num_bytes  # gone since the lookup
+            if row.oversized:
+                log.warning(
+                    "block %s is larger than this model's checkpoints; not read", block_hashes[index].hex()[:12]
+                )
+                return fetched, MissReason.FAILED_VERIFICATION, num_bytes
             if not row.is_current_schema or row.fingerprint != self.fingerprint:
                 return fetched, MissReason.FOREIGN_FINGERPRINT, num_bytes
             try:

@@ -4,6 +4,7 @@ version are misses; without the direct path, Publish and Fetch through the servi
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import grpc
@@ -102,3 +103,20 @@ def test_without_direct_access_blocks_go_through_the_service(serve, checkpoint, 
     finally:
         server.stop(None)
         store.close()
+
+
+def test_a_block_far_larger_than_this_models_checkpoints_is_not_read(
+    serve, checkpoint, cache_service, redis_server, caplog
+):
+    first = serve(checkpoint, CONFIG, prefix_caching=True, cache_address=cache_service.address)
+    prompt = tokens(2 * BLOCK + 5, 7)
+    first.run(prompt)
+    assert first.engine.prefix.shared.flush()
+    client = redis_server.client()
+    huge = b"\0" * (8 << 20)  # a hostile writer's 8 MiB under a block key (this model's blocks are KiBs)
+    for key in client.scan_iter(keys.block_key_pattern("hybridserve")):
+        client.hset(key, mapping={keys.FIELD_DATA: huge, keys.FIELD_SHA256: hashlib.sha256(huge).hexdigest()})
+    second = serve(checkpoint, CONFIG, prefix_caching=True, cache_address=cache_service.address)
+    assert second.run(prompt[: 2 * BLOCK] + tokens(3, 8))[2] == 0
+    assert dict(second.info().prefix_cache_miss_reasons) == {"failed_verification": 1}
+    assert "larger than this model's checkpoints" in caplog.text
