@@ -19,11 +19,11 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
-from gateway.auth import is_authorized
 from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.tokens import GatewayTokenizer
 from hybridserve import telemetry
+from hybridserve.auth import is_authorized
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.affinity import PrefixTable
-from gateway.auth import load_keys
 from gateway.chat_template import ChatTemplate, TemplateError, load_chat_template
 from gateway.dispatch import Dispatcher, RoutingSettings
 from gateway.grpc_proxy import GenerationProxy, create_grpc_server, watch_readiness
@@ -28,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool, split_host_port
 from gateway.tokens import GatewayTokenizer
 from hybridserve import telemetry
+from hybridserve.auth import load_keys
 from hybridserve.settings import (
     API_KEYS_ENV,
     Flag,
@@ -67,8 +67,9 @@ FLAGS = {
     "host": Flag("bind address"),
     "port": Flag("HTTP; 0 = a free port"),
     "grpc_port": Flag("the proxied gRPC Generation API; 0 = a free port"),
-    "model": Flag("the workers' model folder: its tokenizer (prefix routing, logprob tokens) and chat template",
-                  metavar="DIR"),  # fmt: skip
+    "model": Flag(
+        "the workers' model folder: its tokenizer (prefix routing, logprob tokens) and chat template", metavar="DIR"
+    ),  # fmt: skip
     "served_model_name": Flag("the model name clients send (default: the workers' model name)"),
     "chat_template": Flag("a Jinja chat template file", metavar="FILE"),
     "api_key_file": Flag(f"accepted API keys, one per line (or {API_KEYS_ENV}, comma separated)", metavar="FILE"),
