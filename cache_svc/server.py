@@ -72,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser, StoreConfig, "CACHE", flags=FLAGS, exclude=["socket_timeout_s", "redis_password"])
     add_settings_arguments(parser, CacheServerSettings, "CACHE", flags=FLAGS)
     add_tls_arguments(parser, "CACHE")
+    parser.add_argument("--redis-password", action=RefuseSecretFlag, help=argparse.SUPPRESS)
+
+
+class RefuseSecretFlag(argparse.Action):
+    """A password on the command line shows in `ps` to every user: refused, saying what to use."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object, **_kwargs: object) -> None:
+        parser.error(f"--redis-password is refused (argv shows in ps): set {REDIS_PASSWORD_ENV} or --redis-password-file")
 
 
 def cluster_tokens(settings: CacheServerSettings) -> frozenset[str]:

@@ -25,7 +25,7 @@ from scheduler_svc.core import MambaCacheMode, SchedulerConfig
 from scheduler_svc.server import create_server
 from tests.model.model_helpers import TinySpec, make_hf_model, save_hf_model
 
-SHARED_ACCESS = SharedTierAccess(b"test-checkpoint-key-0123456789")  # every test worker's checkpoint key
+SHARED_ACCESS = SharedTierAccess(b"test-checkpoint-key-0123456789", "test-cluster-token")  # every test worker's
 SPEC = TinySpec(seed=5, vocab_size=120, hidden_size=64, num_hidden_layers=4, attn_layer_indices=(1, 3))
 
 SCHEDULER = SchedulerConfig(
