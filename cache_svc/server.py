@@ -79,7 +79,7 @@ class RefuseSecretFlag(argparse.Action):
     """A password on the command line shows in `ps` to every user: refused, saying what to use."""
 
     def __call__(self, parser: argparse.ArgumentParser, *_args: object, **_kwargs: object) -> None:
-        parser.error(f"--redis-password is refused (argv shows in ps): set {REDIS_PASSWORD_ENV} or --redis-password-file")
+        parser.error(f"--redis-password is refused (argv shows in ps): use {REDIS_PASSWORD_ENV} or a password file")
 
 
 def cluster_tokens(settings: CacheServerSettings) -> frozenset[str]:

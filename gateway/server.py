@@ -36,6 +36,7 @@ from hybridserve.settings import (
     secret_from_env,
     settings_from_args,
 )
+from hybridserve.tls import TlsSettings, add_tls_arguments
 
 log = logging.getLogger("hybridserve.gateway")
 
@@ -100,10 +101,12 @@ class GatewayConfig:
     request_timeout_s: float
     poll_interval_s: float
     grace_s: float
+    tls: TlsSettings  # the gRPC port's certificate (mTLS with a client CA), and how to dial the workers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser, GatewaySettings, SERVICE, flags=FLAGS)
+    add_tls_arguments(parser, SERVICE)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -139,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=settings.request_timeout_s,
         poll_interval_s=settings.poll_interval_s,
         grace_s=settings.grace_s,
+        tls=settings_from_args(TlsSettings, args),
     )
 
 
@@ -162,7 +166,9 @@ async def serve(config: GatewayConfig, template: ChatTemplate | None) -> None:
     metrics = GatewayMetrics()
     table = PrefixTable()
     metadata = (("authorization", f"Bearer {config.worker_api_key}"),) if config.worker_api_key else ()
-    pool = WorkerPool(config.workers, poll_interval_s=config.poll_interval_s, metadata=metadata, on_down=table.forget)
+    pool = WorkerPool(
+        config.workers, poll_interval_s=config.poll_interval_s, metadata=metadata, on_down=table.forget, tls=config.tls
+    )
     await pool.start()
     dispatcher = Dispatcher(pool, table, config.routing, metrics)
     tokenizer = GatewayTokenizer.from_model_dir(config.model_dir)
@@ -176,7 +182,7 @@ async def serve(config: GatewayConfig, template: ChatTemplate | None) -> None:
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     print(f"listening on {config.host}:{http_port}", flush=True)
     proxy = GenerationProxy(dispatcher, metrics, config.api_keys, tokenizer, config.request_timeout_s)
-    grpc_server, grpc_port, health_servicer = create_grpc_server(proxy, config.host, config.grpc_port)
+    grpc_server, grpc_port, health_servicer = create_grpc_server(proxy, config.host, config.grpc_port, config.tls)
     await grpc_server.start()
     print(f"grpc listening on {config.host}:{grpc_port}", flush=True)
     log.info("routing %s over %s", config.routing.mode, ", ".join(config.workers))

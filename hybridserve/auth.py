@@ -9,6 +9,7 @@ the key. Health and reflection stay open (probes carry no credentials)."""
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -71,3 +72,13 @@ def check_bearer(keys: frozenset[str], header: str | None) -> tuple[str, str] | 
     if not is_accepted(keys, token):
         return PERMISSION_DENIED, "the credential sent is not accepted here"
     return None
+
+
+def write_private(path: Path, data: bytes) -> Path:
+    """Writes data to a file readable by its owner only (0600 from creation, not chmod after)."""
+    path = Path(path)
+    path.unlink(missing_ok=True)  # O_CREAT keeps an existing file's mode
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path

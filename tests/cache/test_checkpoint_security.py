@@ -135,9 +135,7 @@ def test_a_genuine_checkpoint_republished_under_another_prefix_is_a_miss(
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["sealed-with-the-key", "unsealed"])
-def test_a_wrong_shape_checkpoint_written_into_redis_is_a_miss(
-    start_worker, cold, cache_service, redis_server, signed
-):
+def test_a_wrong_shape_checkpoint_written_into_redis_is_a_miss(start_worker, cold, cache_service, redis_server, signed):
     first = start_worker(prefix_caching=True, cache_address=cache_service.address)
     prefix = prompt_of(4 * BLOCK, 303)
     run(first, prefix + prompt_of(3, 3))
