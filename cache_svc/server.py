@@ -49,6 +49,8 @@ FLAGS = {
     "redis_url": Flag("Redis URL", name="--redis"),
     "redis_password_file": Flag(f"file holding the Redis password (or {REDIS_PASSWORD_ENV})", metavar="FILE"),
     "redis_tls_ca": Flag("rediss://: trust this CA for Redis's certificate", metavar="FILE"),
+    "redis_tls_cert": Flag("rediss://: client certificate for Redis (tls-auth-clients)", metavar="FILE"),
+    "redis_tls_key": Flag("rediss://: private key of --redis-tls-cert", metavar="FILE"),
     "cluster_token_file": Flag(f"accepted cluster tokens, one per line (or {CLUSTER_TOKEN_ENV})", metavar="FILE"),
     "allow_anonymous": Flag("serve without a cluster token: anyone who reaches the port may publish", switch=True),
     "max_publish_bytes": Flag("largest checkpoint one Publish may carry, MiB", name="--max-publish-mb", scale=1 << 20),

@@ -40,6 +40,8 @@ class StoreConfig:
     ttl_s: int = 24 * 3600  # every block key expires this long after its last publish
     max_model_bytes: int = 512 << 20  # checkpoint bytes kept per model fingerprint (0 = no bound)
     redis_tls_ca: Path | None = None  # rediss://: trust this CA (default: the system roots)
+    redis_tls_cert: Path | None = None  # rediss://: client certificate, for a Redis with tls-auth-clients
+    redis_tls_key: Path | None = None  # its private key
     socket_timeout_s: float = 1.0
 
 
@@ -47,8 +49,10 @@ class CheckpointStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         tls: dict[str, Any] = {}
-        if config.redis_url.startswith("rediss://") and config.redis_tls_ca is not None:
-            tls = {"ssl_ca_certs": str(config.redis_tls_ca)}
+        if config.redis_url.startswith("rediss://"):
+            files = {"ssl_ca_certs": config.redis_tls_ca, "ssl_certfile": config.redis_tls_cert,
+                     "ssl_keyfile": config.redis_tls_key}  # fmt: skip
+            tls = {name: str(path) for name, path in files.items() if path is not None}
         self.redis = redis.Redis.from_url(
             config.redis_url, password=config.redis_password, socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.socket_timeout_s, health_check_interval=5, **tls,
