@@ -134,36 +134,35 @@ def build_prefix_cache(
 ) -> PrefixCacheManager | None:
     """The local tier, plus the shared tier when --cache is given; None when caching is off or the
     scheduler does not align chunks to the checkpoint grid (no state would exist at block ends).
-    Without `access` (no checkpoint key) checkpoints are sealed with a key of this process alone."""
+    Without `access` checkpoints are sealed with a random key of this process alone."""
     if not enabled or not settings.scheduler.is_aligned or runner.state_pool.num_checkpoint_slots == 0:
         return None
     shared = None
     if settings.cache_address:
-        if access is None:
-            log.warning(
-                "no checkpoint key (%s or --checkpoint-key-file): this worker seals shared-tier checkpoints "
-                "with a random key of its own, so no other worker can use them", CHECKPOINT_KEY_ENV,
-            )  # fmt: skip
-            access = SharedTierAccess(secrets.token_bytes(32))
+        access = access or SharedTierAccess(secrets.token_bytes(32))
         block_size = settings.scheduler.block_size
         layout = CheckpointLayout.of_runner(runner, block_size)
         shared = SharedTier(settings.cache_address, runner.loaded.fingerprint, block_size, layout, access)
     return PrefixCacheManager(runner, settings.scheduler.block_size, shared)
 
 
-def shared_tier_access(server: WorkerServerSettings, tls: TlsSettings) -> SharedTierAccess | None:
-    """The checkpoint key, cluster token and TLS for the shared tier; None without a key."""
+def shared_tier_access(server: WorkerServerSettings, tls: TlsSettings) -> SharedTierAccess:
+    """The checkpoint key, cluster token and TLS for the shared tier. Without a configured key the
+    worker seals with a random key of its own (warned): no other worker can use its checkpoints."""
     try:
         key = load_secret(server.checkpoint_key_file, secret_from_env(CHECKPOINT_KEY_ENV))
         token = load_secret(server.cluster_token_file, secret_from_env(CLUSTER_TOKEN_ENV))
     except OSError as exc:
         raise SystemExit(f"worker secrets: {exc}") from None
-    if key is None:
-        return None
-    if len(key.encode()) < MIN_KEY_BYTES:
+    if key is not None and len(key.encode()) < MIN_KEY_BYTES:
         raise SystemExit(f"the checkpoint key must be at least {MIN_KEY_BYTES} bytes")
+    if key is None:
+        log.warning(
+            "no checkpoint key (%s or --checkpoint-key-file): this worker seals shared-tier checkpoints "
+            "with a random key of its own, so no other worker can use them", CHECKPOINT_KEY_ENV,
+        )  # fmt: skip
     first_token = token.split(",")[0].strip() if token else None  # rotation: servers accept "new,old"
-    return SharedTierAccess(key.encode(), first_token, tls)
+    return SharedTierAccess(key.encode() if key else secrets.token_bytes(32), first_token, tls)
 
 
 def api_keys(server: WorkerServerSettings) -> frozenset[str]:
@@ -201,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         give_up_after_s=settings.scheduler_give_up_s,
         tls=tls,
     )
-    access = shared_tier_access(server_settings, tls)
+    access = shared_tier_access(server_settings, tls) if settings.cache_address else None
     prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching, access)
     engine = Engine(runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix)
     engine.start()

@@ -120,8 +120,10 @@ def check_key(key: bytes) -> bytes:
     return key
 
 
-def _mac(key: bytes, body: bytes) -> bytes:
-    return hmac.new(key, MAGIC + body, sha256).digest()
+def _mac(key: bytes, body: bytes | memoryview) -> bytes:
+    mac = hmac.new(key, MAGIC, sha256)
+    mac.update(body)  # no copy of a large body
+    return mac.digest()
 
 
 def seal(block: BlockCheckpoint, identity: BlockIdentity, key: bytes) -> bytes:
@@ -138,7 +140,7 @@ def verify(data: bytes, identity: BlockIdentity, layout: CheckpointLayout, key: 
     head = len(MAGIC) + MAC_BYTES
     if len(data) < head + 8 or not data.startswith(MAGIC):
         return Rejection("format", f"not a {FORMAT_VERSION} checkpoint")
-    body = data[head:]
+    body = memoryview(data)[head:]
     if not hmac.compare_digest(data[len(MAGIC) : head], _mac(key, body)):
         return Rejection("mac", "MAC mismatch: not made by a worker holding this key, or altered")
     header = _header(body)
@@ -152,19 +154,19 @@ def verify(data: bytes, identity: BlockIdentity, layout: CheckpointLayout, key: 
     if problem is not None:
         return Rejection("layout", problem)
     try:
-        tensors = st_load(body)
+        tensors = st_load(bytes(body))
     except Exception as exc:  # safetensors raises its own error types on malformed bytes
         return Rejection("format", f"not valid safetensors: {exc}")
     return BlockCheckpoint(kv=tensors["kv"], conv=tensors.get("conv"), ssm=tensors.get("ssm"))
 
 
-def _header(body: bytes) -> dict[str, dict[str, object]] | Rejection:
+def _header(body: memoryview) -> dict[str, dict[str, object]] | Rejection:
     """The safetensors JSON header (tensor name -> dtype, shape, offsets; plus __metadata__)."""
     (length,) = struct.unpack("<Q", body[:8])
     if length > min(MAX_HEADER_BYTES, len(body) - 8):
         return Rejection("format", f"safetensors header of {length} bytes does not fit")
     try:
-        header = json.loads(body[8 : 8 + length])
+        header = json.loads(bytes(body[8 : 8 + length]))
     except (ValueError, UnicodeDecodeError) as exc:
         return Rejection("format", f"safetensors header is not JSON: {exc}")
     if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
