@@ -32,6 +32,7 @@ from bench_model import BENCH_SPEC  # noqa: E402
 from cache_svc.embedded_redis import RedisProcess  # noqa: E402
 from cache_svc.server import create_server as create_cache_server  # noqa: E402
 from cache_svc.store import StoreConfig  # noqa: E402
+from gpu_worker.cache.remote import SharedTierAccess  # noqa: E402
 from gpu_worker.engine.engine import Engine  # noqa: E402
 from gpu_worker.engine.settings import EngineSettings  # noqa: E402
 from gpu_worker.init_model import write_random_checkpoint  # noqa: E402
@@ -45,6 +46,7 @@ from scheduler_svc.core import MambaCacheMode, SchedulerConfig  # noqa: E402
 from scheduler_svc.server import create_server as create_scheduler_server  # noqa: E402
 
 CACHED_TOKENS = 2048
+CHECKPOINT_KEY = os.urandom(32)  # the workers' shared checkpoint key (both workers of this run)
 SUFFIX_TOKENS = 16
 SCHEDULER = SchedulerConfig(
     max_num_batched_tokens=4096, max_num_seqs=8, long_prefill_token_threshold=0, max_num_prefill_tokens_per_step=0,
@@ -65,7 +67,8 @@ class Worker:
         )  # fmt: skip
         self.client = SchedulerClient([scheduler_address])
         runner = ModelRunner.from_model_dir(model_dir, runner_config)
-        self.engine = Engine(runner, self.client.plan, settings, prefix=build_prefix_cache(runner, settings, True))
+        prefix = build_prefix_cache(runner, settings, True, SharedTierAccess(CHECKPOINT_KEY))
+        self.engine = Engine(runner, self.client.plan, settings, prefix=prefix)
         self.engine.start()
         self.server, port, _ = grpc_server.create_server([add_to_server(GenerationServicer(self.engine, "bench"))])
         self.server.start()

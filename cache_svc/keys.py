@@ -7,6 +7,9 @@
     fingerprint the model fingerprint (must equal the key's)
     parent      parent block hash, hex ("" for the first block)
     block_size  tokens per block
+{prefix}:sizes:{fingerprint}   HASH, block_hash_hex -> checkpoint bytes of that block
+{prefix}:bytes:{fingerprint}   STRING, their sum: the bound on bytes kept per model (it can run
+                               high as Redis evicts; the store recounts before refusing)
 every key carries a TTL; Redis evicts by LRU among keys with a TTL (volatile-lru) within
 the memory budget.
 """
@@ -22,3 +25,11 @@ FIELD_BLOCK_SIZE = b"block_size"
 
 def block_key(prefix: str, fingerprint: str, block_hash: bytes) -> str:
     return f"{prefix}:blk:{fingerprint}:{block_hash.hex()}"
+
+
+def sizes_key(prefix: str, fingerprint: str) -> str:
+    return f"{prefix}:sizes:{fingerprint}"
+
+
+def total_key(prefix: str, fingerprint: str) -> str:
+    return f"{prefix}:bytes:{fingerprint}"

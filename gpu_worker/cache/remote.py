@@ -1,10 +1,16 @@
 """The worker's client of the shared tier (cache_svc). Publishing happens on a background thread,
 off the step's critical path; lookups and fetches run on a small pool so the engine never waits on
 the network. Every failure (cache_svc or Redis down, a damaged checkpoint) is a miss, logged once
-per outage; the gRPC channel reconnects by itself when the service returns."""
+per outage; the gRPC channel reconnects by itself when the service returns.
+
+The tier is untrusted storage: checkpoints are sealed with the workers' key and verified here, on
+the fetch thread, before anything touches a pool (checkpoint_io). One that fails is a miss, counted
+by reason (`rejected`, and hybridserve_checkpoints_rejected_total when metrics are on) and deleted."""
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import logging
 import queue
 import threading
@@ -16,10 +22,21 @@ from typing import TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
+from prometheus_client import Counter
 
-from gpu_worker.cache.checkpoint_io import BlockCheckpoint, from_bytes, to_bytes
+from gpu_worker.cache.checkpoint_io import (
+    BlockCheckpoint,
+    BlockIdentity,
+    CheckpointLayout,
+    Rejection,
+    check_key,
+    seal,
+    verify,
+)
 from hybridserve import telemetry
-from hybridserve.errors import InvalidArgumentError
+from hybridserve.grpc_auth import with_bearer
+from hybridserve.metrics import process_registry
+from hybridserve.tls import TlsSettings, open_channel
 from hybridserve.v1 import cache_pb2 as pb
 from hybridserve.v1 import cache_pb2_grpc as pb_grpc
 
@@ -34,16 +51,34 @@ class FetchedBlock:
     checkpoint: BlockCheckpoint
 
 
+@dataclass(frozen=True, slots=True)
+class SharedTierAccess:
+    """What a worker needs to use the shared tier safely."""
+
+    checkpoint_key: bytes  # the workers' MAC key (>= 16 bytes); the tier never sees it
+    cluster_token: str | None = None  # sent on every BlockCache call
+    tls: TlsSettings | None = None  # how to dial the cache service
+
+
 class SharedTier:
     def __init__(
-        self, address: str, fingerprint: str, block_size: int, deadline_s: float = 1.0, max_pending: int = 256
+        self,
+        address: str,
+        fingerprint: str,
+        block_size: int,
+        layout: CheckpointLayout,
+        access: SharedTierAccess,
+        deadline_s: float = 1.0,
+        max_pending: int = 256,
     ) -> None:
         self.address = address
         self.fingerprint = fingerprint
         self.block_size = block_size
+        self.layout = layout
+        self._key = check_key(access.checkpoint_key)
         self.deadline_s = deadline_s
-        self._channel = grpc.insecure_channel(address)
-        channel = telemetry.intercept_channel(self._channel)  # carries the trace context
+        self._channel = open_channel(address, access.tls)
+        channel = with_bearer(telemetry.intercept_channel(self._channel), access.cluster_token)
         self._stub = pb_grpc.BlockCacheStub(channel)  # type: ignore[no-untyped-call]
         self._publish_queue: queue.Queue[tuple[bytes, bytes, BlockCheckpoint] | None] = queue.Queue(max_pending)
         self._fetch_pool = ThreadPoolExecutor(2, thread_name_prefix="cache-fetch")
@@ -51,6 +86,8 @@ class SharedTier:
         self._publisher.start()
         self._healthy = True
         self.num_published = 0
+        self.rejected: collections.Counter[str] = collections.Counter()  # refused checkpoints, by reason
+        self._rejected_metric = _rejected_counter()
 
     # ---- publish (engine thread enqueues, the publisher sends) ------------------------------------
     def publish(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
@@ -68,7 +105,8 @@ class SharedTier:
         self._publish_queue.task_done()
 
     def _publish_one(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
-        data, checksum = to_bytes(checkpoint, self.fingerprint, self.block_size)
+        data = seal(checkpoint, self._identity(block_hash, parent_hash), self._key)
+        checksum = hashlib.sha256(data).digest()  # transit only: the MAC is what makes it trustworthy
         request = pb.PublishRequest(
             model_fingerprint=self.fingerprint, block_hash=block_hash, parent_hash=parent_hash,
             block_size=self.block_size, checkpoint=data, checksum=checksum,
@@ -107,18 +145,21 @@ class SharedTier:
         if found is None or found.num_hit_blocks <= num_local_blocks:
             return []
         fetched: list[FetchedBlock] = []
-        for index in range(num_local_blocks, found.num_hit_blocks):
-            checkpoint = self._fetch_one(block_hashes[index])
+        for index in range(num_local_blocks, min(found.num_hit_blocks, len(block_hashes))):
+            parent = block_hashes[index - 1] if index else b""
+            checkpoint = self._fetch_one(self._identity(block_hashes[index], parent))
             if checkpoint is None:
                 break
-            parent = block_hashes[index - 1] if index else b""
             fetched.append(FetchedBlock(block_hashes[index], parent, checkpoint))
         while fetched and not fetched[-1].checkpoint.has_state:
             fetched.pop()  # a hit must end on the state at its boundary: KV alone is a miss
         return fetched
 
-    def _fetch_one(self, block_hash: bytes) -> BlockCheckpoint | None:
-        request = pb.FetchRequest(model_fingerprint=self.fingerprint, block_hash=block_hash)
+    def _identity(self, block_hash: bytes, parent_hash: bytes) -> BlockIdentity:
+        return BlockIdentity(block_hash, parent_hash, self.block_size, self.fingerprint)
+
+    def _fetch_one(self, identity: BlockIdentity) -> BlockCheckpoint | None:
+        request = pb.FetchRequest(model_fingerprint=self.fingerprint, block_hash=identity.block_hash)
 
         def fetch() -> tuple[bytes, bytes]:
             chunks, checksum = [], b""
@@ -132,11 +173,24 @@ class SharedTier:
         got = self._call(fetch)
         if got is None:
             return None
-        try:
-            return from_bytes(got[0], got[1], self.fingerprint, self.block_size)
-        except InvalidArgumentError as exc:
-            log.warning("discarding fetched block %s: %s", block_hash.hex()[:12], exc)
+        data, checksum = got
+        if hashlib.sha256(data).digest() != checksum:
+            verdict: BlockCheckpoint | Rejection = Rejection("checksum", "damaged in transit")
+        else:
+            verdict = verify(data, identity, self.layout, self._key)
+        if isinstance(verdict, Rejection):
+            self._reject(identity.block_hash, verdict)
             return None
+        return verdict
+
+    def _reject(self, block_hash: bytes, rejection: Rejection) -> None:
+        """Counts a refused checkpoint and deletes it from the tier (it would fail every worker)."""
+        self.rejected[rejection.reason] += 1
+        if self._rejected_metric is not None:
+            self._rejected_metric.labels(rejection.reason).inc()
+        log.warning("refusing shared-tier checkpoint %s: %s; deleting it", block_hash.hex()[:12], rejection)
+        request = pb.DeleteRequest(model_fingerprint=self.fingerprint, block_hash=block_hash, reason=rejection.reason)
+        self._call(lambda: self._stub.Delete(request, timeout=self.deadline_s))
 
     def _call(self, fn: Callable[[], T]) -> T | None:
         """fn() or, when the shared tier fails, None (logged once per outage)."""
@@ -152,8 +206,32 @@ class SharedTier:
             self._healthy = True
         return result
 
+    @property
+    def num_rejected(self) -> int:
+        return sum(self.rejected.values())
+
     def close(self) -> None:
         self._publish_queue.put(None)
         self._publisher.join(5)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
+
+
+def _rejected_counter() -> Counter | None:
+    """hybridserve_checkpoints_rejected_total{reason} in the process registry (None while metrics
+    are off); created once per registry."""
+    registry = process_registry()
+    if registry is None:
+        return None
+    with _metric_lock:
+        found = _rejected_metrics.get(id(registry))
+        if found is None:
+            found = _rejected_metrics[id(registry)] = Counter(
+                "hybridserve_checkpoints_rejected", "shared-tier checkpoints refused by this worker (misses, deleted)",
+                ["reason"], registry=registry,
+            )  # fmt: skip
+        return found
+
+
+_metric_lock = threading.Lock()
+_rejected_metrics: dict[int, Counter] = {}
