@@ -4,7 +4,7 @@
    worker's local tier, and the Redis tier (a fresh worker whose local tier is empty). Target: warm
    >= 5x faster than cold from 2048 cached tokens on.
 2. Checkpoint fetch bandwidth for a run of 4 blocks of 8.4 MB: the worker's direct data path
-   (Lookup through cache_svc, one pipelined read from Redis, checksum and format verified in the
+   (Lookup through cache_svc, pipelined reads from Redis, the MAC and format verified in the
    worker) and the old path through cache_svc's streamed Fetch, against raw Redis HGETs of the same
    bytes. Target: direct >= 0.7x raw.
 3. A multi-turn chat workload (10 conversations x 5 turns, turns not block multiples): hits offered
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import random
 import statistics
 import sys
@@ -42,10 +43,10 @@ from cache_svc import keys  # noqa: E402
 from cache_svc.embedded_redis import RedisProcess  # noqa: E402
 from cache_svc.server import create_server as create_cache_server  # noqa: E402
 from cache_svc.store import StoreConfig  # noqa: E402
-from gpu_worker.cache.checkpoint_io import BlockCheckpoint, to_bytes  # noqa: E402
+from gpu_worker.cache.checkpoint_io import BlockCheckpoint, BlockIdentity, CheckpointLayout, TensorSpec, seal  # noqa: E402
 from gpu_worker.cache.manager import PrefixCacheManager  # noqa: E402
 from gpu_worker.cache.misses import FetchOrRecompute  # noqa: E402
-from gpu_worker.cache.remote import SharedTier  # noqa: E402
+from gpu_worker.cache.remote import SharedTier, SharedTierAccess  # noqa: E402
 from gpu_worker.engine.engine import Engine  # noqa: E402
 from gpu_worker.engine.settings import EngineSettings  # noqa: E402
 from gpu_worker.init_model import write_random_checkpoint  # noqa: E402
@@ -59,6 +60,7 @@ from scheduler_svc.core import MambaCacheMode, SchedulerConfig  # noqa: E402
 from scheduler_svc.server import create_server as create_scheduler_server  # noqa: E402
 from tests.cache.workloads import shared_blocks  # noqa: E402
 
+CHECKPOINT_KEY = os.urandom(32)  # the workers' shared checkpoint key (both workers of this run)
 SUFFIX_TOKENS = 16
 SCHEDULER = SchedulerConfig(
     max_num_batched_tokens=4096, max_num_seqs=8, long_prefill_token_threshold=0, max_num_prefill_tokens_per_step=0,
@@ -78,7 +80,8 @@ class Worker:
         )  # fmt: skip
         self.client = SchedulerClient([scheduler_address])
         runner = ModelRunner.from_model_dir(model_dir, runner_config)
-        self.engine = Engine(runner, self.client.plan, settings, prefix=build_prefix_cache(runner, settings, caching))
+        prefix = build_prefix_cache(runner, settings, caching, SharedTierAccess(CHECKPOINT_KEY))
+        self.engine = Engine(runner, self.client.plan, settings, prefix=prefix)
         self.engine.start()
         self.server, port, _ = grpc_server.create_server([add_to_server(GenerationServicer(self.engine, "bench"))])
         self.server.start()
@@ -156,11 +159,15 @@ def bench_fetch(redis_server: RedisProcess, cache_address: str, repeats: int) ->
     fingerprint, block_size, num_blocks = "b" * 64, 256, 4
     checkpoints = [_checkpoint_of(int(8.4e6), i) for i in range(num_blocks)]
     hashes = [hashlib.sha256(bytes([i]) * 8).digest() for i in range(num_blocks)]
-    tier = SharedTier(cache_address, fingerprint, block_size, deadline_s=10.0)
+    first = checkpoints[0]
+    assert first.conv is not None and first.ssm is not None
+    layout = CheckpointLayout(*(TensorSpec(tuple(t.shape), "F32") for t in (first.kv, first.conv, first.ssm)))
+    tier = SharedTier(cache_address, fingerprint, block_size, layout, SharedTierAccess(CHECKPOINT_KEY), deadline_s=10.0)
     for i, (h, c) in enumerate(zip(hashes, checkpoints, strict=True)):
         tier.publish(h, hashes[i - 1] if i else b"", c)
     assert tier.flush(60) and tier.uses_direct_path and tier.num_published == num_blocks
-    policy = FetchOrRecompute(run_bytes_hint := len(to_bytes(checkpoints[0], fingerprint, block_size)[0]), block_size)
+    sealed = seal(first, BlockIdentity(hashes[0], b"", block_size, fingerprint), CHECKPOINT_KEY)
+    policy = FetchOrRecompute(run_bytes_hint := len(sealed), block_size)
     assert policy.decide(num_blocks).fetch and run_bytes_hint > 0  # unmeasured: fetch
     client = redis_server.client()
     redis_keys = [keys.block_key("hybridserve", fingerprint, h) for h in hashes]
@@ -190,9 +197,9 @@ def bench_fetch(redis_server: RedisProcess, cache_address: str, repeats: int) ->
     verdict = "meets" if direct_mbs / raw_mbs >= 0.7 else "MISSES"
     print(f"\nCheckpoint fetch, a run of {num_blocks} blocks of {mb / num_blocks:.1f} MB (median of {repeats * 3})")
     print(f"  raw Redis HGET of the same bytes:                           {raw_mbs:8.1f} MB/s")
-    print(f"  worker direct path (lookup, pipelined read, verify, parse): {direct_mbs:8.1f} MB/s  "
+    print(f"  worker direct path (lookup, pipelined read, MAC verify, parse): {direct_mbs:8.1f} MB/s  "
           f"{direct_mbs / raw_mbs:.2f}x raw ({verdict} the >= 0.7 target)")  # fmt: skip
-    print(f"  through cache_svc Fetch (streamed, checksum verified):      {service_mbs:8.1f} MB/s  "
+    print(f"  through cache_svc Fetch (streamed, checksum + MAC verified): {service_mbs:8.1f} MB/s  "
           f"{service_mbs / raw_mbs:.2f}x raw")  # fmt: skip
 
 

@@ -69,7 +69,7 @@ def cache_answers(stack: Stack, timeout_s: float) -> bool:
     """Polls a BlockCache Lookup until it is answered (OK), or timeout_s."""
     request = cache_pb2.LookupRequest(model_fingerprint="0" * 64, block_hashes=[b"0" * 32])
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(stack.cache_address) as channel:
+    with stack.cache_channel() as channel:
         stub = cache_pb2_grpc.BlockCacheStub(channel)
         while time.monotonic() < deadline:
             try:

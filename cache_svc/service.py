@@ -19,8 +19,9 @@ MAX_LOOKUP_BLOCKS = 65536
 
 
 class BlockCacheServicer:
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, max_publish_bytes: int = 64 << 20) -> None:
         self.store = store
+        self.max_publish_bytes = max_publish_bytes  # one checkpoint's bytes at most (0 = no bound)
 
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         _require_fingerprint(request.model_fingerprint)
@@ -34,6 +35,11 @@ class BlockCacheServicer:
         _require_fingerprint(request.model_fingerprint)
         if not request.block_hash or request.block_size <= 0 or not request.checkpoint:
             raise InvalidArgumentError("publish needs block_hash, a positive block_size and checkpoint bytes")
+        if 0 < self.max_publish_bytes < len(request.checkpoint):
+            raise ResourceExhaustedError(
+                f"checkpoint of {len(request.checkpoint)} bytes is over this service's bound of "
+                f"{self.max_publish_bytes} (--max-publish-mb)"
+            )
         if hashlib.sha256(request.checkpoint).digest() != request.checksum:
             raise InvalidArgumentError("checksum is not the SHA-256 of checkpoint; the bytes were damaged in transit")
         with _unavailable():
@@ -63,6 +69,16 @@ class BlockCacheServicer:
             with _unavailable():
                 self.store.discard(request.model_fingerprint, request.block_hash, "checksum mismatch")
             context.abort(grpc.StatusCode.DATA_LOSS, f"checkpoint {request.block_hash.hex()} failed its checksum")
+
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+        """A worker refused this checkpoint (or an operator wants it gone): it is a miss from now on."""
+        _require_fingerprint(request.model_fingerprint)
+        if not request.block_hash:
+            raise InvalidArgumentError("delete needs block_hash")
+        why = "".join(c if c.isprintable() else "?" for c in request.reason[:80]) or "deleted by a client"
+        with _unavailable():
+            deleted = self.store.discard(request.model_fingerprint, request.block_hash, why)
+        return pb.DeleteResponse(deleted=deleted)
 
     def Access(self, request: pb.AccessRequest, context: grpc.ServicerContext) -> pb.AccessResponse:
         """The direct data path's address, user and lease (the user is set up on every ask: a

@@ -12,7 +12,8 @@ import hashlib
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -27,7 +28,8 @@ class StoreUnavailable(Exception):
 
 
 class StoreFull(Exception):
-    """Redis is at maxmemory with nothing it may evict: a write failed for lack of room."""
+    """A write found no room: Redis is at maxmemory with nothing it may evict, or the model
+    fingerprint already holds its bound of checkpoint bytes."""
 
 
 class StoreCredentialsError(Exception):
@@ -54,6 +56,10 @@ class StoreConfig:
     key_prefix: str = "hybridserve"  # every Redis key starts with it
     max_memory_bytes: int = 1 << 30  # Redis maxmemory set at start-up (0 = leave Redis's setting)
     ttl_s: int = 24 * 3600  # every block key expires this long after its last publish
+    max_model_bytes: int = 512 << 20  # checkpoint bytes kept per model fingerprint (0 = no bound)
+    redis_tls_ca: Path | None = None  # rediss://: trust this CA (default: the system roots)
+    redis_tls_cert: Path | None = None  # rediss://: client certificate, for a Redis with tls-auth-clients
+    redis_tls_key: Path | None = None  # its private key
     socket_timeout_s: float = 1.0
     worker_user: str = "hybridserve-worker"  # Redis ACL user handed to workers for the direct data path; "" = none
 
@@ -62,10 +68,15 @@ class CheckpointStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.policy_applications = 0  # times the memory policy was found missing and set
+        tls: dict[str, Any] = {}
+        if config.redis_url.startswith("rediss://"):
+            files = {"ssl_ca_certs": config.redis_tls_ca, "ssl_certfile": config.redis_tls_cert,
+                     "ssl_keyfile": config.redis_tls_key}  # fmt: skip
+            tls = {name: str(path) for name, path in files.items() if path is not None}
         self.redis = redis.Redis.from_url(
             config.redis_url, password=config.redis_password, socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.socket_timeout_s, health_check_interval=5,
-            redis_connect_func=self._on_connect,
+            redis_connect_func=self._on_connect, **tls,
         )  # fmt: skip
         self._worker_password = secrets.token_urlsafe(24)  # the workers' Redis user, as this service sets it
 
@@ -141,8 +152,10 @@ class CheckpointStore:
         return hits
 
     def put(self, fingerprint: str, block_hash: bytes, parent: bytes, block_size: int, data: bytes) -> None:
+        """Stores a checkpoint; StoreFull when its model already holds max_model_bytes."""
         key = self._key(fingerprint, block_hash)
         with _redis_errors():
+            self._reserve(fingerprint, block_hash, len(data))
             pipe = self.redis.pipeline(transaction=True)
             pipe.hset(key, mapping={
                 keys.FIELD_DATA: data,
@@ -176,12 +189,65 @@ class CheckpointStore:
             return None
         return data, digest.decode()
 
-    def discard(self, fingerprint: str, block_hash: bytes, why: str) -> None:
-        """Deletes a bad checkpoint; it is a miss from now on."""
+    def discard(self, fingerprint: str, block_hash: bytes, why: str) -> bool:
+        """Deletes a bad checkpoint; it is a miss from now on. True when one was there."""
         key = self._key(fingerprint, block_hash)
         log.warning("deleting checkpoint %s: %s", key, why)
         with _redis_errors():
-            self.redis.delete(key)
+            self._release(fingerprint, block_hash)
+            return bool(self.redis.delete(key))
+
+    # ---- the bytes kept per model ---------------------------------------------------------------
+    def _reserve(self, fingerprint: str, block_hash: bytes, num_bytes: int) -> None:
+        """Counts the block's bytes against its model, first making sure the model stays within
+        max_model_bytes. The count can run high (Redis evicts and expires blocks behind our back), so
+        a model that looks full is recounted against the blocks still there before a refusal."""
+        sizes, total = self._size_keys(fingerprint)
+        previous = int(self.redis.hget(sizes, block_hash.hex()) or 0)
+        delta = num_bytes - previous
+        limit = self.config.max_model_bytes
+        looks_full = limit > 0 and int(self.redis.get(total) or 0) + delta > limit
+        if looks_full and self._recount(fingerprint) + delta > limit:
+            raise StoreFull(
+                f"model {fingerprint[:16]} holds its bound of {limit} checkpoint bytes (--max-model-mb); "
+                f"a {num_bytes}-byte block does not fit"
+            )
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(sizes, block_hash.hex(), num_bytes)
+        pipe.incrby(total, delta)
+        pipe.expire(sizes, self.config.ttl_s)
+        pipe.expire(total, self.config.ttl_s)
+        pipe.execute()
+
+    def _release(self, fingerprint: str, block_hash: bytes) -> None:
+        sizes, total = self._size_keys(fingerprint)
+        size = int(self.redis.hget(sizes, block_hash.hex()) or 0)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hdel(sizes, block_hash.hex())
+        pipe.decrby(total, size)
+        pipe.execute()
+
+    def _recount(self, fingerprint: str) -> int:
+        """Drops the sizes of blocks no longer stored; returns (and records) the model's true total."""
+        sizes, total = self._size_keys(fingerprint)
+        table = {_as_text(k): int(v) for k, v in self.redis.hgetall(sizes).items()}
+        pipe = self.redis.pipeline(transaction=False)
+        for h in table:
+            pipe.exists(self._key(fingerprint, bytes.fromhex(h)))
+        gone = [h for h, present in zip(table, pipe.execute(), strict=True) if not present]
+        if gone:
+            self.redis.hdel(sizes, *gone)
+        kept = sum(v for h, v in table.items() if h not in gone)
+        self.redis.set(total, kept, ex=self.config.ttl_s)
+        return kept
+
+    def model_bytes(self, fingerprint: str) -> int:
+        """Checkpoint bytes counted against the model (may run high until the next recount)."""
+        with _redis_errors():
+            return int(self.redis.get(self._size_keys(fingerprint)[1]) or 0)
+
+    def _size_keys(self, fingerprint: str) -> tuple[str, str]:
+        return keys.sizes_key(self.config.key_prefix, fingerprint), keys.total_key(self.config.key_prefix, fingerprint)
 
     def grant_worker_access(self) -> WorkerAccess | None:
         """Sets up (again: Redis may have restarted) the workers' Redis ACL user, limited to the
@@ -212,6 +278,10 @@ class CheckpointStore:
 
     def close(self) -> None:
         self.redis.close()
+
+
+def _as_text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _as_bytes(value: bytes | str | None) -> bytes | None:

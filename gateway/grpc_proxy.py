@@ -19,11 +19,12 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
-from gateway.auth import is_authorized
 from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.tokens import GatewayTokenizer
 from hybridserve import telemetry
+from hybridserve.auth import is_authorized
+from hybridserve.tls import TlsSettings
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -135,7 +136,11 @@ async def watch_readiness(dispatcher: Dispatcher, servicer: HealthServicer, inte
         await asyncio.sleep(interval_s)
 
 
-def create_grpc_server(proxy: GenerationProxy, host: str, port: int) -> tuple[grpc.aio.Server, int, HealthServicer]:
+def create_grpc_server(
+    proxy: GenerationProxy, host: str, port: int, tls: TlsSettings | None = None
+) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """The proxied Generation API with health and (unless tls.reflection is off) reflection; TLS (mTLS
+    with a client CA) when tls serves a certificate."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_GenerationServicer_to_server(proxy, server)  # type: ignore[no-untyped-call]
     health_servicer = HealthServicer()
@@ -145,8 +150,11 @@ def create_grpc_server(proxy: GenerationProxy, host: str, port: int) -> tuple[gr
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     ]
-    reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if tls is None or tls.reflection:
+        reflection.enable_server_reflection(names, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    credentials = tls.server_credentials() if tls is not None else None
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return server, bound, health_servicer

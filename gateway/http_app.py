@@ -23,7 +23,6 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway import api_errors
 from gateway.api_errors import ApiError
-from gateway.auth import is_authorized
 from gateway.chat_template import ChatTemplate
 from gateway.convert import generate_requests
 from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
@@ -32,6 +31,7 @@ from gateway.openai_request import ApiRequest, parse_chat, parse_completion
 from gateway.openai_response import ChoiceState, envelope, final_body, new_id, total_usage
 from gateway.tokens import GatewayTokenizer, token_id_text
 from hybridserve import telemetry
+from hybridserve.auth import is_authorized
 from hybridserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("hybridserve.gateway.http")

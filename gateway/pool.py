@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hybridserve.tls import TlsSettings, open_aio_channel
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -87,6 +88,7 @@ class WorkerPool:
     resolve_interval_s: float = 5.0
     metadata: tuple[tuple[str, str], ...] = ()  # sent on every call (a worker API key)
     on_down: Callable[[str], None] | None = None  # called when a worker leaves the rotation
+    tls: TlsSettings | None = None  # how to dial the workers (plaintext unless tls.tls_ca is set)
     workers: dict[str, WorkerState] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -165,7 +167,7 @@ class WorkerPool:
         for spec in self.specs:
             wanted.update(await self._addresses(spec))
         for address in sorted(wanted - set(self.workers)):
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = open_aio_channel(address, self.tls, CHANNEL_OPTIONS)
             stub = pb_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
             self.workers[address] = WorkerState(address, channel, stub, health_pb2_grpc.HealthStub(channel))
             log.info("worker %s added", address)

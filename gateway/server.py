@@ -19,7 +19,6 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.affinity import PrefixTable
-from gateway.auth import load_keys
 from gateway.chat_template import ChatTemplate, TemplateError, load_chat_template
 from gateway.dispatch import Dispatcher, RoutingSettings
 from gateway.grpc_proxy import GenerationProxy, create_grpc_server, watch_readiness
@@ -28,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool, split_host_port
 from gateway.tokens import GatewayTokenizer
 from hybridserve import telemetry
+from hybridserve.auth import load_keys
 from hybridserve.settings import (
     API_KEYS_ENV,
     Flag,
@@ -36,6 +36,7 @@ from hybridserve.settings import (
     secret_from_env,
     settings_from_args,
 )
+from hybridserve.tls import TlsSettings, add_tls_arguments
 
 log = logging.getLogger("hybridserve.gateway")
 
@@ -67,8 +68,9 @@ FLAGS = {
     "host": Flag("bind address"),
     "port": Flag("HTTP; 0 = a free port"),
     "grpc_port": Flag("the proxied gRPC Generation API; 0 = a free port"),
-    "model": Flag("the workers' model folder: its tokenizer (prefix routing, logprob tokens) and chat template",
-                  metavar="DIR"),  # fmt: skip
+    "model": Flag(
+        "the workers' model folder: its tokenizer (prefix routing, logprob tokens) and chat template", metavar="DIR"
+    ),  # fmt: skip
     "served_model_name": Flag("the model name clients send (default: the workers' model name)"),
     "chat_template": Flag("a Jinja chat template file", metavar="FILE"),
     "api_key_file": Flag(f"accepted API keys, one per line (or {API_KEYS_ENV}, comma separated)", metavar="FILE"),
@@ -99,10 +101,12 @@ class GatewayConfig:
     request_timeout_s: float
     poll_interval_s: float
     grace_s: float
+    tls: TlsSettings  # the gRPC port's certificate (mTLS with a client CA), and how to dial the workers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser, GatewaySettings, SERVICE, flags=FLAGS)
+    add_tls_arguments(parser, SERVICE)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -138,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=settings.request_timeout_s,
         poll_interval_s=settings.poll_interval_s,
         grace_s=settings.grace_s,
+        tls=settings_from_args(TlsSettings, args),
     )
 
 
@@ -161,7 +166,9 @@ async def serve(config: GatewayConfig, template: ChatTemplate | None) -> None:
     metrics = GatewayMetrics()
     table = PrefixTable()
     metadata = (("authorization", f"Bearer {config.worker_api_key}"),) if config.worker_api_key else ()
-    pool = WorkerPool(config.workers, poll_interval_s=config.poll_interval_s, metadata=metadata, on_down=table.forget)
+    pool = WorkerPool(
+        config.workers, poll_interval_s=config.poll_interval_s, metadata=metadata, on_down=table.forget, tls=config.tls
+    )
     await pool.start()
     dispatcher = Dispatcher(pool, table, config.routing, metrics)
     tokenizer = GatewayTokenizer.from_model_dir(config.model_dir)
@@ -175,7 +182,7 @@ async def serve(config: GatewayConfig, template: ChatTemplate | None) -> None:
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     print(f"listening on {config.host}:{http_port}", flush=True)
     proxy = GenerationProxy(dispatcher, metrics, config.api_keys, tokenizer, config.request_timeout_s)
-    grpc_server, grpc_port, health_servicer = create_grpc_server(proxy, config.host, config.grpc_port)
+    grpc_server, grpc_port, health_servicer = create_grpc_server(proxy, config.host, config.grpc_port, config.tls)
     await grpc_server.start()
     print(f"grpc listening on {config.host}:{grpc_port}", flush=True)
     log.info("routing %s over %s", config.routing.mode, ", ".join(config.workers))

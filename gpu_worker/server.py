@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpu_worker.cache.checkpoint_io import MIN_KEY_BYTES, CheckpointLayout
 from gpu_worker.cache.manager import PrefixCacheManager
-from gpu_worker.cache.remote import SharedTier
+from gpu_worker.cache.remote import SharedTier, SharedTierAccess
 from gpu_worker.cpu_alloc import keep_freed_memory
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
@@ -16,9 +18,18 @@ from gpu_worker.observers.settings import ObserverSettings, observers_from_setti
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.service import GenerationServicer, add_to_server
 from hybridserve import grpc_server
+from hybridserve.auth import load_keys, load_secret
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
-from hybridserve.settings import Flag, add_settings_arguments
+from hybridserve.settings import (
+    API_KEYS_ENV,
+    CHECKPOINT_KEY_ENV,
+    CLUSTER_TOKEN_ENV,
+    Flag,
+    add_settings_arguments,
+    secret_from_env,
+)
 from hybridserve.settings import settings_from_args as settings_from_args_of
+from hybridserve.tls import TlsSettings, add_tls_arguments
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.flags import add_config_arguments, config_from_args
 
@@ -37,6 +48,9 @@ class WorkerServerSettings:
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = a free port
     record_steps: Path | None = None  # JSONL file of sampled steps' scheduler input and plan
     record_sample_rate: float = 1.0  # fraction of steps recorded
+    api_key_file: Path | None = None  # accepted API keys, one per line (or API_KEYS_ENV); none = open
+    checkpoint_key_file: Path | None = None  # the workers' checkpoint MAC key (or CHECKPOINT_KEY_ENV)
+    cluster_token_file: Path | None = None  # the cache service's cluster token (or CLUSTER_TOKEN_ENV)
 
 
 FLAGS = {
@@ -69,7 +83,13 @@ FLAGS = {
         metavar="FILE",
     ),
     "record_sample_rate": Flag("fraction of steps recorded (1.0 = every step)"),
+    "api_key_file": Flag(f"accepted API keys, one per line (or {API_KEYS_ENV}, comma separated)", metavar="FILE"),
+    "checkpoint_key_file": Flag(
+        f"the key sealing shared-tier checkpoints, the same on every worker (or {CHECKPOINT_KEY_ENV})", metavar="FILE"
+    ),
+    "cluster_token_file": Flag(f"the cache service's cluster token (or {CLUSTER_TOKEN_ENV})", metavar="FILE"),
 }
+SECURITY_FIELDS = ("api_key_file", "checkpoint_key_file", "cluster_token_file")
 ENGINE_FIELDS = (
     "scheduler_addresses", "cache_address", "async_scheduling", "max_queue_len", "default_max_tokens",
     "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s",
@@ -86,7 +106,9 @@ SERVICE = "WORKER"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings_arguments(parser, WorkerServerSettings, SERVICE, flags=FLAGS, exclude=OBSERVABILITY_FIELDS)
+    add_settings_arguments(
+        parser, WorkerServerSettings, SERVICE, flags=FLAGS, exclude=OBSERVABILITY_FIELDS + SECURITY_FIELDS
+    )
     add_config_arguments(parser, SERVICE)
     group = parser.add_argument_group("engine")
     add_settings_arguments(
@@ -97,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(group, RunnerConfig, SERVICE, flags=FLAGS, only=RUNNER_FIELDS)
     group = parser.add_argument_group("observability (tracing: the standard OTEL_* variables)")
     add_settings_arguments(group, WorkerServerSettings, SERVICE, flags=FLAGS, only=OBSERVABILITY_FIELDS)
+    group = parser.add_argument_group("security (secrets: files or variables, never flags)")
+    add_settings_arguments(group, WorkerServerSettings, SERVICE, flags=FLAGS, only=SECURITY_FIELDS)
+    add_tls_arguments(group, SERVICE)
 
 
 def observer_settings(server_settings: WorkerServerSettings) -> ObserverSettings:
@@ -116,16 +141,48 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner)
 
 
-def build_prefix_cache(runner: ModelRunner, settings: EngineSettings, enabled: bool) -> PrefixCacheManager | None:
+def build_prefix_cache(
+    runner: ModelRunner, settings: EngineSettings, enabled: bool, access: SharedTierAccess | None = None
+) -> PrefixCacheManager | None:
     """The local tier, plus the shared tier when --cache is given; None when caching is off or there
     are no checkpoint slots. Any mamba_cache_mode works: chunks keep the state at every block
-    boundary they cross, so no chunk has to end on the grid."""
+    boundary they cross, so no chunk has to end on the grid. Without `access` checkpoints are
+    sealed with a random key of this process alone."""
     if not enabled or runner.state_pool.num_checkpoint_slots == 0:
         return None
     shared = None
     if settings.cache_address:
-        shared = SharedTier(settings.cache_address, runner.loaded.fingerprint, settings.scheduler.block_size)
+        access = access or SharedTierAccess(secrets.token_bytes(32))
+        block_size = settings.scheduler.block_size
+        layout = CheckpointLayout.of_runner(runner, block_size)
+        shared = SharedTier(settings.cache_address, runner.loaded.fingerprint, block_size, layout, access)
     return PrefixCacheManager(runner, settings.scheduler.block_size, shared)
+
+
+def shared_tier_access(server: WorkerServerSettings, tls: TlsSettings) -> SharedTierAccess:
+    """The checkpoint key, cluster token and TLS for the shared tier. Without a configured key the
+    worker seals with a random key of its own (warned): no other worker can use its checkpoints."""
+    try:
+        key = load_secret(server.checkpoint_key_file, secret_from_env(CHECKPOINT_KEY_ENV))
+        token = load_secret(server.cluster_token_file, secret_from_env(CLUSTER_TOKEN_ENV))
+    except OSError as exc:
+        raise SystemExit(f"worker secrets: {exc}") from None
+    if key is not None and len(key.encode()) < MIN_KEY_BYTES:
+        raise SystemExit(f"the checkpoint key must be at least {MIN_KEY_BYTES} bytes")
+    if key is None:
+        log.warning(
+            "no checkpoint key (%s or --checkpoint-key-file): this worker seals shared-tier checkpoints "
+            "with a random key of its own, so no other worker can use them", CHECKPOINT_KEY_ENV,
+        )  # fmt: skip
+    first_token = token.split(",")[0].strip() if token else None  # rotation: servers accept "new,old"
+    return SharedTierAccess(key.encode() if key else secrets.token_bytes(32), first_token, tls)
+
+
+def api_keys(server: WorkerServerSettings) -> frozenset[str]:
+    try:
+        return load_keys(server.api_key_file, secret_from_env(API_KEYS_ENV))
+    except OSError as exc:
+        raise SystemExit(f"--api-key-file: {exc}") from None
 
 
 def engine_alive(engine: Engine) -> bool:
@@ -143,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
     if server_settings.model is None:
         raise SystemExit("--model DIR is required (write the default model with `hybridserve init-model DIR`)")
     settings = settings_from_args(args)
+    tls = settings_from_args_of(TlsSettings, args)
+    keys = api_keys(server_settings)
     keep_freed_memory()  # glibc: reuse freed activation memory instead of page-faulting it back each step
     stop_telemetry = start_service_telemetry("hybridserve-worker", server_settings.metrics_port, server_settings.host)
     observers = observers_from_settings(observer_settings(server_settings), model_name=Path(server_settings.model).name)
@@ -152,13 +211,15 @@ def run(args: argparse.Namespace) -> int:
         settings.scheduler_addresses,
         deadline_s=settings.scheduler_deadline_s,
         give_up_after_s=settings.scheduler_give_up_s,
+        tls=tls,
     )
-    prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching)
+    access = shared_tier_access(server_settings, tls) if settings.cache_address else None
+    prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching, access)
     engine = Engine(runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix)
     engine.start()
     servicer = GenerationServicer(engine, model_name=server_settings.model.name)
     server, port, health = grpc_server.create_server(
-        [add_to_server(servicer)], host=server_settings.host, port=server_settings.port
+        [add_to_server(servicer)], host=server_settings.host, port=server_settings.port, tls=tls, keys=keys
     )
     stop_watching = grpc_server.watch_health(health, is_alive=lambda: engine_alive(engine))
     server.start()

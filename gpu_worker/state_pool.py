@@ -100,6 +100,12 @@ class MambaStatePool:
         row = self._check_checkpoint(checkpoint_id)
         return self._conv[:, row].to("cpu", copy=True), self._ssm[:, row].to("cpu", copy=True)
 
+    def checkpoint_layout(self) -> tuple[tuple[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype]]:
+        """((conv shape, dtype), (ssm shape, dtype)) of what `export_checkpoint` returns."""
+        conv_shape = (self._conv.shape[0], *self._conv.shape[2:])
+        ssm_shape = (self._ssm.shape[0], *self._ssm.shape[2:])
+        return (tuple(conv_shape), self._conv.dtype), (tuple(ssm_shape), self._ssm.dtype)
+
     def import_checkpoint(self, checkpoint_id: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """Write tensors from `export_checkpoint` (possibly of another worker) into a checkpoint slot."""
         row = self._check_checkpoint(checkpoint_id)

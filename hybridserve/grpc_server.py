@@ -19,7 +19,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hybridserve import errors
+from hybridserve.grpc_auth import BearerAuthInterceptor
 from hybridserve.service_telemetry import server_interceptors
+from hybridserve.tls import TlsSettings
 
 log = logging.getLogger("hybridserve.grpc")
 
@@ -224,9 +226,16 @@ def create_server(
     max_workers: int = 32,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     tracer_provider: Any = None,
+    tls: TlsSettings | None = None,
+    keys: frozenset[str] = frozenset(),
+    keys_name: str = "API key",
 ) -> tuple[grpc.Server, int, Health]:
     """Builds a ready-to-start (not started) server with health (liveness, readiness; both SERVING
-    until told otherwise) and reflection.
+    until told otherwise) and reflection (unless tls.reflection is off).
+
+    With `tls` serving a certificate the port is TLS (mTLS when it names a client CA); with `keys`
+    every call but health and reflection needs `authorization: Bearer KEY` (`keys_name` says which
+    credential in refusals).
 
     Each adder registers one servicer and returns its full service name. Port 0 picks a free port;
     the bound port is returned. Calls are traced (and counted) when this process has tracing (or a
@@ -234,7 +243,11 @@ def create_server(
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[*server_interceptors(tracer_provider), DomainErrorInterceptor()],
+        interceptors=[
+            *server_interceptors(tracer_provider),
+            *([BearerAuthInterceptor(keys, keys_name)] if keys else []),
+            DomainErrorInterceptor(),
+        ],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -244,10 +257,13 @@ def create_server(
     names = [add(server) for add in adders]
     health_servicer = Health(names)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
-    bound = server.add_insecure_port(f"{_bracket(host)}:{port}")
+    if tls is None or tls.reflection:
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+        )
+    credentials = tls.server_credentials() if tls is not None else None
+    address = f"{_bracket(host)}:{port}"
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return server, bound, health_servicer

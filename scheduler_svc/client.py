@@ -24,6 +24,7 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -31,6 +32,7 @@ from opentelemetry import trace
 
 from hybridserve import telemetry
 from hybridserve.errors import InvalidArgumentError, UnavailableError
+from hybridserve.tls import TlsSettings, open_channel
 from hybridserve.v1 import scheduler_pb2 as pb
 from hybridserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc import convert
@@ -118,6 +120,7 @@ class SchedulerClient:
         backoff_s: float = 0.05,
         max_backoff_s: float = 1.0,
         tracer_provider: trace.TracerProvider | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("at least one scheduler address is required")
@@ -125,8 +128,13 @@ class SchedulerClient:
         self.deadline_s = deadline_s
         self.give_up_after_s = give_up_after_s
         reconnect_ms = max(1, int(max_backoff_s * 1000))
-        self._channel = grpc.insecure_channel(
-            channel_target(self.addresses),
+        target = channel_target(self.addresses)
+        if tls is not None and tls.dials_tls and not tls.tls_server_name and target.startswith("ipv"):
+            # Several replicas by address: check each certificate against the first host dialled.
+            tls = replace(tls, tls_server_name=_split_host_port(self.addresses[0])[0])
+        self._channel = open_channel(
+            target,
+            tls,
             options=[
                 ("grpc.enable_retries", 1),
                 ("grpc.service_config", service_config(backoff_s, max_backoff_s)),

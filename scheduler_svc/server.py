@@ -13,6 +13,7 @@ from hybridserve.errors import InvalidArgumentError
 from hybridserve.grpc_server import DRAIN_HELP
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
 from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
+from hybridserve.tls import TlsSettings, add_tls_arguments
 from scheduler_svc import service
 
 log = logging.getLogger("hybridserve.scheduler")
@@ -24,6 +25,7 @@ def create_server(
     max_workers: int = 32,
     max_message_bytes: int = grpc_server.DEFAULT_MAX_MESSAGE_BYTES,
     bench_service: bool = False,
+    tls: TlsSettings | None = None,
 ) -> tuple[grpc.Server, int, grpc_server.Health]:
     """The Scheduler service with health and reflection (and SchedulerBench when asked), bound but
     not started."""
@@ -34,6 +36,7 @@ def create_server(
         port=port,
         max_workers=max_workers,
         max_message_bytes=max_message_bytes,
+        tls=tls,
     )
 
 
@@ -67,13 +70,19 @@ FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser, SchedulerServerSettings, "SCHEDULER", flags=FLAGS)
+    add_tls_arguments(parser, "SCHEDULER")
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(SchedulerServerSettings, args)
     stop_telemetry = start_service_telemetry("hybridserve-scheduler", settings.metrics_port, settings.host)
     server, port, health_servicer = create_server(
-        settings.host, settings.port, settings.max_workers, settings.max_message_bytes, settings.bench_service
+        settings.host,
+        settings.port,
+        settings.max_workers,
+        settings.max_message_bytes,
+        settings.bench_service,
+        settings_from_args(TlsSettings, args),
     )
     server.start()
     grpc_server.announce(settings.host, port)

@@ -1,12 +1,30 @@
-"""A block's checkpoint as bytes: the KV of its attention layers (its own positions only) and the
-Mamba state at its end boundary, in safetensors format, for the shared tier."""
+"""A block's checkpoint as bytes for the shared tier: the KV of its attention layers (its own
+positions only) and the Mamba state at its end boundary, sealed so that storage cannot forge it.
+
+The shared tier (the cache service, Redis, any transport between) is untrusted storage: whoever can
+write there could otherwise serve one prefix's state under another prefix's hash, or a tensor of the
+wrong shape. So a checkpoint names its block and carries a MAC that only workers can make:
+
+    MAGIC (8 bytes) | HMAC-SHA256(key, MAGIC | body) (32 bytes) | body
+
+body is safetensors: tensors `kv` (and `conv` with `ssm` at a state boundary) plus metadata naming the
+block (format version, block hash, parent hash, block size, model fingerprint). The safetensors header
+also fixes every tensor's name, dtype, shape and offsets, so the MAC covers all of it and the bytes.
+
+`verify` checks, in order and before a single tensor is built: the envelope, the MAC (constant time),
+the block's identity against the one the worker asked for, and the tensor names, dtypes and shapes
+against what this worker's pools take (`CheckpointLayout`). A failure is a `Rejection` with a reason,
+never an exception: the caller counts it as a miss and deletes the entry. `seal` and `verify` are pure
+(bytes in, bytes or verdict out), so any transport can use them.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import hmac
 import json
 import struct
 from dataclasses import dataclass
+from hashlib import sha256
 
 import torch
 from safetensors.torch import load as st_load
@@ -15,9 +33,15 @@ from safetensors.torch import save as st_save
 from gpu_worker.runner import ModelRunner
 from hybridserve.errors import InvalidArgumentError
 
-
-class ForeignCheckpointError(InvalidArgumentError):
-    """A well-formed checkpoint of another model fingerprint, block size or format version."""
+FORMAT_VERSION = "hybridserve-checkpoint/2"
+MAGIC = b"HSCKPT02"
+MAC_BYTES = 32
+MIN_KEY_BYTES = 16
+MAX_HEADER_BYTES = 1 << 20  # a safetensors header of a few tensors is far below this
+_DTYPE_NAMES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +55,135 @@ class BlockCheckpoint:
     @property
     def has_state(self) -> bool:
         return self.conv is not None and self.ssm is not None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockIdentity:
+    """What a checkpoint is of: the worker states it when sealing and when verifying."""
+
+    block_hash: bytes  # the block's chained hash
+    parent_hash: bytes  # the previous block's chained hash; b"" for a prompt's first block
+    block_size: int  # tokens per block (the checkpoint grid)
+    fingerprint: str  # the model's fingerprint
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "format": FORMAT_VERSION, "block_hash": self.block_hash.hex(), "parent_hash": self.parent_hash.hex(),
+            "block_size": str(self.block_size), "fingerprint": self.fingerprint,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    shape: tuple[int, ...]  # exact shape the pool takes
+    dtype: str  # safetensors dtype name, e.g. "F32"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointLayout:
+    """The tensors this worker's pools take for one block: `kv` always, `conv` and `ssm` together."""
+
+    kv: TensorSpec
+    conv: TensorSpec
+    ssm: TensorSpec
+
+    @classmethod
+    def of_runner(cls, runner: ModelRunner, block_size: int) -> CheckpointLayout:
+        caches = runner.kv_pool.layer_caches()
+        if caches:
+            k = caches[0][0]
+            kv = TensorSpec((len(caches), 2, block_size, *k.shape[1:]), dtype_name(k.dtype))
+        else:
+            kv = TensorSpec((0,), "F32")  # export_block's empty KV of a model without attention
+        (conv_shape, conv_dtype), (ssm_shape, ssm_dtype) = runner.state_pool.checkpoint_layout()
+        return cls(kv, TensorSpec(conv_shape, dtype_name(conv_dtype)), TensorSpec(ssm_shape, dtype_name(ssm_dtype)))
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why a checkpoint was refused; it is a miss, and its stored copy should be deleted."""
+
+    reason: str  # format | mac | identity | layout: a metric label
+    detail: str  # for the log line; never holds the key
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.detail}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def check_key(key: bytes) -> bytes:
+    if len(key) < MIN_KEY_BYTES:
+        raise InvalidArgumentError(f"the checkpoint key must be at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+def _mac(key: bytes, body: bytes | memoryview) -> bytes:
+    mac = hmac.new(key, MAGIC, sha256)
+    mac.update(body)  # no copy of a large body
+    return mac.digest()
+
+
+def seal(block: BlockCheckpoint, identity: BlockIdentity, key: bytes) -> bytes:
+    """The checkpoint's bytes for the shared tier, MAC'd with the workers' key."""
+    tensors = {"kv": block.kv.contiguous()}
+    if block.conv is not None and block.ssm is not None:
+        tensors |= {"conv": block.conv.contiguous(), "ssm": block.ssm.contiguous()}
+    body = st_save(tensors, metadata=identity.metadata())
+    return MAGIC + _mac(key, body) + body
+
+
+def verify(data: bytes, identity: BlockIdentity, layout: CheckpointLayout, key: bytes) -> BlockCheckpoint | Rejection:
+    """The checkpoint in `data` if it is genuine, of this block and fits these pools; else why not."""
+    head = len(MAGIC) + MAC_BYTES
+    if len(data) < head + 8 or not data.startswith(MAGIC):
+        return Rejection("format", f"not a {FORMAT_VERSION} checkpoint")
+    body = memoryview(data)[head:]
+    if not hmac.compare_digest(data[len(MAGIC) : head], _mac(key, body)):
+        return Rejection("mac", "MAC mismatch: not made by a worker holding this key, or altered")
+    header = _header(body)
+    if isinstance(header, Rejection):
+        return header
+    got = header.pop("__metadata__", {})
+    if got != identity.metadata():
+        wrong = sorted(k for k, v in identity.metadata().items() if got.get(k) != v) or ["extra fields"]
+        return Rejection("identity", f"checkpoint is of another block ({', '.join(wrong)} differ)")
+    problem = _layout_problem(header, layout)
+    if problem is not None:
+        return Rejection("layout", problem)
+    try:
+        tensors = st_load(bytes(body))
+    except Exception as exc:  # safetensors raises its own error types on malformed bytes
+        return Rejection("format", f"not valid safetensors: {exc}")
+    return BlockCheckpoint(kv=tensors["kv"], conv=tensors.get("conv"), ssm=tensors.get("ssm"))
+
+
+def _header(body: memoryview) -> dict[str, dict[str, object]] | Rejection:
+    """The safetensors JSON header (tensor name -> dtype, shape, offsets; plus __metadata__)."""
+    (length,) = struct.unpack("<Q", body[:8])
+    if length > min(MAX_HEADER_BYTES, len(body) - 8):
+        return Rejection("format", f"safetensors header of {length} bytes does not fit")
+    try:
+        header = json.loads(bytes(body[8 : 8 + length]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        return Rejection("format", f"safetensors header is not JSON: {exc}")
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+        return Rejection("format", "safetensors header is not a table of tensors")
+    return header
+
+
+def _layout_problem(header: dict[str, dict[str, object]], layout: CheckpointLayout) -> str | None:
+    names = set(header)
+    if names not in ({"kv"}, {"kv", "conv", "ssm"}):
+        return f"checkpoint holds {sorted(names)}; expected kv, and conv with ssm"
+    for name in sorted(names):
+        spec: TensorSpec = getattr(layout, name)
+        shape, dtype = header[name].get("shape"), header[name].get("dtype")
+        if not isinstance(shape, list) or tuple(shape) != spec.shape or dtype != spec.dtype:
+            return f"{name} is {dtype} {shape}; this worker's pools take {spec.dtype} {list(spec.shape)}"
+    return None
 
 
 def _page_slots(page_ids: list[int], page_size: int) -> torch.Tensor:
@@ -50,7 +203,7 @@ def export_block(runner: ModelRunner, page_ids: list[int], checkpoint_id: int | 
 
 
 def import_block(runner: ModelRunner, block: BlockCheckpoint, page_ids: list[int], checkpoint_id: int | None) -> None:
-    """Writes a fetched block into freshly allocated pages and a checkpoint slot."""
+    """Writes a verified block into freshly allocated pages and a checkpoint slot."""
     slots = _page_slots(page_ids, runner.kv_page_size_tokens).to(runner.device)
     caches = runner.kv_pool.layer_caches()
     expected = (len(caches), 2, len(slots), *caches[0][0].shape[1:]) if caches else (0,)
@@ -61,31 +214,3 @@ def import_block(runner: ModelRunner, block: BlockCheckpoint, page_ids: list[int
         v[slots] = block.kv[layer, 1].to(v.device, v.dtype)
     if checkpoint_id is not None and block.conv is not None and block.ssm is not None:
         runner.state_pool.import_checkpoint(checkpoint_id, block.conv, block.ssm)
-
-
-def to_bytes(block: BlockCheckpoint, fingerprint: str, block_size: int) -> tuple[bytes, bytes]:
-    """(safetensors bytes, their SHA-256)."""
-    tensors = {"kv": block.kv.contiguous()}
-    if block.conv is not None and block.ssm is not None:
-        tensors |= {"conv": block.conv.contiguous(), "ssm": block.ssm.contiguous()}
-    data = st_save(tensors, metadata={"fingerprint": fingerprint, "block_size": str(block_size)})
-    return data, hashlib.sha256(data).digest()
-
-
-def from_bytes(data: bytes, checksum: bytes, fingerprint: str, block_size: int) -> BlockCheckpoint:
-    """Parses and verifies a checkpoint; InvalidArgumentError when it is damaged, half a state, or
-    from another model or grid. A KV-only block parses (has_state False): only a hit that ends on
-    it is refused."""
-    if hashlib.sha256(data).digest() != checksum:
-        raise InvalidArgumentError("checkpoint checksum mismatch")
-    try:
-        tensors = st_load(data)
-    except Exception as exc:  # safetensors raises its own error types on malformed bytes
-        raise InvalidArgumentError(f"checkpoint is not valid safetensors: {exc}") from None
-    if "kv" not in tensors or ("conv" in tensors) != ("ssm" in tensors):
-        raise InvalidArgumentError(f"checkpoint holds {sorted(tensors)}; expected kv, and conv with ssm")
-    header_len = struct.unpack("<Q", data[:8])[0]
-    meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
-    if meta.get("fingerprint") != fingerprint or meta.get("block_size") != str(block_size):
-        raise ForeignCheckpointError("checkpoint belongs to another model fingerprint or block size")
-    return BlockCheckpoint(kv=tensors["kv"], conv=tensors.get("conv"), ssm=tensors.get("ssm"))

@@ -15,8 +15,6 @@ import enum
 import threading
 from dataclasses import dataclass
 
-from gpu_worker.cache.checkpoint_io import ForeignCheckpointError
-
 
 class MissReason(enum.Enum):
     NO_ENTRY = "no_entry"  # no tier holds the block
@@ -28,9 +26,12 @@ class MissReason(enum.Enum):
     FETCH_SLOWER = "fetch_slower_than_recompute"  # declined: computing the tokens is expected to be faster
 
 
-def reason_for_checkpoint_error(exc: Exception) -> MissReason:
-    """A checkpoint refused by checkpoint_io: another model / grid / format, or damaged."""
-    return MissReason.FOREIGN_FINGERPRINT if isinstance(exc, ForeignCheckpointError) else MissReason.FAILED_VERIFICATION
+def reason_for_rejection(rejection_reason: str) -> MissReason:
+    """A checkpoint refused by checkpoint_io.verify: of another block, model or shapes ("identity",
+    "layout") is foreign; a bad MAC, format or checksum failed verification."""
+    if rejection_reason in ("identity", "layout"):
+        return MissReason.FOREIGN_FINGERPRINT
+    return MissReason.FAILED_VERIFICATION
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,20 @@
 """The worker's client of the shared tier (cache_svc). Publishing happens on a background thread,
 off the step's critical path; lookups and fetches run on a small pool so the engine never waits on
-the network. Lookups go to the service; checkpoint bytes move directly between the worker and
-Redis when the service grants access (cache_svc/client.py: one pipelined round trip per run of
-blocks, verified here), else through the service's Publish and Fetch. Every failure (cache_svc or
-Redis down, a damaged checkpoint) is a miss, logged once per outage; the gRPC channel reconnects
-by itself when the service returns, and the direct path is asked for again after it failed."""
+the network. Lookups and writes go to the service (Publish enforces its bounds); checkpoint bytes
+are read directly from Redis when the service grants access (cache_svc/client.py: pipelined batches
+for a run of blocks, each verified here while the next is read), else streamed by its Fetch. Every
+failure (cache_svc or Redis down, a damaged checkpoint) is a miss with its reason (misses.py),
+logged once per outage; the gRPC channel reconnects by itself, and the direct path is asked for
+again after it failed.
+
+The tier is untrusted storage: checkpoints are sealed with the workers' key and verified here, on
+the fetch thread, before anything touches a pool (checkpoint_io). One that fails is a miss, counted
+by reason (`rejected`, and hybridserve_checkpoints_rejected_total when metrics are on) and deleted."""
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import logging
 import queue
 import threading
@@ -15,26 +22,33 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
+from prometheus_client import Counter
 
-from cache_svc.client import BlockWrite, DataPathError, DirectBlocks, StoredBlock
-from gpu_worker.cache.checkpoint_io import BlockCheckpoint, from_bytes, to_bytes
-from gpu_worker.cache.misses import FetchOrRecompute, MissReason, reason_for_checkpoint_error
+from cache_svc.client import DataPathError, DirectBlocks, StoredBlock
+from gpu_worker.cache.checkpoint_io import (
+    BlockCheckpoint,
+    BlockIdentity,
+    CheckpointLayout,
+    Rejection,
+    check_key,
+    seal,
+    verify,
+)
+from gpu_worker.cache.misses import FetchOrRecompute, MissReason, reason_for_rejection
 from hybridserve import telemetry
-from hybridserve.errors import InvalidArgumentError
+from hybridserve.grpc_auth import with_bearer
+from hybridserve.metrics import process_registry
+from hybridserve.tls import TlsSettings, open_channel
 from hybridserve.v1 import cache_pb2 as pb
 from hybridserve.v1 import cache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("hybridserve.cache.client")
 T = TypeVar("T")
-
-
-PUBLISH_BATCH_BLOCKS = 32  # most blocks one pipelined publish carries
-PIPELINE_BYTES = 4 << 20  # a fetch reads blocks in pipelined batches of about this many bytes
+PIPELINE_BYTES = 4 << 20  # a direct fetch reads blocks in pipelined batches of about this many bytes
 _BLOCK_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)  # about one block, not the tier
 
 
@@ -56,37 +70,37 @@ class FetchResult:
     num_offered_blocks: int  # blocks it held beyond the local hit
 
 
-def max_block_bytes(block_bytes: int) -> int:
-    """The most bytes a fetch reads for one block of `block_bytes` expected (twice that, plus room
-    for the format's header); 0 (no bound) when the size is not known."""
-    return 2 * block_bytes + (64 << 10) if block_bytes > 0 else 0
+@dataclass(frozen=True, slots=True)
+class SharedTierAccess:
+    """What a worker needs to use the shared tier safely."""
+
+    checkpoint_key: bytes  # the workers' MAC key (>= 16 bytes); the tier never sees it
+    cluster_token: str | None = None  # sent on every BlockCache call
+    tls: TlsSettings | None = None  # how to dial the cache service
 
 
-def _done(value: T) -> Future[T]:
-    future: Future[T] = Future()
-    future.set_result(value)
-    return future
-
-
-def _reason_for_status(code: grpc.StatusCode | None) -> MissReason:
-    """A failed Fetch of one block: gone since the lookup, damaged, or the tier is down."""
-    if code == grpc.StatusCode.NOT_FOUND:
-        return MissReason.EVICTED
-    if code == grpc.StatusCode.DATA_LOSS:
-        return MissReason.FAILED_VERIFICATION
-    return MissReason.SHARED_TIER_DOWN
+Verified = tuple[list[FetchedBlock], MissReason | None, int]  # blocks, why it stopped, bytes read
 
 
 class SharedTier:
     def __init__(
-        self, address: str, fingerprint: str, block_size: int, deadline_s: float = 1.0, max_pending: int = 256
+        self,
+        address: str,
+        fingerprint: str,
+        block_size: int,
+        layout: CheckpointLayout,
+        access: SharedTierAccess,
+        deadline_s: float = 1.0,
+        max_pending: int = 256,
     ) -> None:
         self.address = address
         self.fingerprint = fingerprint
         self.block_size = block_size
+        self.layout = layout
+        self._key = check_key(access.checkpoint_key)
         self.deadline_s = deadline_s
-        self._channel = grpc.insecure_channel(address)
-        channel = telemetry.intercept_channel(self._channel)  # carries the trace context
+        self._channel = open_channel(address, access.tls)
+        channel = with_bearer(telemetry.intercept_channel(self._channel), access.cluster_token)
         self._stub = pb_grpc.BlockCacheStub(channel)  # type: ignore[no-untyped-call]
         self._publish_queue: queue.Queue[tuple[bytes, bytes, BlockCheckpoint] | None] = queue.Queue(max_pending)
         self._fetch_pool = ThreadPoolExecutor(2, thread_name_prefix="cache-fetch")
@@ -95,8 +109,10 @@ class SharedTier:
         self._publisher.start()
         self._healthy = True
         self.num_published = 0
-        self._direct: DirectBlocks | None = None  # the direct data path, once the service granted it
-        self._direct_refused = False  # the service hands out none: Publish and Fetch through it
+        self.rejected: collections.Counter[str] = collections.Counter()  # refused checkpoints, by reason
+        self._rejected_metric = _rejected_counter()
+        self._direct: DirectBlocks | None = None  # the direct read path, once the service granted it
+        self._direct_refused = False  # the service hands out none: Fetch through it
         self._direct_lock = threading.Lock()
 
     # ---- publish (engine thread enqueues, the publisher sends) ------------------------------------
@@ -107,65 +123,22 @@ class SharedTier:
             log.debug("publish queue full; dropping block %s", block_hash.hex()[:12])
 
     def _publish_loop(self) -> None:
-        """Sends what is queued, a run of blocks at a time (one pipelined write on the direct path)."""
-        while True:
-            batch = [self._publish_queue.get()]
-            while batch[-1] is not None and len(batch) < PUBLISH_BATCH_BLOCKS:
-                try:
-                    batch.append(self._publish_queue.get_nowait())
-                except queue.Empty:
-                    break
+        while (item := self._publish_queue.get()) is not None:
             try:
-                self._publish_batch([item for item in batch if item is not None])
+                self._publish_one(*item)
             finally:
-                for _ in batch:
-                    self._publish_queue.task_done()
-            if batch[-1] is None:
-                return
+                self._publish_queue.task_done()
+        self._publish_queue.task_done()
 
-    def _publish_batch(self, items: list[tuple[bytes, bytes, BlockCheckpoint]]) -> None:
-        if not items:
-            return
-        encoded = [(h, parent, *to_bytes(c, self.fingerprint, self.block_size)) for h, parent, c in items]
-        direct = self._direct_path()
-        if direct is not None:
-            try:
-                direct.write([BlockWrite(*e) for e in encoded], self.fingerprint, self.block_size)
-                self.num_published += len(encoded)
-            except DataPathError as exc:
-                log.warning("direct publish of %d blocks failed: %s", len(encoded), exc)
-                self._drop_direct(direct)
-            return
-        for block_hash, parent_hash, data, checksum in encoded:
-            request = pb.PublishRequest(
-                model_fingerprint=self.fingerprint, block_hash=block_hash, parent_hash=parent_hash,
-                block_size=self.block_size, checkpoint=data, checksum=checksum,
-            )  # fmt: skip
-            if self._call(partial(self._stub.Publish, request, timeout=self.deadline_s * 5)) is not None:
-                self.num_published += 1
-
-    @property
-    def uses_direct_path(self) -> bool:
-        """Whether checkpoint bytes currently move directly between this worker and Redis."""
-        return self._direct is not None
-
-    def _direct_path(self) -> DirectBlocks | None:
-        """The direct data path, asked of the service once (again after a failed ask)."""
-        if self._direct is not None or self._direct_refused:
-            return self._direct
-        with self._direct_lock:
-            if self._direct is None and not self._direct_refused:
-                request = pb.AccessRequest(model_fingerprint=self.fingerprint)
-                access, code = self._try(lambda: self._stub.Access(request, timeout=self.deadline_s))
-                if access is not None:
-                    try:
-                        self._direct = DirectBlocks(access, socket_timeout_s=self.deadline_s * 5)
-                    except DataPathError as exc:
-                        log.warning("not using the direct data path: %s", exc)
-                        self._direct_refused = True
-                elif code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
-                    self._direct_refused = True
-        return self._direct
+    def _publish_one(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
+        data = seal(checkpoint, self._identity(block_hash, parent_hash), self._key)
+        checksum = hashlib.sha256(data).digest()  # transit only: the MAC is what makes it trustworthy
+        request = pb.PublishRequest(
+            model_fingerprint=self.fingerprint, block_hash=block_hash, parent_hash=parent_hash,
+            block_size=self.block_size, checkpoint=data, checksum=checksum,
+        )  # fmt: skip
+        if self._call(lambda: self._stub.Publish(request, timeout=self.deadline_s * 5)) is not None:
+            self.num_published += 1
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Waits until every queued publish was sent or failed; False on timeout (tests, shutdown)."""
@@ -212,7 +185,8 @@ class SharedTier:
         found, _ = self._try(lambda: self._stub.Lookup(lookup, timeout=self.deadline_s))
         if found is None:
             return FetchResult(request_id, [], MissReason.SHARED_TIER_DOWN, "", 0)
-        offered = found.num_hit_blocks - num_local_blocks
+        end = min(found.num_hit_blocks, len(block_hashes))
+        offered = end - num_local_blocks
         if offered <= 0:
             return FetchResult(request_id, [], None, "", 0)
         decision = policy.decide(offered) if policy is not None else None
@@ -222,11 +196,9 @@ class SharedTier:
         direct = self._direct_path()
         if direct is not None:
             hint = policy.bytes_per_block if policy is not None else 0
-            fetched, reason, num_bytes = self._read_direct(
-                direct, block_hashes, num_local_blocks, found.num_hit_blocks, hint
-            )
+            fetched, reason, num_bytes = self._read_direct(direct, block_hashes, num_local_blocks, end, hint)
         else:
-            fetched, reason, num_bytes = self._read_via_service(block_hashes, num_local_blocks, found.num_hit_blocks)
+            fetched, reason, num_bytes = self._read_via_service(block_hashes, num_local_blocks, end)
         if policy is not None:
             policy.record_fetch(num_bytes, time.monotonic() - started)
         while fetched and not fetched[-1].checkpoint.has_state:
@@ -234,8 +206,32 @@ class SharedTier:
             reason = reason or MissReason.KV_WITHOUT_STATE
         return FetchResult(request_id, fetched, reason, "fetch", offered)
 
+    # ---- the direct read path ---------------------------------------------------------------------
+    @property
+    def uses_direct_path(self) -> bool:
+        """Whether checkpoint bytes currently come directly from Redis."""
+        return self._direct is not None
+
+    def _direct_path(self) -> DirectBlocks | None:
+        """The direct read path, asked of the service once (again after a failed ask or read)."""
+        if self._direct is not None or self._direct_refused:
+            return self._direct
+        with self._direct_lock:
+            if self._direct is None and not self._direct_refused:
+                request = pb.AccessRequest(model_fingerprint=self.fingerprint)
+                access, code = self._try(lambda: self._stub.Access(request, timeout=self.deadline_s))
+                if access is not None:
+                    try:
+                        self._direct = DirectBlocks(access, socket_timeout_s=self.deadline_s * 5)
+                    except DataPathError as exc:
+                        log.warning("not using the direct data path: %s", exc)
+                        self._direct_refused = True
+                elif code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                    self._direct_refused = True
+        return self._direct
+
     def _drop_direct(self, direct: DirectBlocks) -> None:
-        """A failed direct call: ask the service again next time (Redis may have restarted and
+        """A failed direct read: ask the service again next time (Redis may have restarted and
         forgotten the workers' user)."""
         with self._direct_lock:
             if self._direct is direct:
@@ -244,12 +240,12 @@ class SharedTier:
 
     def _read_direct(
         self, direct: DirectBlocks, block_hashes: list[bytes], first: int, end: int, block_bytes_hint: int
-    ) -> tuple[list[FetchedBlock], MissReason | None, int]:
+    ) -> Verified:
         """Blocks [first, end) read in pipelined batches of about PIPELINE_BYTES (one round trip
         each), each batch verified on another thread while the next is read; stops at the first
         bad block."""
         per_batch = max(1, PIPELINE_BYTES // block_bytes_hint) if block_bytes_hint > 0 else end - first
-        checks: list[Future[tuple[list[FetchedBlock], MissReason | None, int]]] = []
+        checks: list[Future[Verified]] = []
         for start in range(first, end, per_batch):
             if any(c.done() and c.result()[1] is not None for c in checks):
                 break  # a bad block: what follows cannot be part of the hit
@@ -272,48 +268,47 @@ class SharedTier:
                 return fetched, reason, num_bytes
         return fetched, None, num_bytes
 
-    def _verify_rows(
-        self, block_hashes: list[bytes], indices: range, rows: list[StoredBlock | None]
-    ) -> tuple[list[FetchedBlock], MissReason | None, int]:
-        """Checks the rows read for `indices`: present, this model and schema, intact."""
+    def _verify_rows(self, block_hashes: list[bytes], indices: range, rows: list[StoredBlock | None]) -> Verified:
+        """Checks the rows read for `indices`: present, this model and schema, sealed by a worker."""
         fetched: list[FetchedBlock] = []
         num_bytes = 0
         for index, row in zip(indices, rows, strict=True):
             if row is None:
                 return fetched, MissReason.EVICTED, num_bytes  # gone since the lookup
+            parent = block_hashes[index - 1] if index else b""
             if row.oversized:
-                log.warning(
-                    "block %s is larger than this model's checkpoints; not read", block_hashes[index].hex()[:12]
-                )
+                self._reject(block_hashes[index], Rejection("format", "larger than this model's checkpoints"))
                 return fetched, MissReason.FAILED_VERIFICATION, num_bytes
             if not row.is_current_schema or row.fingerprint != self.fingerprint:
                 return fetched, MissReason.FOREIGN_FINGERPRINT, num_bytes
-            try:
-                checkpoint = from_bytes(row.data, row.checksum, self.fingerprint, self.block_size)
-            except InvalidArgumentError as exc:
-                log.warning("discarding fetched block %s: %s", block_hashes[index].hex()[:12], exc)
-                return fetched, reason_for_checkpoint_error(exc), num_bytes
+            verdict = verify(row.data, self._identity(block_hashes[index], parent), self.layout, self._key)
+            if isinstance(verdict, Rejection):
+                self._reject(block_hashes[index], verdict)
+                return fetched, reason_for_rejection(verdict.reason), num_bytes
             num_bytes += len(row.data)
-            fetched.append(FetchedBlock(block_hashes[index], block_hashes[index - 1] if index else b"", checkpoint))
+            fetched.append(FetchedBlock(block_hashes[index], parent, verdict))
         return fetched, None, num_bytes
 
-    def _read_via_service(
-        self, block_hashes: list[bytes], first: int, end: int
-    ) -> tuple[list[FetchedBlock], MissReason | None, int]:
+    # ---- through the service ----------------------------------------------------------------------
+    def _read_via_service(self, block_hashes: list[bytes], first: int, end: int) -> Verified:
         """Blocks [first, end) streamed by the service one by one; stops at the first bad one."""
         fetched: list[FetchedBlock] = []
         num_bytes = 0
         for index in range(first, end):
-            checkpoint, size, reason = self._fetch_one(block_hashes[index])
+            parent = block_hashes[index - 1] if index else b""
+            checkpoint, size, reason = self._fetch_one(self._identity(block_hashes[index], parent))
             if checkpoint is None:
                 return fetched, reason, num_bytes
             num_bytes += size
-            fetched.append(FetchedBlock(block_hashes[index], block_hashes[index - 1] if index else b"", checkpoint))
+            fetched.append(FetchedBlock(block_hashes[index], parent, checkpoint))
         return fetched, None, num_bytes
 
-    def _fetch_one(self, block_hash: bytes) -> tuple[BlockCheckpoint | None, int, MissReason | None]:
+    def _identity(self, block_hash: bytes, parent_hash: bytes) -> BlockIdentity:
+        return BlockIdentity(block_hash, parent_hash, self.block_size, self.fingerprint)
+
+    def _fetch_one(self, identity: BlockIdentity) -> tuple[BlockCheckpoint | None, int, MissReason | None]:
         """(checkpoint, its size in bytes, None) or (None, 0, why not)."""
-        request = pb.FetchRequest(model_fingerprint=self.fingerprint, block_hash=block_hash)
+        request = pb.FetchRequest(model_fingerprint=self.fingerprint, block_hash=identity.block_hash)
 
         def fetch() -> tuple[bytes, bytes]:
             chunks, checksum = [], b""
@@ -327,11 +322,24 @@ class SharedTier:
         got, code = self._try(fetch)
         if got is None:
             return None, 0, _reason_for_status(code)
-        try:
-            return from_bytes(got[0], got[1], self.fingerprint, self.block_size), len(got[0]), None
-        except InvalidArgumentError as exc:
-            log.warning("discarding fetched block %s: %s", block_hash.hex()[:12], exc)
-            return None, 0, reason_for_checkpoint_error(exc)
+        data, checksum = got
+        if hashlib.sha256(data).digest() != checksum:
+            verdict: BlockCheckpoint | Rejection = Rejection("checksum", "damaged in transit")
+        else:
+            verdict = verify(data, identity, self.layout, self._key)
+        if isinstance(verdict, Rejection):
+            self._reject(identity.block_hash, verdict)
+            return None, 0, reason_for_rejection(verdict.reason)
+        return verdict, len(data), None
+
+    def _reject(self, block_hash: bytes, rejection: Rejection) -> None:
+        """Counts a refused checkpoint and deletes it from the tier (it would fail every worker)."""
+        self.rejected[rejection.reason] += 1
+        if self._rejected_metric is not None:
+            self._rejected_metric.labels(rejection.reason).inc()
+        log.warning("refusing shared-tier checkpoint %s: %s; deleting it", block_hash.hex()[:12], rejection)
+        request = pb.DeleteRequest(model_fingerprint=self.fingerprint, block_hash=block_hash, reason=rejection.reason)
+        self._call(lambda: self._stub.Delete(request, timeout=self.deadline_s))
 
     def _try(self, fn: Callable[[], T]) -> tuple[T | None, grpc.StatusCode | None]:
         """(fn(), None) or, when the call fails, (None, its status code)."""
@@ -346,7 +354,7 @@ class SharedTier:
         try:
             result = fn()
         except grpc.RpcError as err:
-            if err.code() not in _BLOCK_ERRORS and self._healthy:
+            if err.code() not in (*_BLOCK_ERRORS, grpc.StatusCode.FAILED_PRECONDITION) and self._healthy:
                 log.warning("shared cache tier at %s unavailable (%s); serving misses", self.address, err.code().name)
                 self._healthy = False
             if raise_errors:
@@ -357,6 +365,10 @@ class SharedTier:
             self._healthy = True
         return result
 
+    @property
+    def num_rejected(self) -> int:
+        return sum(self.rejected.values())
+
     def close(self) -> None:
         self._publish_queue.put(None)
         self._publisher.join(5)
@@ -365,3 +377,44 @@ class SharedTier:
         self._channel.close()
         if self._direct is not None:
             self._direct.close()
+
+
+def max_block_bytes(block_bytes: int) -> int:
+    """The most bytes a fetch reads for one block of `block_bytes` expected (twice that, plus room
+    for the format's header); 0 (no bound) when the size is not known."""
+    return 2 * block_bytes + (64 << 10) if block_bytes > 0 else 0
+
+
+def _done(value: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
+
+
+def _reason_for_status(code: grpc.StatusCode | None) -> MissReason:
+    """A failed Fetch of one block: gone since the lookup, damaged, or the tier is down."""
+    if code == grpc.StatusCode.NOT_FOUND:
+        return MissReason.EVICTED
+    if code == grpc.StatusCode.DATA_LOSS:
+        return MissReason.FAILED_VERIFICATION
+    return MissReason.SHARED_TIER_DOWN
+
+
+def _rejected_counter() -> Counter | None:
+    """hybridserve_checkpoints_rejected_total{reason} in the process registry (None while metrics
+    are off); created once per registry."""
+    registry = process_registry()
+    if registry is None:
+        return None
+    with _metric_lock:
+        found = _rejected_metrics.get(id(registry))
+        if found is None:
+            found = _rejected_metrics[id(registry)] = Counter(
+                "hybridserve_checkpoints_rejected", "shared-tier checkpoints refused by this worker (misses, deleted)",
+                ["reason"], registry=registry,
+            )  # fmt: skip
+        return found
+
+
+_metric_lock = threading.Lock()
+_rejected_metrics: dict[int, Counter] = {}

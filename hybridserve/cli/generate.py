@@ -20,6 +20,11 @@ from gpu_worker.client import (
     generation_stub,
     stream_completion,
 )
+from hybridserve.client_security import (
+    add_client_security_arguments,
+    client_security_from_args,
+    open_client_channel,
+)
 from hybridserve.settings import Flag, add_settings_arguments
 from hybridserve.v1 import generation_pb2
 
@@ -44,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-id", default="", help="request id (default: the worker picks one)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up on the call")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_client_security_arguments(parser)
 
 
 def parse_token_ids(raw: str) -> list[int]:
@@ -125,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    with grpc.insecure_channel(args.worker) as channel:
+    with open_client_channel(args.worker, client_security_from_args(args)) as channel:
         stub = generation_stub(channel)
         try:
             done = stream_completion(stub, request, args.timeout, None if args.json else _print_text)

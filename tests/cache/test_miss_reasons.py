@@ -4,7 +4,6 @@ Real workers, a real cache service and a real Redis."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import pytest
@@ -12,7 +11,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
-from safetensors.torch import load, save
 
 from cache_svc import keys
 from gpu_worker.engine.observer import FanOut
@@ -80,15 +78,14 @@ def publish_then_damage(serve, checkpoint, cache_service, redis_server, how: str
     first.run(prompt)
     assert first.engine.prefix.shared.flush()
     client = redis_server.client()
-    for key in client.scan_iter("hybridserve:v2:blk:*"):
+    for key in client.scan_iter(keys.block_key_pattern("hybridserve")):
         data = client.hget(key, keys.FIELD_DATA)
         if how == "flip":
             damaged = bytearray(data)
             damaged[len(damaged) // 2] ^= 0x55
             client.hset(key, keys.FIELD_DATA, bytes(damaged))
-        elif how == "foreign":  # a well-formed checkpoint of another model under this key
-            foreign = save(load(data), metadata={"fingerprint": "0" * 64, "block_size": str(BLOCK)})
-            client.hset(key, mapping={keys.FIELD_DATA: foreign, keys.FIELD_SHA256: hashlib.sha256(foreign).hexdigest()})
+        elif how == "foreign":  # the tier says the entry is another model's
+            client.hset(key, keys.FIELD_FINGERPRINT, "0" * 64)
     second = serve(checkpoint, CONFIG, prefix_caching=True, cache_address=cache_service.address, observer=observer)
     return second, prompt[: 3 * BLOCK] + tokens(5, 8)
 

@@ -7,10 +7,11 @@ import pytest
 
 from cache_svc import keys
 from cache_svc.embedded_redis import RedisProcess
+from gpu_worker.cache.checkpoint_io import MAC_BYTES, MAGIC, BlockCheckpoint, BlockIdentity, seal
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.records import CacheLookup
 from hybridserve.v1 import generation_pb2 as pb
-from tests.worker.conftest import SCHEDULER, collect, greedy_request, prompt_of
+from tests.worker.conftest import SCHEDULER, SHARED_ACCESS, collect, greedy_request, prompt_of
 
 BLOCK = SCHEDULER.block_size
 PREFIX = prompt_of(4 * BLOCK, 77)  # a 4-block shared prefix
@@ -79,7 +80,7 @@ def test_a_restarted_worker_hits_in_redis(start_worker, cold, cache_service):
 
 def damage(redis_client, how: str) -> int:
     """Damages every stored checkpoint in one way; returns how many."""
-    from safetensors.torch import load, save
+    from safetensors.torch import load
 
     count = 0
     for key in redis_client.scan_iter("hybridserve:v2:blk:*"):
@@ -90,10 +91,19 @@ def damage(redis_client, how: str) -> int:
             redis_client.hset(key, keys.FIELD_DATA, bytes(damaged))
         elif how == "fingerprint":
             redis_client.hset(key, keys.FIELD_FINGERPRINT, "0" * 64)
-        elif how == "kv_without_state":
+        elif how == "kv_without_state":  # genuine (sealed with the workers' key) but without the state
             import hashlib
+            import json
+            import struct
 
-            kv_only = save({"kv": load(data)["kv"]})
+            body = data[len(MAGIC) + MAC_BYTES :]
+            meta = json.loads(body[8 : 8 + struct.unpack("<Q", body[:8])[0]])["__metadata__"]
+            identity = BlockIdentity(
+                bytes.fromhex(meta["block_hash"]), bytes.fromhex(meta["parent_hash"]), int(meta["block_size"]),
+                meta["fingerprint"],
+            )  # fmt: skip
+            block = BlockCheckpoint(kv=load(body)["kv"], conv=None, ssm=None)
+            kv_only = seal(block, identity, SHARED_ACCESS.checkpoint_key)
             redis_client.hset(
                 key, mapping={keys.FIELD_DATA: kv_only, keys.FIELD_SHA256: hashlib.sha256(kv_only).hexdigest()}
             )

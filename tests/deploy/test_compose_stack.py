@@ -37,7 +37,11 @@ class Stack:
     def __init__(self, engine: Dockerd, work: Path) -> None:
         self.engine = engine
         secrets_file = work / "secrets.env"
-        secrets_file.write_text(f"HYBRIDSERVE_CACHE_REDIS_PASSWORD={secrets.token_urlsafe(18)}\n")
+        secrets_file.write_text(
+            f"HYBRIDSERVE_CACHE_REDIS_PASSWORD={secrets.token_urlsafe(18)}\n"
+            f"HYBRIDSERVE_CLUSTER_TOKEN={secrets.token_urlsafe(18)}\n"
+            f"HYBRIDSERVE_WORKER_CHECKPOINT_KEY={secrets.token_urlsafe(24)}\n"
+        )
         secrets_file.chmod(0o600)
         names = ["SCHEDULER_A", "SCHEDULER_B", "WORKER", "CACHE", "REDIS", "GATEWAY", "GATEWAY_GRPC",
                  "WORKER_METRICS", "SCHEDULER_A_METRICS", "SCHEDULER_B_METRICS", "CACHE_METRICS"]  # fmt: skip

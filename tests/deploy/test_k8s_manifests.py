@@ -106,3 +106,9 @@ def test_secrets_are_referenced_never_embedded(rendered: tuple[str, list[dict[st
     env = containers(objects)["cache"]["env"]
     password = next(e for e in env if e["name"] == "HYBRIDSERVE_CACHE_REDIS_PASSWORD")
     assert password["valueFrom"]["secretKeyRef"] == {"name": "hybridserve-redis", "key": "password"}
+    worker_env = {e["name"]: e for e in containers(objects)["worker"]["env"]}
+    for container_env in (env, list(worker_env.values())):
+        token = next(e for e in container_env if e["name"] == "HYBRIDSERVE_CLUSTER_TOKEN")
+        assert token["valueFrom"]["secretKeyRef"] == {"name": "hybridserve-cluster", "key": "token"}
+    key = worker_env["HYBRIDSERVE_WORKER_CHECKPOINT_KEY"]["valueFrom"]["secretKeyRef"]
+    assert key == {"name": "hybridserve-cluster", "key": "checkpoint-key"}

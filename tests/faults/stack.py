@@ -5,11 +5,13 @@ tokens), a clear error status, hung (the deadline passed, or no answer) and wron
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_svc.embedded_redis import RedisProcess
 from gpu_worker.init_model import ModelSpec, write_random_checkpoint
 from hybridserve.children import free_port
+from hybridserve.grpc_auth import with_bearer
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.procs import ServerProcess
@@ -31,6 +34,11 @@ SPEC = ModelSpec(
 )  # fmt: skip
 BLOCK_SIZE = 16
 MAX_MEMORY_MB = 64  # the cache service's Redis budget
+CLUSTER_TOKEN = "fault-suite-cluster-token"  # the cache service requires it; the worker and the tests send it
+SECRETS = {
+    "HYBRIDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN,
+    "HYBRIDSERVE_WORKER_CHECKPOINT_KEY": "fault-suite-checkpoint-key",
+}
 KV_PAGE_SIZE = 4
 # The worker's local prefix tier holds at most this many blocks (one Mamba checkpoint each), fewer
 # than 64 prompts have: each run evicts, and misses go to the shared tier (cache service, Redis).
@@ -167,7 +175,14 @@ class Stack:
                 "--num-checkpoint-slots", str(CHECKPOINT_SLOTS), "--scheduler-give-up-s", "20", *self.worker_flags,
             ],
         }[name]  # fmt: skip
-        self.procs[name] = ServerProcess(args, timeout_s=180)
+        env = {**os.environ, **SECRETS} if name in ("cache", "worker") else None
+        self.procs[name] = ServerProcess(args, timeout_s=180, env=env)
+
+    @contextlib.contextmanager
+    def cache_channel(self) -> Iterator[grpc.Channel]:
+        """A channel to the cache service that sends the cluster token."""
+        with grpc.insecure_channel(self.cache_address) as channel:
+            yield with_bearer(channel, CLUSTER_TOKEN)
 
     def kill(self, name: str) -> None:
         if name == "redis":

@@ -49,7 +49,9 @@ def address(stack: Stack, service: str) -> str:
 def raw_call(stack: Stack, method: str, payload: bytes) -> grpc.StatusCode:
     """The status of one call with `payload` as the request's bytes (a stream is read to its end)."""
     path, streaming = METHODS[method]
-    with grpc.insecure_channel(address(stack, SERVICE_OF[method])) as channel:
+    service = SERVICE_OF[method]
+    opened = stack.cache_channel() if service == "cache" else grpc.insecure_channel(address(stack, service))
+    with opened as channel:
         try:
             if streaming:
                 for _ in channel.unary_stream(path)(payload, timeout=TIMEOUT_S):
@@ -83,7 +85,7 @@ def assert_all_serve(stack: Stack) -> None:
                                           mamba_block_size=8, kv_page_size=4, mamba_cache_mode=1),
             timeout=10,
         )  # fmt: skip
-    with grpc.insecure_channel(stack.cache_address) as channel:
+    with stack.cache_channel() as channel:
         cache_pb2_grpc.BlockCacheStub(channel).Lookup(
             cache_pb2.LookupRequest(model_fingerprint=FP, block_hashes=[b"x" * 32]), timeout=10
         )
@@ -367,7 +369,7 @@ ODD_CACHE_CALLS: dict[str, tuple[str, object]] = {
 @pytest.mark.parametrize("name", sorted(ODD_CACHE_CALLS))
 def test_odd_cache_calls_get_a_clear_answer(stack, name):
     method, request = ODD_CACHE_CALLS[name]
-    with grpc.insecure_channel(stack.cache_address) as channel:
+    with stack.cache_channel() as channel:
         call = getattr(cache_pb2_grpc.BlockCacheStub(channel), method)
         code, details = status_of(lambda: call(request, timeout=TIMEOUT_S))
     assert code not in NEVER, (code, details)

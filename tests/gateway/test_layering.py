@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PURE = ("gateway.routing", "gateway.affinity", "gateway.openai_request", "gateway.api_errors", "gateway.auth")
+PURE = ("gateway.routing", "gateway.affinity", "gateway.openai_request", "gateway.api_errors", "hybridserve.auth")
 EDGE = ("grpc", "aiohttp", "torch", "opentelemetry", "google", "jinja2")
 
 

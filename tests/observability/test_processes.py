@@ -52,6 +52,8 @@ def test_one_request_traced_across_worker_scheduler_and_cache(tmp_path, monkeypa
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "HYBRIDSERVE_CLUSTER_TOKEN": "observability-test-token",  # the cache service and the worker
+        "HYBRIDSERVE_WORKER_CHECKPOINT_KEY": "observability-test-checkpoint-key",
     }
     scheduler = ServerProcess(["scheduler", "--port", "0", "--metrics-port", "0"], env=env)
     redis_server = RedisProcess()

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gpu_worker.cache.remote import SharedTierAccess
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.settings import EngineSettings
@@ -24,6 +25,7 @@ from scheduler_svc.core import MambaCacheMode, SchedulerConfig
 from scheduler_svc.server import create_server
 from tests.model.model_helpers import TinySpec, make_hf_model, save_hf_model
 
+SHARED_ACCESS = SharedTierAccess(b"test-checkpoint-key-0123456789", "test-cluster-token")  # every test worker's
 SPEC = TinySpec(seed=5, vocab_size=120, hidden_size=64, num_hidden_layers=4, attn_layer_indices=(1, 3))
 
 SCHEDULER = SchedulerConfig(
@@ -84,6 +86,7 @@ def start_worker(checkpoint, scheduler_address) -> Iterator[Callable[..., Worker
         scheduler: SchedulerConfig = SCHEDULER,
         prefix_caching: bool = False,
         observer: EngineObserver | None = None,
+        access: SharedTierAccess | None = SHARED_ACCESS,
         **overrides,
     ) -> Worker:
         scheduler = replace(scheduler, stop_at_last_boundary=prefix_caching)
@@ -104,7 +107,7 @@ def start_worker(checkpoint, scheduler_address) -> Iterator[Callable[..., Worker
             give_up_after_s=settings.scheduler_give_up_s, backoff_s=0.02, max_backoff_s=0.2,
         )  # fmt: skip
         runner = ModelRunner.from_model_dir(checkpoint, runner_config)
-        prefix = build_prefix_cache(runner, settings, prefix_caching)
+        prefix = build_prefix_cache(runner, settings, prefix_caching, access)
         engine = Engine(runner, client.plan, settings, observer=observer, prefix=prefix)
         engine.start()
         server, port, _ = grpc_server.create_server([add_to_server(GenerationServicer(engine, "tiny"))])
