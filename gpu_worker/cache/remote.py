@@ -49,6 +49,7 @@ from hybridserve.v1 import cache_pb2_grpc as pb_grpc
 log = logging.getLogger("hybridserve.cache.client")
 T = TypeVar("T")
 PIPELINE_BYTES = 4 << 20  # a direct fetch reads blocks in pipelined batches of about this many bytes
+MAX_DIRECT_FAILURES = 3  # direct reads failing in a row before a worker reads through the service only
 _BLOCK_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)  # about one block, not the tier
 
 
@@ -114,6 +115,7 @@ class SharedTier:
         self._direct: DirectBlocks | None = None  # the direct read path, once the service granted it
         self._direct_refused = False  # the service hands out none: Fetch through it
         self._direct_lock = threading.Lock()
+        self._direct_failures = 0  # direct reads failed in a row
 
     # ---- publish (engine thread enqueues, the publisher sends) ------------------------------------
     def publish(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
@@ -194,11 +196,11 @@ class SharedTier:
             return FetchResult(request_id, [], MissReason.FETCH_SLOWER, "recompute", offered)
         started = time.monotonic()
         direct = self._direct_path()
-        if direct is not None:
-            hint = policy.bytes_per_block if policy is not None else 0
-            fetched, reason, num_bytes = self._read_direct(direct, block_hashes, num_local_blocks, end, hint)
-        else:
-            fetched, reason, num_bytes = self._read_via_service(block_hashes, num_local_blocks, end)
+        hint = policy.bytes_per_block if policy is not None else 0
+        got = self._read_direct(direct, block_hashes, num_local_blocks, end, hint) if direct is not None else None
+        if got is None:  # no direct path, or it failed: through the service
+            got = self._read_via_service(block_hashes, num_local_blocks, end)
+        fetched, reason, num_bytes = got
         if policy is not None:
             policy.record_fetch(num_bytes, time.monotonic() - started)
         while fetched and not fetched[-1].checkpoint.has_state:
@@ -232,18 +234,26 @@ class SharedTier:
 
     def _drop_direct(self, direct: DirectBlocks) -> None:
         """A failed direct read: ask the service again next time (Redis may have restarted and
-        forgotten the workers' user)."""
+        forgotten the workers' user); after MAX_DIRECT_FAILURES in a row (e.g. Redis unreachable
+        from here), read through the service only."""
         with self._direct_lock:
             if self._direct is direct:
                 self._direct = None
+            self._direct_failures += 1
+            if self._direct_failures >= MAX_DIRECT_FAILURES and not self._direct_refused:
+                log.warning(
+                    "the direct data path failed %d times in a row; reading through the service", MAX_DIRECT_FAILURES
+                )
+                self._direct_refused = True
         direct.close()
 
     def _read_direct(
         self, direct: DirectBlocks, block_hashes: list[bytes], first: int, end: int, block_bytes_hint: int
-    ) -> Verified:
+    ) -> Verified | None:
         """Blocks [first, end) read in pipelined batches of about PIPELINE_BYTES (one round trip
         each), each batch verified on another thread while the next is read; stops at the first
-        bad block."""
+        bad block. None when Redis cannot be read directly before any block came (the caller reads
+        through the service)."""
         per_batch = max(1, PIPELINE_BYTES // block_bytes_hint) if block_bytes_hint > 0 else end - first
         checks: list[Future[Verified]] = []
         for start in range(first, end, per_batch):
@@ -255,8 +265,11 @@ class SharedTier:
             except DataPathError as exc:
                 log.warning("direct read failed: %s", exc)
                 self._drop_direct(direct)
+                if not checks:
+                    return None
                 checks.append(_done(([], MissReason.SHARED_TIER_DOWN, 0)))
                 break
+            self._direct_failures = 0
             checks.append(self._verify_pool.submit(self._verify_rows, block_hashes, indices, rows))
         fetched: list[FetchedBlock] = []
         num_bytes = 0

@@ -132,3 +132,19 @@ def test_a_block_far_larger_than_this_models_checkpoints_is_not_read(
     assert second.run(prompt[: 2 * BLOCK] + tokens(3, 8))[2] == 0
     assert dict(second.info().prefix_cache_miss_reasons) == {"failed_verification": 1}
     assert "larger than this model's checkpoints" in caplog.text
+
+
+def test_a_failing_direct_read_falls_back_to_the_service_within_the_request(
+    serve, checkpoint, cache_service, redis_server
+):
+    first = serve(checkpoint, CONFIG, prefix_caching=True, cache_address=cache_service.address)
+    prompts = [tokens(2 * BLOCK + 5, 10), tokens(2 * BLOCK + 5, 11)]
+    for prompt in prompts:
+        first.run(prompt)
+    assert first.engine.prefix.shared.flush()
+    second = serve(checkpoint, CONFIG, prefix_caching=True, cache_address=cache_service.address)
+    assert second.run(prompts[0][: 2 * BLOCK] + tokens(3, 12))[2] == 2 * BLOCK
+    assert second.engine.prefix.shared.uses_direct_path
+    redis_server.client().execute_command("ACL", "DELUSER", "hybridserve-worker")  # drops its connections too
+    assert second.run(prompts[1][: 2 * BLOCK] + tokens(3, 13))[2] == 2 * BLOCK, "read through the service"
+    assert not second.engine.prefix.shared.uses_direct_path
