@@ -28,8 +28,7 @@ def step_failed(step_index: int, exc: BaseException, request_ids: list[str]) -> 
         step_index, type(exc).__name__, exc, len(request_ids), ", ".join(request_ids) or "none", exc_info=exc,
     )  # fmt: skip
     return AbortedError(
-        f"the worker failed while serving this request (step {step_index}: {type(exc).__name__}: {exc});"
-        " send it again"
+        f"the worker failed while serving this request (step {step_index}: {type(exc).__name__}: {exc}); send it again"
     )
 
 

@@ -55,9 +55,10 @@ def test_a_wrong_shape_checkpoint_in_the_shared_tier_is_a_miss_and_the_worker_ke
     assert tokens == collect(cold.stub.Generate(greedy_request(prompt, 8), timeout=30))[0]
     assert engine_alive(worker.engine)
     again = prompt_of(9, 3)
-    assert collect(worker.stub.Generate(greedy_request(again, 4), timeout=30))[0] == collect(
-        cold.stub.Generate(greedy_request(again, 4), timeout=30)
-    )[0], "later requests are served"
+    assert (
+        collect(worker.stub.Generate(greedy_request(again, 4), timeout=30))[0]
+        == collect(cold.stub.Generate(greedy_request(again, 4), timeout=30))[0]
+    ), "later requests are served"
     info = worker.info()
     assert info.num_state_slots_free == info.num_state_slots_total
 
