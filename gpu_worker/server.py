@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpu_worker import lifecycle
 from gpu_worker.cache.manager import PrefixCacheManager
 from gpu_worker.cache.remote import SharedTier
 from gpu_worker.cpu_alloc import keep_freed_memory
@@ -14,7 +15,7 @@ from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
 from gpu_worker.runner import ModelRunner, RunnerConfig
-from gpu_worker.service import GenerationServicer, add_to_server
+from gpu_worker.service import GenerationServicer, add_to_server, server_threads
 from hybridserve import grpc_server
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
 from hybridserve.settings import Flag, add_settings_arguments
@@ -37,6 +38,7 @@ class WorkerServerSettings:
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = a free port
     record_steps: Path | None = None  # JSONL file of sampled steps' scheduler input and plan
     record_sample_rate: float = 1.0  # fraction of steps recorded
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may run before they are cut
 
 
 FLAGS = {
@@ -64,6 +66,10 @@ FLAGS = {
         metavar="FILE",
     ),
     "record_sample_rate": Flag("fraction of steps recorded (1.0 = every step)"),
+    "drain_timeout_s": Flag(
+        "on SIGTERM: stop admitting, let requests in flight finish for up to this long, then end the rest"
+        " (UNAVAILABLE); give the process this plus 10 s before SIGKILL"
+    ),
 }
 ENGINE_FIELDS = (
     "scheduler_addresses", "cache_address", "async_scheduling", "max_queue_len", "default_max_tokens",
@@ -116,13 +122,8 @@ def build_prefix_cache(runner: ModelRunner, settings: EngineSettings, enabled: b
 
 
 def engine_alive(engine: Engine) -> bool:
-    """Liveness: the engine's step thread still runs (the server is created once the model loaded,
-    so readiness needs no probe of its own)."""
-    is_alive = getattr(engine, "is_alive", None)
-    if callable(is_alive):
-        return bool(is_alive())
-    thread = getattr(engine, "_thread", None)  # until Engine reports it itself
-    return thread is None or bool(thread.is_alive())
+    """Liveness: the engine's loop still runs."""
+    return engine.is_alive()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,18 +146,16 @@ def run(args: argparse.Namespace) -> int:
     engine.start()
     servicer = GenerationServicer(engine, model_name=server_settings.model.name)
     server, port, health = grpc_server.create_server(
-        [add_to_server(servicer)], host=server_settings.host, port=server_settings.port
-    )
-    stop_watching = grpc_server.watch_health(health, is_alive=lambda: engine_alive(engine))
+        [add_to_server(servicer)], host=server_settings.host, port=server_settings.port,
+        max_workers=server_threads(engine),
+    )  # fmt: skip
+    stop_watching = lifecycle.watch(health, engine, servicer, client.is_reachable)
     server.start()
     grpc_server.announce(server_settings.host, port)
-
-    def stop() -> None:
-        stop_watching.set()
-        engine.stop()
-        client.close()
-        observers.close()
-        stop_telemetry()
-
-    grpc_server.serve_until_signal(server, health, on_stop=stop)
+    lifecycle.wait_for_signal()
+    lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s)
+    stop_watching.set()
+    client.close()
+    observers.close()
+    stop_telemetry()
     return 0
