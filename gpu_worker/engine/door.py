@@ -8,12 +8,15 @@ error it closed with, so no request can wait on a loop that no longer runs.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
 from gpu_worker.engine.finish import FinishReason
-from gpu_worker.engine.request import Request
+from gpu_worker.engine.request import Request, RequestOutput
 from hybridserve.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+
+log = logging.getLogger("hybridserve.engine")
 
 
 class Door:
@@ -85,11 +88,14 @@ class Door:
         with self.cond:
             return len(self.live)
 
-    def close(self, error: UnavailableError) -> list[Request]:
-        """(engine thread, as its loop ends) Every later submit raises `error`; returns the live
-        requests, which the caller ends."""
+    def close(self, error: UnavailableError) -> None:
+        """(engine thread, as its loop ends) Every live request ends with `error` (its stream raises
+        it), and so does every later submit."""
         with self.cond:
             self.closed_with = error
             live, self.live = list(self.live.values()), {}
             self.inbox, self.aborts = [], []
-        return live
+        for request in live:
+            request.events.put(RequestOutput(error=error))
+        if live:
+            log.warning("the engine stopped; %d live requests ended: %s", len(live), error)

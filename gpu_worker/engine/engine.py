@@ -37,7 +37,7 @@ from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.output import Ending, OutputProcessor
 from gpu_worker.engine.prepared import PreparedStep, Row, make_row
 from gpu_worker.engine.records import FirstToken, Occupancy, StepRecord
-from gpu_worker.engine.request import Request, RequestOutput
+from gpu_worker.engine.request import Request
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.engine.table import RequestTable
 from gpu_worker.engine.unstall import Remedy, stall_remedy
@@ -152,7 +152,7 @@ class Engine:
         except BaseException as exc:  # logged there; the thread ends
             error = failures.engine_stopped(exc)
         finally:
-            self._end_everything(error)
+            self.door.close(error)  # every live request (and every later one) gets `error`
 
     def _iterate(self, pending: Future[Planned] | None) -> Future[Planned] | None:
         changed = self._drain_inbox()
@@ -431,14 +431,6 @@ class Engine:
         for request in involved:
             failures.guarded("release", self._remove, request.request_id)  # frees what it holds, if it can
         self._end([self.outputs.failed(r, error) for r in involved])
-
-    def _end_everything(self, error: UnavailableError) -> None:
-        """The engine thread ends: every live request (and every later one) gets `error`."""
-        live = self.door.close(error)
-        for request in live:
-            request.events.put(RequestOutput(error=error))
-        if live:
-            log.warning("the engine stopped; %d live requests ended: %s", len(live), error)
 
     def _occupancy(self) -> Occupancy:
         return self.allocator.occupancy(self.table.num_running, self.table.num_waiting)
