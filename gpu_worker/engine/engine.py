@@ -102,6 +102,8 @@ class Engine:
         self._stopping.set()
         self.door.wake()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():  # still in a step or waiting for a scheduler: end the requests now
+            self.door.close(failures.shutting_down())
         self._planner_pool.shutdown(wait=False, cancel_futures=True)
         self.prefix.close()
 
