@@ -77,7 +77,7 @@ def test_an_outage_makes_the_worker_unready_not_dead_and_requests_resume_soon_af
         waiting.join()
         assert waiting.error is None, waiting.error
         assert waiting.num_tokens == 4
-        assert waiting.ended - back < 3.0, f"served {waiting.ended - back:.1f} s after the scheduler came back"
+        assert waiting.ended - back < 4.0, f"served {waiting.ended - back:.1f} s after the scheduler came back"
         wait_until(lambda: client.status() == SERVING, 10, "ready again")
     finally:
         client.close()
@@ -113,7 +113,10 @@ def test_the_give_up_time_counts_once_per_outage(model_dir):
 def test_sigterm_drains_requests_in_flight_longer_than_the_old_grace(model_dir, scheduler_process):
     client = worker(model_dir, scheduler_process.address, "--drain-timeout-s", "90")
     try:
-        long = Call(client, text_request("def long():", 6000))
+        timed = Call(client, text_request("def timed():", 500)).join()
+        per_token_s = (timed.ended - timed.started) / 500
+        max_tokens = min(int(8.0 / per_token_s), client.info().max_model_len - 32)  # about 8 s here
+        long = Call(client, text_request("def long():", max_tokens))
         assert long.first.wait(30) and long.error is None
         client.process.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
@@ -124,7 +127,7 @@ def test_sigterm_drains_requests_in_flight_longer_than_the_old_grace(model_dir, 
         assert "shutting down" in refused.error.details()
         long.join()
         assert long.error is None, long.error
-        assert long.num_tokens == 6000 and long.messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert long.num_tokens == max_tokens and long.messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert long.ended - signalled > 5.0, "the generation outlasted the old fixed 5 s grace"
         assert client.process.stop(timeout_s=30) == 0
     finally:
