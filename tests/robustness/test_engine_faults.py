@@ -8,6 +8,7 @@ import hashlib
 import json
 import threading
 import time
+from concurrent.futures import Future
 
 import grpc
 import pytest
@@ -122,3 +123,52 @@ def test_an_engine_whose_loop_ends_fails_live_and_new_requests_with_unavailable(
         collect(worker.stub.Generate(greedy_request(prompt_of(6, 6), 4), timeout=30))
     assert new.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "engine stopped" in new.value.details()
+
+
+class ForgingSharedTier:
+    """A shared tier that answers every fetch with blocks whose Mamba state has the wrong shape
+    (whatever checks the real tier makes, the engine must survive an import that raises)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.num_fetches = 0
+
+    def fetch_prefix(self, block_hashes, num_local_blocks, trace_context=None):
+        import torch
+
+        from gpu_worker.cache.checkpoint_io import BlockCheckpoint
+        from gpu_worker.cache.remote import FetchedBlock
+
+        self.num_fetches += 1
+        caches = self.runner.kv_pool.layer_caches()
+        kv = torch.zeros(len(caches), 2, BLOCK, *caches[0][0].shape[1:])
+        slot = self.runner.state_pool.allocate_checkpoint()  # a slot's shapes, then given back
+        conv, ssm = self.runner.state_pool.export_checkpoint(slot)
+        self.runner.state_pool.free_checkpoint(slot)
+        forged = BlockCheckpoint(kv=kv, conv=conv[..., :-1], ssm=ssm[..., :-1])
+        done: Future = Future()
+        done.set_result([FetchedBlock(h, b"", forged) for h in block_hashes[num_local_blocks:]])
+        return done
+
+    def publish(self, *args) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_import_that_raises_is_a_miss_and_frees_what_it_took(start_worker):
+    worker = start_worker(prefix_caching=True)
+    cold = start_worker(prefix_caching=False)
+    tier = ForgingSharedTier(worker.engine.runner)
+    worker.engine.prefix.shared = tier
+    before = worker.info()
+    prompt = PREFIX + prompt_of(5, 7)
+    tokens, messages = collect(worker.stub.Generate(greedy_request(prompt, 6), timeout=30))
+    assert tier.num_fetches == 1
+    assert worker.engine.prefix.num_rejected_blocks == 1, "the first forged block failed and the rest were skipped"
+    assert messages[-1].usage.cached_tokens == 0
+    assert tokens == collect(cold.stub.Generate(greedy_request(prompt, 6), timeout=30))[0]
+    after = worker.info()
+    assert after.num_kv_pages_free + worker.engine.prefix.local.reclaimable_pages() == before.num_kv_pages_free
+    assert engine_alive(worker.engine)
