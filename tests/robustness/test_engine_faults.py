@@ -16,6 +16,7 @@ from safetensors.torch import load, save
 
 from cache_svc import keys
 from gpu_worker.server import engine_alive
+from hybridserve.children import free_port
 from tests.worker.conftest import SCHEDULER, collect, greedy_request, prompt_of
 
 BLOCK = SCHEDULER.block_size
@@ -172,3 +173,26 @@ def test_an_import_that_raises_is_a_miss_and_frees_what_it_took(start_worker):
     after = worker.info()
     assert after.num_kv_pages_free + worker.engine.prefix.local.reclaimable_pages() == before.num_kv_pages_free
     assert engine_alive(worker.engine)
+
+
+def test_stopping_an_engine_that_waits_for_a_scheduler_ends_its_requests_at_once(start_worker):
+    worker = start_worker(scheduler_addresses=(f"127.0.0.1:{free_port()}",), scheduler_give_up_s=5.0)
+    errors: list[grpc.RpcError] = []
+
+    def stream() -> None:
+        try:
+            collect(worker.stub.Generate(greedy_request(prompt_of(6, 8), 4), timeout=30))
+        except grpc.RpcError as exc:
+            errors.append(exc)
+
+    client = threading.Thread(target=stream)
+    client.start()
+    deadline = time.monotonic() + 10
+    while worker.engine.num_live == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    worker.engine.stop(timeout_s=0.5)  # the loop is inside a PlanStep wait: it cannot end in time
+    client.join(3)
+    assert not client.is_alive()
+    assert [e.code() for e in errors] == [grpc.StatusCode.UNAVAILABLE]
+    assert "shutting down" in errors[0].details()
