@@ -29,20 +29,36 @@ log = logging.getLogger("hybridserve.worker")
 FINAL_GRACE_S = 2.0  # after the engine stopped: the last statuses reach their clients
 
 
-def watch(
-    health: grpc_server.Health,
-    engine: Engine,
-    servicer: GenerationServicer,
-    scheduler_reachable: Callable[[], bool],
-    interval_s: float = 0.5,
-) -> threading.Event:
-    """Keeps liveness and readiness current (see the module docstring); set the event to stop."""
-    return grpc_server.watch_health(
-        health,
-        is_alive=engine.is_alive,
-        is_ready=lambda: not servicer.draining and scheduler_reachable(),
-        interval_s=interval_s,
-    )
+class HealthWatch:
+    """Keeps liveness and readiness current (see the module docstring) from a thread of its own,
+    probing the scheduler every `interval_s`. `stop()` joins it, so no probe is in flight when the
+    scheduler channel closes (a call in flight at interpreter exit can abort the process)."""
+
+    def __init__(
+        self,
+        health: grpc_server.Health,
+        engine: Engine,
+        servicer: GenerationServicer,
+        scheduler_reachable: Callable[[], bool],
+        interval_s: float = 0.5,
+    ) -> None:
+        self._health, self._engine, self._servicer = health, engine, servicer
+        self._reachable = scheduler_reachable
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="health", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            alive = self._engine.is_alive()
+            self._health.set_alive(alive)
+            self._health.set_ready(alive and not self._servicer.draining and self._reachable())
+            self._stop.wait(self._interval_s)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
 
 
 def wait_for_signal() -> None:

@@ -149,12 +149,12 @@ def run(args: argparse.Namespace) -> int:
         [add_to_server(servicer)], host=server_settings.host, port=server_settings.port,
         max_workers=server_threads(engine),
     )  # fmt: skip
-    stop_watching = lifecycle.watch(health, engine, servicer, client.is_reachable)
+    watch = lifecycle.HealthWatch(health, engine, servicer, client.is_reachable)
     server.start()
     grpc_server.announce(server_settings.host, port)
     lifecycle.wait_for_signal()
     lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s)
-    stop_watching.set()
+    watch.stop()  # before the scheduler channel closes: no probe in flight
     client.close()
     observers.close()
     stop_telemetry()
