@@ -61,8 +61,9 @@ class HealthWatch:
         self._thread.join(timeout_s)
 
 
-def wait_for_signal() -> None:
-    """Blocks until SIGTERM or SIGINT."""
+def on_signal() -> threading.Event:
+    """An event set by SIGTERM or SIGINT; install it before announcing the port, so a signal sent
+    as soon as the port is known is a drain, not the default death."""
     received = threading.Event()
 
     def handle(signum: int, _frame: Any) -> None:
@@ -71,7 +72,15 @@ def wait_for_signal() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handle)
-    received.wait()
+    return received
+
+
+def wait_for(event: threading.Event, poll_s: float = 0.5) -> None:
+    """Blocks the main thread until `event` is set, waking every poll_s: a signal delivered to
+    another thread only runs its Python handler once the main thread wakes, which an untimed wait
+    may never do."""
+    while not event.wait(poll_s):
+        pass
 
 
 def drain(

@@ -150,9 +150,10 @@ def run(args: argparse.Namespace) -> int:
         max_workers=server_threads(engine),
     )  # fmt: skip
     watch = lifecycle.HealthWatch(health, engine, servicer, client.is_reachable)
+    stop = lifecycle.on_signal()
     server.start()
     grpc_server.announce(server_settings.host, port)
-    lifecycle.wait_for_signal()
+    lifecycle.wait_for(stop)
     lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s)
     watch.stop()  # before the scheduler channel closes: no probe in flight
     client.close()
