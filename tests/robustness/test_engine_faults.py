@@ -5,38 +5,41 @@ liveness off and fails every live and new request with UNAVAILABLE at once."""
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 import time
 from concurrent.futures import Future
 
 import grpc
 import pytest
-from safetensors.torch import load, save
 
 from cache_svc import keys
+from gpu_worker.cache.blocks import chain_hashes
+from gpu_worker.cache.checkpoint_io import BlockCheckpoint, BlockIdentity, seal, verify
 from gpu_worker.server import engine_alive
 from hybridserve.children import free_port
-from tests.worker.conftest import SCHEDULER, collect, greedy_request, prompt_of
+from tests.worker.conftest import SCHEDULER, SHARED_ACCESS, collect, greedy_request, prompt_of
 
 BLOCK = SCHEDULER.block_size
 PREFIX = prompt_of(4 * BLOCK, 41)
 
 
-def reshape_stored_checkpoints(redis_client) -> int:
-    """Rewrites every stored checkpoint as a well-formed one (right fingerprint, block size and
-    checksum) whose Mamba state has the wrong shape: what a buggy or hostile publisher could store."""
+def reshape_stored_checkpoints(redis_client, shared) -> int:
+    """Rewrites every stored checkpoint of PREFIX as a well-formed, correctly sealed one (right
+    identity, key and checksum) whose Mamba state has the wrong shape: what a buggy publisher holding
+    the workers' key could store."""
+    fingerprint = shared.fingerprint
+    hashes = chain_hashes(PREFIX, BLOCK, fingerprint)
     count = 0
-    for key in redis_client.scan_iter("hybridserve:blk:*"):
-        data = redis_client.hget(key, keys.FIELD_DATA)
-        tensors = load(data)
-        if "ssm" not in tensors:
+    for index, block_hash in enumerate(hashes):
+        key = keys.block_key("hybridserve", fingerprint, block_hash)
+        if not redis_client.exists(key):
             continue
-        header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8 : 8 + header_len])["__metadata__"]
-        tensors["ssm"] = tensors["ssm"][..., :-1].contiguous()  # one d_state column short
-        tensors["conv"] = tensors["conv"][..., :-1].contiguous()
-        forged = save(tensors, metadata=meta)
+        identity = BlockIdentity(block_hash, hashes[index - 1] if index else b"", BLOCK, fingerprint)
+        stored = verify(redis_client.hget(key, keys.FIELD_DATA), identity, shared.layout, SHARED_ACCESS.checkpoint_key)
+        assert isinstance(stored, BlockCheckpoint), stored
+        conv = None if stored.conv is None else stored.conv[..., :-1].contiguous()  # one column short
+        ssm = None if stored.ssm is None else stored.ssm[..., :-1].contiguous()
+        forged = seal(BlockCheckpoint(kv=stored.kv, conv=conv, ssm=ssm), identity, SHARED_ACCESS.checkpoint_key)
         redis_client.hset(key, mapping={keys.FIELD_DATA: forged, keys.FIELD_SHA256: hashlib.sha256(forged).hexdigest()})
         count += 1
     return count
@@ -48,7 +51,7 @@ def test_a_wrong_shape_checkpoint_in_the_shared_tier_is_a_miss_and_the_worker_ke
     publisher = start_worker(prefix_caching=True, cache_address=cache_service.address)
     collect(publisher.stub.Generate(greedy_request(PREFIX + prompt_of(3, 1), 4), timeout=60))
     assert publisher.engine.prefix.shared.flush()
-    assert reshape_stored_checkpoints(redis_server.client()) >= 1
+    assert reshape_stored_checkpoints(redis_server.client(), publisher.engine.prefix.shared) >= 1
     cold = start_worker(prefix_caching=False)
     worker = start_worker(prefix_caching=True, cache_address=cache_service.address)  # empty local tier
     prompt = PREFIX + prompt_of(5, 2)
