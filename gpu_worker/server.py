@@ -8,6 +8,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpu_worker import lifecycle
 from gpu_worker.cache.checkpoint_io import MIN_KEY_BYTES, CheckpointLayout
 from gpu_worker.cache.manager import PrefixCacheManager
 from gpu_worker.cache.remote import SharedTier, SharedTierAccess
@@ -16,7 +17,7 @@ from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
 from gpu_worker.runner import ModelRunner, RunnerConfig
-from gpu_worker.service import GenerationServicer, add_to_server
+from gpu_worker.service import GenerationServicer, add_to_server, server_threads
 from hybridserve import grpc_server
 from hybridserve.auth import load_keys, load_secret
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
@@ -51,6 +52,7 @@ class WorkerServerSettings:
     api_key_file: Path | None = None  # accepted API keys, one per line (or API_KEYS_ENV); none = open
     checkpoint_key_file: Path | None = None  # the workers' checkpoint MAC key (or CHECKPOINT_KEY_ENV)
     cluster_token_file: Path | None = None  # the cache service's cluster token (or CLUSTER_TOKEN_ENV)
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may run before they are cut
 
 
 FLAGS = {
@@ -88,6 +90,10 @@ FLAGS = {
         f"the key sealing shared-tier checkpoints, the same on every worker (or {CHECKPOINT_KEY_ENV})", metavar="FILE"
     ),
     "cluster_token_file": Flag(f"the cache service's cluster token (or {CLUSTER_TOKEN_ENV})", metavar="FILE"),
+    "drain_timeout_s": Flag(
+        "on SIGTERM: stop admitting, let requests in flight finish for up to this long, then end the rest"
+        " (UNAVAILABLE); give the process this plus 10 s before SIGKILL"
+    ),
 }
 SECURITY_FIELDS = ("api_key_file", "checkpoint_key_file", "cluster_token_file")
 ENGINE_FIELDS = (
@@ -186,13 +192,8 @@ def api_keys(server: WorkerServerSettings) -> frozenset[str]:
 
 
 def engine_alive(engine: Engine) -> bool:
-    """Liveness: the engine's step thread still runs (the server is created once the model loaded,
-    so readiness needs no probe of its own)."""
-    is_alive = getattr(engine, "is_alive", None)
-    if callable(is_alive):
-        return bool(is_alive())
-    thread = getattr(engine, "_thread", None)  # until Engine reports it itself
-    return thread is None or bool(thread.is_alive())
+    """Liveness: the engine's loop still runs."""
+    return engine.is_alive()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,18 +220,17 @@ def run(args: argparse.Namespace) -> int:
     engine.start()
     servicer = GenerationServicer(engine, model_name=server_settings.model.name)
     server, port, health = grpc_server.create_server(
-        [add_to_server(servicer)], host=server_settings.host, port=server_settings.port, tls=tls, keys=keys
-    )
-    stop_watching = grpc_server.watch_health(health, is_alive=lambda: engine_alive(engine))
+        [add_to_server(servicer)], host=server_settings.host, port=server_settings.port,
+        max_workers=server_threads(engine), tls=tls, keys=keys,
+    )  # fmt: skip
+    watch = lifecycle.HealthWatch(health, engine, servicer, client.is_reachable)
+    stop = lifecycle.on_signal()
     server.start()
     grpc_server.announce(server_settings.host, port)
-
-    def stop() -> None:
-        stop_watching.set()
-        engine.stop()
-        client.close()
-        observers.close()
-        stop_telemetry()
-
-    grpc_server.serve_until_signal(server, health, on_stop=stop)
+    lifecycle.wait_for(stop)
+    lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s)
+    watch.stop()  # before the scheduler channel closes: no probe in flight
+    client.close()
+    observers.close()
+    stop_telemetry()
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -12,10 +13,11 @@ from gpu_worker.engine.admission import build_request, max_model_len
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.request import RequestOutput
 from hybridserve import grpc_server
-from hybridserve.errors import NotFoundError
+from hybridserve.errors import NotFoundError, ResourceExhaustedError, UnavailableError
 from hybridserve.v1 import generation_pb2 as pb
 
-POLL_S = 0.25  # how often a waiting stream checks that its client is still there
+POLL_S = 2.0  # how often a waiting stream checks that its client is still there (a cancel aborts at once)
+CONTROL_THREADS = 16  # server threads beyond the streams: health, GetInfo, Abort and refusals never wait
 
 # The engine's finish reason (gpu_worker.engine.FinishReason, a str enum, or its string value; "" while
 # more follows) -> the wire enum.
@@ -34,12 +36,49 @@ def finish_reason_to_pb(reason: object) -> pb.FinishReason:
     return FINISH_REASON_PB[str(getattr(reason, "value", reason) or "")]
 
 
+def max_streams(engine: Engine) -> int:
+    """Generate calls held at once: every request the engine can run plus every one it can queue."""
+    return engine.settings.scheduler.max_num_seqs + engine.settings.max_queue_len
+
+
+def server_threads(engine: Engine) -> int:
+    """The gRPC server's threads: one per held stream (a sync stream holds its thread), plus spares
+    so that health checks, GetInfo, Abort and the refusal of a stream beyond the limit never queue."""
+    return max_streams(engine) + CONTROL_THREADS
+
+
 class GenerationServicer:
+    """Holds at most `max_streams(engine)` Generate calls; one more is refused with
+    RESOURCE_EXHAUSTED at once, and every new one with UNAVAILABLE once `drain()` was called."""
+
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_streams = max_streams(engine)
+        self._lock = threading.Lock()
+        self._num_streams = 0
+        self.draining = False
+
+    def drain(self) -> None:
+        """Stops admitting: later Generate calls get UNAVAILABLE; those in flight go on."""
+        self.draining = True
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        if self.draining:
+            raise UnavailableError("this worker is shutting down; send the request to another worker")
+        with self._lock:
+            if self._num_streams >= self.max_streams:
+                raise ResourceExhaustedError(
+                    f"this worker holds {self.max_streams} streams (max_num_seqs + max_queue_len); retry later"
+                )
+            self._num_streams += 1
+        try:
+            yield from self._generate(request, context)
+        finally:
+            with self._lock:
+                self._num_streams -= 1
+
+    def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         asked = generation_input_from_pb(request)
         req = build_request(asked, self.engine.runner, self.engine.settings, context.time_remaining())
         self.engine.submit(req)

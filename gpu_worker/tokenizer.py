@@ -7,6 +7,7 @@ text round-trips and no merges are needed."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -16,6 +17,8 @@ from hybridserve.errors import InvalidArgumentError
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
 BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+UTF8_MAX_BYTES_PER_CHAR = 4
+RELEASE_GIL_CHARS = 4096  # texts longer than this are encoded with the GIL released
 
 
 def build_byte_tokenizer() -> HFTokenizer:
@@ -41,8 +44,20 @@ class Tokenizer:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with no special tokens added."""
+        """Token ids of `text`, with no special tokens added. A long text is encoded through the
+        batch call, which releases the GIL (the single call holds it throughout), so the engine and
+        the other RPCs run meanwhile."""
+        if len(text) > RELEASE_GIL_CHARS:
+            return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    @cached_property
+    def max_bytes_per_token(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for: the longest vocabulary
+        entry in characters, each at most 4 bytes (an entry's characters are the text's, or stand
+        for fewer bytes, as a byte-level symbol or a byte-fallback `<0xAB>` does)."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return UTF8_MAX_BYTES_PER_CHAR * max((len(token) for token in vocab), default=1)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))

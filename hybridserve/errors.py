@@ -29,3 +29,8 @@ class UnavailableError(HybridServeError):
 
 class DeadlineExceededError(HybridServeError):
     """The request's own deadline passed (-> DEADLINE_EXCEEDED)."""
+
+
+class AbortedError(HybridServeError):
+    """The server gave up on this call for a reason of its own (a failed engine step, a drain); the
+    same call may succeed if sent again, here or elsewhere (-> ABORTED)."""

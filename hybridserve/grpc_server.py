@@ -32,6 +32,7 @@ STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
     (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.AbortedError, grpc.StatusCode.ABORTED),
 )
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024

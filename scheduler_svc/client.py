@@ -9,7 +9,12 @@ retried: the planner is deterministic, so the same input would fail again.
 What gRPC has no setting for is this client's give-up deadline: a worker keeps its requests while
 the schedulers restart, for up to `give_up_after_s`. Each call waits for a connected replica
 (`wait_for_ready`) for at most `deadline_s`; calls that find none are repeated until
-`give_up_after_s` has passed since the first one, and then UnavailableError is raised.
+`give_up_after_s` has passed since the outage began (the first call that found no replica), and
+then UnavailableError is raised. The outage is counted once: a call made during it gives up with
+the others, not `give_up_after_s` after its own start; after the give-up each call makes one short
+attempt (`PROBE_S`), until a call or a readiness probe (`is_reachable`) gets an answer again.
+Reconnection is bounded too: a channel retries a lost replica at most every `max_backoff_s`
+(gRPC's default grows to 120 s), so a returning scheduler is found within about that.
 
 Addresses: IP literals (host:port) become one `ipv4:` (or `ipv6:`) target. One host name is
 resolved by gRPC's DNS resolver (every address it returns is a replica: a headless service); several
@@ -28,6 +33,7 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
 from hybridserve import telemetry
@@ -46,6 +52,7 @@ MAX_ATTEMPTS = 5  # gRPC caps a retry policy at 5 attempts per call
 # server cancels the calls it received but had not started: this client never cancels its own):
 # ask again until the give-up deadline.
 _WAIT_AGAIN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+PROBE_S = 0.2  # one attempt's wait once the outage outlasted the give-up time
 
 
 def _split_host_port(address: str) -> tuple[str, str]:
@@ -146,6 +153,21 @@ class SchedulerClient:
         )
         traced = telemetry.intercept_channel(self._channel, tracer_provider)  # spans + trace context
         self._stub = pb_grpc.SchedulerStub(traced)  # type: ignore[no-untyped-call]
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._down_since: float | None = None  # when the current outage began; None while answered
+
+    def is_reachable(self, timeout_s: float = 1.0) -> bool:
+        """Whether a replica answers (grpc.health.v1 readiness) within timeout_s: the worker's
+        readiness. An answer ends the outage, so the next call gets the whole give-up time again."""
+        request = health_pb2.HealthCheckRequest(service="readiness")
+        try:
+            status = self._health.Check(request, timeout=timeout_s).status
+        except grpc.RpcError:
+            return False
+        if status == health_pb2.HealthCheckResponse.SERVING:
+            self._down_since = None
+            return True
+        return False
 
     def plan(self, step: StepInput) -> StepPlan:
         return convert.plan_from_pb(self.plan_pb(convert.step_to_pb(step)))
@@ -159,17 +181,23 @@ class SchedulerClient:
         return response
 
     def _call(self, method: Any, request: Any) -> Any:
-        give_up_at = time.monotonic() + self.give_up_after_s
+        down_since = self._down_since
+        give_up_at = (time.monotonic() if down_since is None else down_since) + self.give_up_after_s
         while True:
-            timeout_s = min(self.deadline_s, max(0.0, give_up_at - time.monotonic()))
+            started = time.monotonic()
+            timeout_s = max(PROBE_S, min(self.deadline_s, give_up_at - started))
             try:
-                return method(request, timeout=timeout_s, wait_for_ready=True)
+                response = method(request, timeout=timeout_s, wait_for_ready=True)
+                self._down_since = None
+                return response
             except grpc.RpcError as err:
                 code, details = err.code(), err.details()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidArgumentError(details) from None
                 if code not in _WAIT_AGAIN:
                     raise UnavailableError(f"scheduler call failed: {code.name}: {details}") from None
+                if self._down_since is None:
+                    self._down_since = started  # the outage began with this attempt
                 if time.monotonic() >= give_up_at:
                     raise UnavailableError(
                         f"no scheduler answered within {self.give_up_after_s:.1f}s"

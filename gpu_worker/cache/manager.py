@@ -44,6 +44,7 @@ class PrefixCacheManager(PrefixCache):
         self.num_hit_tokens = 0
         self.num_declined_tokens = 0
         self.miss_reasons: dict[str, int] = {}
+        self.num_rejected_blocks = 0  # fetched blocks that failed to import (a miss each)
 
     # ---- queueing ---------------------------------------------------------------------------------
     def hashes(self, seq: CachedSequence, num_tokens: int) -> list[bytes]:
@@ -102,10 +103,27 @@ class PrefixCacheManager(PrefixCache):
                     self.runner.state_pool.free_checkpoint(checkpoint_id)
                 return
             page_ids = self.runner.kv_pool.allocate(pages_per_block)
-            import_block(self.runner, block.checkpoint, page_ids, checkpoint_id)
+            if not self._import_one(block, page_ids, checkpoint_id):
+                return
             self.local.insert(block.block_hash, block.parent_hash, page_ids, checkpoint_id)
             self.runner.kv_pool.free(page_ids)  # the cache now holds the only reference
             self.num_shared_hits += 1
+
+    def _import_one(self, block: FetchedBlock, page_ids: list[int], checkpoint_id: int | None) -> bool:
+        """Writes one fetched block into its pages and slot. A block that does not fit this model
+        (checkpoint_io raises) is a miss: its pages and slot are freed, nothing is cached, and the
+        blocks after it (whose state depends on it) are not imported."""
+        try:
+            import_block(self.runner, block.checkpoint, page_ids, checkpoint_id)
+        except Exception as exc:
+            self.runner.kv_pool.free(page_ids)
+            if checkpoint_id is not None:
+                self.runner.state_pool.free_checkpoint(checkpoint_id)
+            self.num_rejected_blocks += 1
+            log.warning("fetched block %s does not fit this model (%s: %s); a miss", block.block_hash.hex()[:16],
+                        type(exc).__name__, exc)  # fmt: skip
+            return False
+        return True
 
     def attach(self, seq: CachedSequence) -> CacheLookup:
         """Applies the local hit to a request being queued (fresh or preempted); the lookup says

@@ -5,6 +5,7 @@ The wire message is converted first (gpu_worker/convert.py); nothing here knows 
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,7 +18,12 @@ from gpu_worker.runner import ModelRunner
 from gpu_worker.sampling import SamplingParams, make_generator
 from hybridserve.errors import InvalidArgumentError
 
-MAX_TOP_LOGPROBS = 20
+# Documented limits of one request (README, "Limits of one request").
+MAX_TOP_LOGPROBS = 20  # sampling.logprobs: top alternatives per token
+MAX_STOP_STRINGS = 16  # sampling.stop: strings per request (each is searched for at every token)
+MAX_STOP_STRING_CHARS = 256  # characters in one stop string
+MAX_REQUEST_ID_CHARS = 256  # request_id
+MAX_TEMPERATURE = 100.0  # sampling.temperature; beyond it sampling is uniform in all but name
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +55,13 @@ def build_request(
     asked: GenerationInput, runner: ModelRunner, settings: EngineSettings, time_remaining_s: float | None
 ) -> Request:
     loaded = runner.loaded
-    prompt = _prompt_ids(asked, loaded)
-    params = _params(asked, settings)
     limit = max_model_len(runner, settings)
+    if len(asked.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgumentError(
+            f"request_id has {len(asked.request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
+        )
+    params = _params(asked, settings)  # cheap checks first: a bad request is refused before tokenising
+    prompt = _prompt_ids(asked, loaded, limit)
     if len(prompt) + params.max_tokens > limit:
         raise InvalidArgumentError(
             f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds this worker's"
@@ -69,15 +79,37 @@ def build_request(
     )
 
 
-def _prompt_ids(asked: GenerationInput, loaded: LoadedModel) -> list[int]:
+def max_prompt_bytes(loaded: LoadedModel, limit_tokens: int) -> int:
+    """The longest text prompt (UTF-8 bytes) that could tokenise to `limit_tokens` tokens: longer
+    ones are refused before tokenising (tokenising tens of MB takes seconds and GBs)."""
+    return limit_tokens * (loaded.tokenizer.max_bytes_per_token if loaded.tokenizer is not None else 0)
+
+
+def _check_prompt_size(text: str, loaded: LoadedModel, limit_tokens: int) -> None:
+    most = max_prompt_bytes(loaded, limit_tokens)
+    # a character is at least one byte: the length in characters refuses a huge prompt in O(1)
+    size = len(text) if len(text) > most else len(text.encode("utf-8", "surrogatepass"))
+    if size > most:
+        raise InvalidArgumentError(
+            f"the prompt is {size} bytes; this worker takes at most {limit_tokens} tokens, so at most {most} bytes"
+            " of text with this tokenizer; shorten the prompt"
+        )
+
+
+def _prompt_ids(asked: GenerationInput, loaded: LoadedModel, limit_tokens: int) -> list[int]:
     if asked.prompt is not None:
         if loaded.tokenizer is None:
             raise InvalidArgumentError(
                 "this model has no tokenizer.json; send prompt_token_ids instead of a text prompt"
             )
+        _check_prompt_size(asked.prompt, loaded, limit_tokens)
         ids = loaded.tokenizer.encode(asked.prompt)
     elif asked.prompt_token_ids is not None:
         ids = list(asked.prompt_token_ids)
+        if len(ids) > limit_tokens:
+            raise InvalidArgumentError(
+                f"prompt_token_ids holds {len(ids)} tokens; this worker's limit is {limit_tokens}; shorten the prompt"
+            )
         vocab = loaded.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -94,10 +126,13 @@ def _params(s: GenerationInput, settings: EngineSettings) -> GenerationParams:
         raise InvalidArgumentError(f"sampling.max_tokens must be >= 0 (0 = default), got {s.max_tokens}")
     if not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgumentError(f"sampling.logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.logprobs}")
-    if any(not stop for stop in s.stop):
-        raise InvalidArgumentError("sampling.stop holds an empty string")
-    if s.temperature != s.temperature or s.top_p != s.top_p:  # NaN
-        raise InvalidArgumentError("sampling.temperature and top_p must be numbers")
+    _check_stop(s.stop)
+    if not (math.isfinite(s.temperature) and 0.0 <= s.temperature <= MAX_TEMPERATURE):
+        raise InvalidArgumentError(
+            f"sampling.temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {s.temperature}"
+        )
+    if not (math.isfinite(s.top_p) and 0.0 <= s.top_p <= 1.0):
+        raise InvalidArgumentError(f"sampling.top_p must be a number in [0, 1] (0 or 1 = off), got {s.top_p}")
     try:
         sampling = SamplingParams(
             temperature=s.temperature,
@@ -115,3 +150,15 @@ def _params(s: GenerationInput, settings: EngineSettings) -> GenerationParams:
         ignore_eos=s.ignore_eos,
         priority=s.priority,
     )
+
+
+def _check_stop(stop: tuple[str, ...]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgumentError(f"sampling.stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for text in stop:
+        if not text:
+            raise InvalidArgumentError("sampling.stop holds an empty string; remove it")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise InvalidArgumentError(
+                f"a sampling.stop string has {len(text)} characters; at most {MAX_STOP_STRING_CHARS} are allowed"
+            )

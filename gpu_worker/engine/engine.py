@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 from gpu_worker.batch import ForwardOutput
 from gpu_worker.cache.interface import NoPrefixCache, PrefixCache
-from gpu_worker.engine import events
+from gpu_worker.engine import events, failures
 from gpu_worker.engine.allocator import Allocator
 from gpu_worker.engine.counters import EngineCounters
+from gpu_worker.engine.door import Door
 from gpu_worker.engine.finish import FinishReason
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.output import Ending, OutputProcessor
@@ -43,9 +44,9 @@ from gpu_worker.engine.unstall import Remedy, stall_remedy
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampling import SampleOutput, sample
 from hybridserve.errors import (
+    AbortedError,
     DeadlineExceededError,
     HybridServeError,
-    InvalidArgumentError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -84,10 +85,7 @@ class Engine:
         self.allocator = Allocator(runner.kv_pool, runner.state_pool, self.prefix)
         self.outputs = OutputProcessor(runner.eos_token_ids)
         self._plan = plan
-        self._cond = threading.Condition()
-        self._inbox: list[Request] = []
-        self._aborts: list[tuple[str, FinishReason]] = []
-        self._live_ids: set[str] = set()  # admitted and not finished; guarded by _cond
+        self.door = Door(settings.max_queue_len)
         self._stopping = threading.Event()
         self._planner_pool = ThreadPoolExecutor(1, thread_name_prefix="plan")
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -102,39 +100,34 @@ class Engine:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
-        with self._cond:
-            self._cond.notify_all()
+        self.door.wake()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():  # still in a step or waiting for a scheduler: end the requests now
+            self.door.close(failures.shutting_down())
         self._planner_pool.shutdown(wait=False, cancel_futures=True)
         self.prefix.close()
 
     def submit(self, request: Request) -> None:
-        """Queues an admitted request; raises InvalidArgumentError on a duplicate id and
-        ResourceExhaustedError when the queue is full."""
-        with self._cond:
-            if request.request_id in self._live_ids:
-                raise InvalidArgumentError(f"request_id {request.request_id!r} is already in use")
-            if self.num_waiting + len(self._inbox) >= self.settings.max_queue_len:
-                raise ResourceExhaustedError(
-                    f"the queue is full ({self.settings.max_queue_len} waiting requests); retry later"
-                )
-            self._live_ids.add(request.request_id)
-            request.trace_context = self.observer.request_queued(events.queued(request))  # before the engine sees it
-            self._inbox.append(request)
-            self._cond.notify_all()
+        """Queues an admitted request; raises InvalidArgumentError on a duplicate id,
+        ResourceExhaustedError when the queue is full, UnavailableError once the engine stopped."""
+
+        def queued(r: Request) -> None:  # before the engine sees it
+            r.trace_context = self.observer.request_queued(events.queued(r))
+
+        self.door.submit(request, self.num_waiting, queued)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Ends a live request (freeing its pages and slot on the engine thread); False if unknown."""
-        with self._cond:
-            if request_id not in self._live_ids:
-                return False
-            self._aborts.append((request_id, reason))
-            self._cond.notify_all()
-            return True
+        return self.door.abort(request_id, reason)
 
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
+    def is_alive(self) -> bool:
+        """Liveness: the engine thread runs its loop."""
+        return self._thread.is_alive() and self.door.closed_with is None
+
+    @property
+    def num_live(self) -> int:
+        """Requests submitted and not ended yet (queued, fetching, waiting or running)."""
+        return self.door.num_live
 
     @property
     def num_running(self) -> int:
@@ -146,19 +139,34 @@ class Engine:
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        pending: Future[Planned] | None = None
-        while not self._stopping.is_set():
-            changed = self._drain_inbox()
-            changed = self._enqueue_fetched() or changed
-            changed = self._expire_deadlines() or changed
-            if changed:
-                self.observer.occupancy_changed(self._occupancy())
-            if not self.table.has_plannable_work():
-                pending = None
-                self._idle()
-                continue
-            with self.observer.step(self.step_index):
-                pending = self._step(pending)
+        """The loop; an exception in one iteration fails the requests it involved and the loop goes
+        on. Should the loop itself end (stop, or a failure of that guard), every live and later
+        request gets UNAVAILABLE at once."""
+        error = failures.shutting_down()
+        try:
+            pending: Future[Planned] | None = None
+            while not self._stopping.is_set():
+                try:
+                    pending = self._iterate(pending)
+                except Exception as exc:
+                    pending = None
+                    self._fail_involved(exc)
+        except BaseException as exc:  # logged there; the thread ends
+            error = failures.engine_stopped(exc)
+        finally:
+            self.door.close(error)  # every live request (and every later one) gets `error`
+
+    def _iterate(self, pending: Future[Planned] | None) -> Future[Planned] | None:
+        changed = self._drain_inbox()
+        changed = self._enqueue_fetched() or changed
+        changed = self._expire_deadlines() or changed
+        if changed:
+            self.observer.occupancy_changed(self._occupancy())
+        if not self.table.has_plannable_work():
+            self._idle()
+            return None
+        with self.observer.step(self.step_index):
+            return self._step(pending)
 
     def _step(self, pending: Future[Planned] | None) -> Future[Planned] | None:
         """One step; returns the plan request of the next step when scheduling asynchronously."""
@@ -300,7 +308,7 @@ class Engine:
         except Exception as exc:
             self.prefix.discard(prepared.checkpoints)
             log.exception("forward failed; failing the step's requests")
-            return HybridServeError(f"model forward failed: {type(exc).__name__}: {exc}")
+            return AbortedError(f"model forward failed: {type(exc).__name__}: {exc}; send the request again")
         self.prefix.register(prepared.checkpoints)  # before apply frees finished requests' pages
         return output
 
@@ -353,16 +361,14 @@ class Engine:
     # ---- between steps ---------------------------------------------------------------------------
     def _drain_inbox(self) -> bool:
         """Takes in new requests and aborts; True if there were any."""
-        with self._cond:
-            new, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
+        new, aborts = self.door.take()
         for request in new:
-            fetch = self.prefix.start_fetch(request)
+            fetch = failures.guarded("shared-tier fetch", self.prefix.start_fetch, request)  # a failed fetch is a miss
             if fetch is None:
                 self._enqueue(request)
             else:
                 self.table.add_fetching(request, fetch)
-                fetch.add_done_callback(lambda _: self._wake())
+                fetch.add_done_callback(lambda _: self.door.wake())
         removed = [(r, reason) for rid, reason in aborts if (r := self._remove(rid)) is not None]
         self._end([self.outputs.aborted(r, reason) for r, reason in removed])
         return bool(new or aborts)
@@ -371,7 +377,7 @@ class Engine:
         """Moves requests whose shared-tier fetch finished into the waiting queue."""
         fetched = self.table.pop_fetched()
         for request, fetch in fetched:
-            lookup = self.prefix.import_fetched(fetch)
+            lookup = failures.guarded(f"import for {request.request_id}", self.prefix.import_fetched, fetch)
             if lookup is not None:
                 self.observer.cache_lookup(lookup)
             self._enqueue(request)
@@ -387,9 +393,7 @@ class Engine:
         return bool(late)
 
     def _idle(self) -> None:
-        with self._cond:
-            if not self._inbox and not self._aborts:
-                self._cond.wait(self.settings.idle_wait_s)
+        self.door.wait(self.settings.idle_wait_s)
 
     # ---- request lifecycle -----------------------------------------------------------------------
     def _enqueue(self, request: Request) -> None:
@@ -419,13 +423,20 @@ class Engine:
 
     def _end(self, endings: list[Ending]) -> None:
         """Forgets the ids, tells the observers, delivers each last event."""
-        with self._cond:
-            for e in endings:
-                self._live_ids.discard(e.request.request_id)
+        self.door.forget([e.request.request_id for e in endings])
         now = time.monotonic()
         for e in endings:
             self.observer.request_finished(events.finished(e, now))
             self.outputs.deliver(e)
+
+    def _fail_involved(self, exc: Exception) -> None:
+        """An iteration raised: its step's requests (the running ones, and any taken out of a queue
+        but not put back) fail with ABORTED; the rest stay queued."""
+        involved = [*self.table.running.values(), *self.door.orphans(self.table.holds)]
+        error = failures.step_failed(self.step_index, exc, [r.request_id for r in involved])
+        for request in involved:
+            failures.guarded("release", self._remove, request.request_id)  # frees what it holds, if it can
+        self._end([self.outputs.failed(r, error) for r in involved])
 
     def _occupancy(self) -> Occupancy:
         return self.allocator.occupancy(self.table.num_running, self.table.num_waiting)

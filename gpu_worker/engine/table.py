@@ -40,6 +40,10 @@ class RequestTable:
     def live_requests(self) -> list[Request]:
         return [*self.running.values(), *self.waiting.values(), *(r for r, _ in self.fetching.values())]
 
+    def holds(self, request_id: str) -> bool:
+        """Whether some queue holds the request."""
+        return request_id in self.running or request_id in self.waiting or request_id in self.fetching
+
     def add_fetching(self, request: Request, fetch: Future[FetchResult]) -> None:
         self.fetching[request.request_id] = (request, fetch)
 

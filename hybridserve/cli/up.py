@@ -93,7 +93,7 @@ class UpSettings:
     gateway_grpc_port: int = 50050  # the gateway's gRPC Generation API
     no_cache: bool = False  # do not start Redis and the cache service
     start_timeout: float = 300.0  # seconds each service may take to start
-    stop_timeout: float = 15.0  # seconds after SIGTERM before SIGKILL
+    stop_timeout: float = 40.0  # seconds after SIGTERM before SIGKILL (a worker drains for up to 30 s)
     tls: bool = False  # mTLS on every gRPC hop, from a throwaway CA
     api_key_file: Path | None = None  # API keys the gateway and worker require (default: none on loopback)
 

@@ -93,7 +93,7 @@ def test_waiting_hits_that_pin_the_pool_are_given_up_instead_of_stalling(engine,
 
     prompts = [[*prefix, *prompt_of(24, 400 + i)] for i, prefix in enumerate(prefixes)]  # 15 pages with 4 tokens
     late = [make_request(f"late-{i}", prompt, 4) for i, prompt in enumerate(prompts)]
-    with engine._cond:  # both enter the waiting queue in one step, each pinning its cached prefix
+    with engine.door.cond:  # both enter the waiting queue in one step, each pinning its cached prefix
         for request in late:
             engine.submit(request)
     results = [outputs(request) for request in late]

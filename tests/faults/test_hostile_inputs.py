@@ -217,15 +217,7 @@ def generate_status(stack: Stack, request: gen_pb.GenerateRequest) -> tuple[grpc
         return status_of(lambda: stub.Generate(request, timeout=TIMEOUT_S))
 
 
-WORKER_ACCEPTS_INF = pytest.mark.xfail(
-    strict=True, reason="worker side: temperature=+inf is accepted (issue 10, finding 9; gpu_worker/sampling.py)"
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=WORKER_ACCEPTS_INF) if n == "temperature +inf" else n for n in sorted(NON_FINITE_SAMPLING)],
-)
+@pytest.mark.parametrize("name", sorted(NON_FINITE_SAMPLING))
 def test_non_finite_sampling_values_are_invalid_argument(stack, name):
     code, details = generate_status(stack, NON_FINITE_SAMPLING[name])
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)

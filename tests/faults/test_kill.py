@@ -136,10 +136,6 @@ def test_sigterm_of_scheduler_or_cache_under_64_streams_loses_nothing(stack, ref
     assert_pools_free(stack)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker side: readiness stays SERVING while no scheduler answers (issue 10, finding 5)",
-)
 def test_worker_is_unready_while_no_scheduler_answers_and_ready_again_after(stack):
     stack.kill("scheduler")
     try:

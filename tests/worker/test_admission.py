@@ -72,7 +72,7 @@ def test_full_queue_is_resource_exhausted_and_no_scheduler_means_unavailable(sta
     for t in threads:
         t.start()
     deadline = time.monotonic() + 5
-    while worker.engine.num_waiting + len(worker.engine._inbox) < 2 and time.monotonic() < deadline:
+    while worker.engine.num_waiting + len(worker.engine.door.inbox) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     code, message = code_and_message(lambda: worker.stub.Generate(greedy_request([5], 3), timeout=10))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in message
