@@ -1,8 +1,9 @@
 """The worker's health probes and its drain.
 
 - liveness: the engine loop runs (restart the process if not).
-- readiness: the model is loaded (the server starts only after it), a scheduler answers, and the
-  worker is not draining. A scheduler outage makes the worker unready, never dead.
+- readiness: the model is loaded (the server starts only after it), a scheduler answers (a plan
+  call or a probe; two probes in a row unanswered make it unready), and the worker is not draining.
+  A scheduler outage makes the worker unready, never dead.
 - drain, on SIGTERM or SIGINT: readiness turns NOT_SERVING and new Generate calls get UNAVAILABLE at
   once; requests in flight run to their end for up to `drain_timeout_s`; whatever is left then ends
   with UNAVAILABLE (the engine stops) and the server stops. Health, GetInfo and Abort answer
@@ -45,6 +46,7 @@ class HealthWatch:
         self._health, self._engine, self._servicer = health, engine, servicer
         self._reachable = scheduler_reachable
         self._interval_s = interval_s
+        self._misses = 0  # probes in a row that no scheduler answered
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="health", daemon=True)
         self._thread.start()
@@ -53,7 +55,10 @@ class HealthWatch:
         while not self._stop.is_set():
             alive = self._engine.is_alive()
             self._health.set_alive(alive)
-            self._health.set_ready(alive and not self._servicer.draining and self._reachable())
+            self._misses = 0 if self._reachable() else self._misses + 1
+            # One slow probe on a loaded machine is not an outage: unready from the second miss on.
+            reachable = self._misses < 2
+            self._health.set_ready(alive and not self._servicer.draining and reachable)
             self._stop.wait(self._interval_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
