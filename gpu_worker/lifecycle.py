@@ -13,11 +13,9 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
@@ -64,28 +62,6 @@ class HealthWatch:
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
-
-
-def on_signal() -> threading.Event:
-    """An event set by SIGTERM or SIGINT; install it before announcing the port, so a signal sent
-    as soon as the port is known is a drain, not the default death."""
-    received = threading.Event()
-
-    def handle(signum: int, _frame: Any) -> None:
-        log.info("received %s: draining", signal.Signals(signum).name)
-        received.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handle)
-    return received
-
-
-def wait_for(event: threading.Event, poll_s: float = 0.5) -> None:
-    """Blocks the main thread until `event` is set, waking every poll_s: a signal delivered to
-    another thread only runs its Python handler once the main thread wakes, which an untimed wait
-    may never do."""
-    while not event.wait(poll_s):
-        pass
 
 
 def drain(

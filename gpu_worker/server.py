@@ -211,10 +211,10 @@ def run(args: argparse.Namespace) -> int:
         max_workers=server_threads(engine), tls=tls, keys=keys,
     )  # fmt: skip
     watch = lifecycle.HealthWatch(health, engine, servicer, client.is_reachable)
-    stop = lifecycle.on_signal()
+    stop = grpc_server.stop_on_signal()  # before the port is announced
     server.start()
     grpc_server.announce(server_settings.host, port)
-    lifecycle.wait_for(stop)
+    grpc_server.wait_for(stop)
     lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s)
     watch.stop()  # before the scheduler channel closes: no probe in flight
     client.close()
