@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -93,4 +94,7 @@ def write_plots(folder: Path, traces: Traces, records: Path) -> list[Path]:
     fig.savefig(folder / "tokens_per_step.png", dpi=110)
     plt.close(fig)
     written.append(folder / "tokens_per_step.png")
+    for profile in traces:
+        if (records / f"{profile}-steps.jsonl").exists():
+            written.append(Path(shutil.copy(records / f"{profile}-steps.jsonl", folder / f"{profile}-steps.jsonl")))
     return written
