@@ -173,8 +173,9 @@ def packed_ssd_scan(
 
     x [Tp, H, P], dt [Tp, H] (softplus'd, clamped), A [H], B/C [Tp, G, N], D [H], initial [S, H, P, N]
     float32 (each sequence's state before its span)."""
-    num_heads = x.shape[1]
-    heads_per_group = num_heads // B.shape[1]
+    num_heads, head_dim = x.shape[1], x.shape[2]
+    groups = B.shape[1]
+    per_group = num_heads // groups  # head h = g * per_group + k reads B/C group g
     q, n_chunks = index.chunk_size, index.num_chunks
     x, dt = x.float(), dt.float()
 
@@ -184,18 +185,22 @@ def packed_ssd_scan(
 
     xdt = to_scan(x * dt[..., None])  # [c, q, h, p]
     a = to_scan(dt * A.float()[None, :]).permute(2, 0, 1)  # [h, c, q]
-    B = to_scan(B.float().repeat_interleave(heads_per_group, dim=1))  # [c, q, h, n]
-    C = to_scan(C.float().repeat_interleave(heads_per_group, dim=1))
+    B, C = to_scan(B.float()), to_scan(C.float())  # [c, q, g, n]: per group, never repeated per head
     a_cum = torch.cumsum(a, dim=-1)  # [h, c, q]
+    xdt_g = xdt.view(n_chunks, q, groups, per_group, head_dim)  # [c, q, g, k, p]
 
-    # within-chunk outputs and each chunk's own end state (from zero): as ssd.ssd_scan, steps 1-2
-    scores = torch.einsum("clhn,cshn->hcls", C, B) * torch.exp(_segment_sum(a))
-    y = torch.einsum("hcls,cshp->clhp", scores, xdt)
-    to_end = torch.exp(a_cum[:, :, -1:] - a_cum)  # [h, c, s]
-    chunk_states = torch.einsum("cshn,hcs,cshp->chpn", B, to_end, xdt)
+    # within-chunk outputs (as ssd.ssd_scan step 1): C.B once per group, the decay per head
+    cb = torch.einsum("clgn,csgn->gcls", C, B)  # [g, c, l, s]
+    scores = torch.exp(_segment_sum(a)).view(groups, per_group, n_chunks, q, q) * cb[:, None]
+    y = torch.einsum("gkcls,csgkp->clgkp", scores, xdt_g).reshape(n_chunks, q, num_heads, head_dim)
+    # each chunk's own end state from zero (step 2)
+    to_end = torch.exp(a_cum[:, :, -1:] - a_cum).permute(1, 2, 0)[..., None]  # [c, s, h, 1]
+    weighted = (xdt * to_end).view(n_chunks, q, groups, per_group, head_dim)
+    chunk_states = torch.einsum("csgn,csgkp->cgkpn", B, weighted).reshape(n_chunks, num_heads, head_dim, -1)
     chunk_decay = torch.exp(a_cum[:, :, -1]).t()  # [c, h]
 
     starts, finals = carry_states(chunk_states, chunk_decay, initial.float(), index)
-    y = y + torch.einsum("clhn,chpn->clhp", C, starts) * torch.exp(a_cum).permute(1, 2, 0)[..., None]
-    y = y.reshape(n_chunks * q, num_heads, -1).index_select(0, index.unscan_rows)
+    from_start = torch.einsum("clgn,cgkpn->clgkp", C, starts.view(n_chunks, groups, per_group, head_dim, -1))
+    y = y + from_start.reshape(n_chunks, q, num_heads, head_dim) * torch.exp(a_cum).permute(1, 2, 0)[..., None]
+    y = y.reshape(n_chunks * q, num_heads, head_dim).index_select(0, index.unscan_rows)
     return PackedScan(y=y + x * D.float()[None, :, None], chunk_start_states=starts, final_states=finals)
