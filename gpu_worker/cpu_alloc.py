@@ -48,25 +48,3 @@ def set_cpu_threads(threads: int) -> int:
     if torch.get_num_threads() != wanted:
         torch.set_num_threads(wanted)
     return wanted
-
-
-class CpuThreads:
-    """Per-step intra-op threads on CPU. With `threads` 0 (auto), a step of at least
-    `wide_step_tokens` tokens (a big prefill: its streams have nothing to send, and its matmuls are
-    large enough to split) runs on every core, any other step on every core but one
-    (`default_cpu_threads`), leaving one to the server's Python threads. A fixed `threads` is used
-    for every step. Measured here (2 cores): a 2,000-token prefill took 450 ms on one thread and
-    253 ms on two; served at 32 clients (mostly decode), one thread gave 809 and 653 output
-    tokens/s against 631 and 559 with two."""
-
-    def __init__(self, threads: int, wide_step_tokens: int = 512) -> None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.narrow = threads or default_cpu_threads()
-        self.wide = threads or cores
-        self.wide_step_tokens = wide_step_tokens
-
-    def for_step(self, num_tokens: int) -> None:
-        """Sets the thread count for a step of `num_tokens` tokens (a no-op when it is already set)."""
-        wanted = self.wide if num_tokens >= self.wide_step_tokens else self.narrow
-        if torch.get_num_threads() != wanted:
-            torch.set_num_threads(wanted)

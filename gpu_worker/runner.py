@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.batch import Batch, ForwardOutput
-from gpu_worker.cpu_alloc import CpuThreads, set_cpu_threads
+from gpu_worker.cpu_alloc import set_cpu_threads
 from gpu_worker.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from gpu_worker.input_builder import build_inputs
 from gpu_worker.kv_pool import KVPagePool
@@ -47,7 +47,7 @@ class RunnerConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
     cuda_graph_max_batch: int = 256  # decode steps up to this many sequences replay CUDA graphs; 0 = off
     cuda_graph_max_context_tokens: int = 32768  # longer contexts decode eagerly (sizes the graphs' page table)
-    cpu_threads: int = 0  # torch intra-op threads when running on CPU; 0 = auto per step (cpu_alloc.CpuThreads)
+    cpu_threads: int = 0  # torch intra-op threads when running on CPU; 0 = auto (cpu_alloc.default_cpu_threads)
 
     def __post_init__(self) -> None:
         for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens"):
@@ -69,10 +69,8 @@ class ModelRunner:
         self.runner_config = config
         self.model = loaded.model
         self.device = loaded.device
-        self.cpu_threads: CpuThreads | None = None
         if self.device.type == "cpu":
             set_cpu_threads(config.cpu_threads)
-            self.cpu_threads = CpuThreads(config.cpu_threads)
             for module in self.model.modules():
                 if isinstance(module, Mamba2Mixer):
                     module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)
@@ -142,8 +140,6 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self._forward_graphed(batch)
         packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
-        if self.cpu_threads is not None:
-            self.cpu_threads.for_step(int(packed.input_ids.shape[0]))
         if packed.fresh_slots is not None:
             self.state_pool.zero_slots(packed.fresh_slots)
         hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]

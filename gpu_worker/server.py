@@ -58,7 +58,7 @@ FLAGS = {
     "num_checkpoint_slots": Flag("Mamba state checkpoints kept on the worker (one per cached block)"),
     "device": Flag("auto | cpu | cuda[:i]"),
     "dtype": Flag("auto | float32 | bfloat16"),
-    "cpu_threads": Flag("torch intra-op threads on CPU; 0 = all cores for big prefill steps, else all but one"),
+    "cpu_threads": Flag("torch intra-op threads on CPU; 0 = one per core but one (for the server threads)"),
     "metrics_port": Flag(METRICS_PORT_HELP),
     "record_steps": Flag(
         "append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
