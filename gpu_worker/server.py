@@ -73,6 +73,10 @@ ENGINE_FIELDS = (
 RUNNER_FIELDS = ("memory_budget_bytes", "num_checkpoint_slots", "device", "dtype", "cpu_threads")  # the rest: config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
+# Threads beyond one per running stream, so health checks, GetInfo polls (the gateway's readiness)
+# and Abort are answered while max_num_seqs streams run; with the default pool of 32, 32 streaming
+# clients starved the gateway's polls and it took the worker out of rotation (HTTP 503s).
+SPARE_RPC_THREADS = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     engine.start()
     servicer = GenerationServicer(engine, model_name=server_settings.model.name)
     server, port, health = grpc_server.create_server(
-        [add_to_server(servicer)], host=server_settings.host, port=server_settings.port
-    )
+        [add_to_server(servicer)], host=server_settings.host, port=server_settings.port,
+        max_workers=settings.scheduler.max_num_seqs + SPARE_RPC_THREADS,  # a stream holds a thread to its end
+    )  # fmt: skip
     stop_watching = grpc_server.watch_health(health, is_alive=lambda: engine_alive(engine))
     server.start()
     grpc_server.announce(server_settings.host, port)
