@@ -74,6 +74,7 @@ FLAGS = {
     "num_checkpoint_slots": Flag("Mamba state checkpoints kept on the worker (one per cached block)"),
     "device": Flag("auto | cpu | cuda[:i]"),
     "dtype": Flag("auto | float32 | bfloat16"),
+    "cpu_threads": Flag("torch intra-op threads on CPU; 0 = one per core but one (for the server threads)"),
     "metrics_port": Flag(METRICS_PORT_HELP),
     "record_steps": Flag(
         "append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
@@ -95,7 +96,7 @@ ENGINE_FIELDS = (
     "scheduler_addresses", "cache_address", "async_scheduling", "max_queue_len", "default_max_tokens",
     "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s",
 )  # fmt: skip
-RUNNER_FIELDS = ("memory_budget_bytes", "num_checkpoint_slots", "device", "dtype")  # the rest follow the config
+RUNNER_FIELDS = ("memory_budget_bytes", "num_checkpoint_slots", "device", "dtype", "cpu_threads")  # the rest: config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
 
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     servicer = GenerationServicer(engine, model_name=server_settings.model.name)
     server, port, health = grpc_server.create_server(
         [add_to_server(servicer)], host=server_settings.host, port=server_settings.port,
-        max_workers=server_threads(engine), tls=tls, keys=keys,
+        max_workers=server_threads(engine), tls=tls, keys=keys,  # a stream holds a thread to its end
     )  # fmt: skip
     watch = lifecycle.HealthWatch(health, engine, servicer, client.is_reachable)
     stop = grpc_server.stop_on_signal()  # before the port is announced

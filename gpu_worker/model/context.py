@@ -11,7 +11,7 @@ Index maps (flat KV slot = page_id * kv_page_size + offset in page):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,3 +40,6 @@ class ForwardContext:
     decode_page_table: torch.Tensor  # [num_decode, max_pages] int64: page ids (padded with page 0)
     decode_kv_mask: torch.Tensor  # [num_decode, 1, 1, max_pages * page size] bool: True at real positions
     prefills: tuple[PrefillSpan, ...]  # multi-token chunks, in packed order after the decode group
+    # index maps derived from the fields above by the first layer that needs them, shared by the rest
+    # (e.g. gpu_worker.model.packed_prefill's); never part of the context's identity
+    derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
