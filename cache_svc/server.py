@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     stop_watching = grpc_server.watch_health(health_servicer, is_alive=lambda: True, is_ready=store.ping)
     server.start()
+    stop_requested = grpc_server.stop_on_signal()
     grpc_server.announce(settings.host, port)
 
     def stop() -> None:
@@ -163,5 +164,7 @@ def run(args: argparse.Namespace) -> int:
         store.close()
         stop_telemetry()
 
-    grpc_server.serve_until_signal(server, health_servicer, grace_s=settings.drain_timeout_s, on_stop=stop)
+    grpc_server.serve_until_signal(
+        server, health_servicer, grace_s=settings.drain_timeout_s, on_stop=stop, stop=stop_requested
+    )
     return 0

@@ -1,4 +1,4 @@
-"""Process-wide glibc allocator tuning for CPU serving.
+"""Process-wide tuning for CPU serving: the glibc allocator and torch's thread count.
 
 By default glibc serves large blocks (the per-step activations of a forward) with fresh mmap()s and
 returns them on free, so every step page-faults its working set back in; in VMs a fault is expensive and
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+
+import torch
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -27,3 +30,21 @@ def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30, trim_threshold_bytes:
     ok_mmap = mallopt(M_MMAP_THRESHOLD, ctypes.c_int(min(mmap_threshold_bytes, (1 << 31) - 1)))
     ok_trim = mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim_threshold_bytes))
     return bool(ok_mmap and ok_trim)
+
+
+def default_cpu_threads() -> int:
+    """One intra-op thread per core this process may use, but one: the engine loop, the gRPC server
+    and the stream threads need a core of their own. OpenMP threads wait for each other at the end of
+    every op, so a thread that shares its core with them (or with another process) stalls every op of
+    the forward: measured here on 2 busy cores, a decode step of 32 sequences took 81 ms with 2
+    threads and 27 ms with 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
+def set_cpu_threads(threads: int) -> int:
+    """Sets torch's intra-op threads (0 = `default_cpu_threads()`); returns the count in use."""
+    wanted = threads or default_cpu_threads()
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+    return wanted

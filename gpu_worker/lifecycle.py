@@ -1,8 +1,9 @@
 """The worker's health probes and its drain.
 
 - liveness: the engine loop runs (restart the process if not).
-- readiness: the model is loaded (the server starts only after it), a scheduler answers, and the
-  worker is not draining. A scheduler outage makes the worker unready, never dead.
+- readiness: the model is loaded (the server starts only after it), a scheduler answers (a plan
+  call or a probe; two probes in a row unanswered make it unready), and the worker is not draining.
+  A scheduler outage makes the worker unready, never dead.
 - drain, on SIGTERM or SIGINT: readiness turns NOT_SERVING and new Generate calls get UNAVAILABLE at
   once; requests in flight run to their end for up to `drain_timeout_s`; whatever is left then ends
   with UNAVAILABLE (the engine stops) and the server stops. Health, GetInfo and Abort answer
@@ -12,11 +13,9 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
@@ -45,6 +44,7 @@ class HealthWatch:
         self._health, self._engine, self._servicer = health, engine, servicer
         self._reachable = scheduler_reachable
         self._interval_s = interval_s
+        self._misses = 0  # probes in a row that no scheduler answered
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="health", daemon=True)
         self._thread.start()
@@ -53,34 +53,15 @@ class HealthWatch:
         while not self._stop.is_set():
             alive = self._engine.is_alive()
             self._health.set_alive(alive)
-            self._health.set_ready(alive and not self._servicer.draining and self._reachable())
+            self._misses = 0 if self._reachable() else self._misses + 1
+            # One slow probe on a loaded machine is not an outage: unready from the second miss on.
+            reachable = self._misses < 2
+            self._health.set_ready(alive and not self._servicer.draining and reachable)
             self._stop.wait(self._interval_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
-
-
-def on_signal() -> threading.Event:
-    """An event set by SIGTERM or SIGINT; install it before announcing the port, so a signal sent
-    as soon as the port is known is a drain, not the default death."""
-    received = threading.Event()
-
-    def handle(signum: int, _frame: Any) -> None:
-        log.info("received %s: draining", signal.Signals(signum).name)
-        received.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handle)
-    return received
-
-
-def wait_for(event: threading.Event, poll_s: float = 0.5) -> None:
-    """Blocks the main thread until `event` is set, waking every poll_s: a signal delivered to
-    another thread only runs its Python handler once the main thread wakes, which an untimed wait
-    may never do."""
-    while not event.wait(poll_s):
-        pass
 
 
 def drain(

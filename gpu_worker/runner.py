@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.batch import Batch, ForwardOutput
+from gpu_worker.cpu_alloc import set_cpu_threads
 from gpu_worker.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from gpu_worker.input_builder import build_inputs
 from gpu_worker.kv_pool import KVPagePool
@@ -47,6 +48,7 @@ class RunnerConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
     cuda_graph_max_batch: int = 256  # decode steps up to this many sequences replay CUDA graphs; 0 = off
     cuda_graph_max_context_tokens: int = 32768  # longer contexts decode eagerly (sizes the graphs' page table)
+    cpu_threads: int = 0  # torch intra-op threads when running on CPU; 0 = auto (cpu_alloc.default_cpu_threads)
 
     def __post_init__(self) -> None:
         for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens"):
@@ -54,6 +56,8 @@ class RunnerConfig:
                 raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
         if self.checkpoint_memory_bytes < 0:
             raise InvalidArgumentError(f"checkpoint_memory_bytes must be >= 0, got {self.checkpoint_memory_bytes}")
+        if self.cpu_threads < 0:
+            raise InvalidArgumentError(f"cpu_threads must be >= 0 (0 = auto), got {self.cpu_threads}")
         if self.num_checkpoint_slots < 0:
             raise InvalidArgumentError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
         if self.cuda_graph_max_batch < 0:
@@ -68,6 +72,7 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         if self.device.type == "cpu":
+            set_cpu_threads(config.cpu_threads)
             for module in self.model.modules():
                 if isinstance(module, Mamba2Mixer):
                     module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)

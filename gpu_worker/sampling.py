@@ -87,7 +87,7 @@ def sample(
         )
     logits = logits.float()
     chosen = logits.argmax(dim=-1)  # [b]
-    random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]  # not p.is_greedy, inlined
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         probs = _filter_logits(logits[rows], [params[i] for i in random_rows]).softmax(dim=-1)
@@ -97,8 +97,8 @@ def sample(
             chosen[i] = (probs[j] / noise).argmax()
     log_z = torch.logsumexp(logits, dim=-1)  # [b]
     chosen_lp = logits.gather(1, chosen[:, None])[:, 0] - log_z
-    top: list[list[tuple[int, float]]] = [[] for _ in params]
-    max_n = max((p.num_logprobs for p in params), default=0)
+    max_n = max(p.num_logprobs for p in params) if params else 0
+    top: list[list[tuple[int, float]]] = [[]] * len(params) if not max_n else []  # shared empty rows, never mutated
     if max_n:
         vals, idx = logits.topk(min(max_n, logits.shape[-1]), dim=-1)
         vals = vals - log_z[:, None]

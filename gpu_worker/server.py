@@ -79,6 +79,7 @@ FLAGS = {
     ),
     "device": Flag("auto | cpu | cuda[:i]"),
     "dtype": Flag("auto | float32 | bfloat16"),
+    "cpu_threads": Flag("torch intra-op threads on CPU; 0 = one per core but one (for the server threads)"),
     "metrics_port": Flag(METRICS_PORT_HELP),
     "record_steps": Flag(
         "append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
@@ -101,12 +102,8 @@ ENGINE_FIELDS = (
     "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s",
 )  # fmt: skip
 RUNNER_FIELDS = (
-    "memory_budget_bytes",
-    "num_checkpoint_slots",
-    "checkpoint_memory_bytes",
-    "device",
-    "dtype",
-)  # the rest follow the config
+    "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
+)  # fmt: skip  # the rest follow the config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
 
@@ -221,13 +218,13 @@ def run(args: argparse.Namespace) -> int:
     servicer = GenerationServicer(engine, model_name=server_settings.model.name)
     server, port, health = grpc_server.create_server(
         [add_to_server(servicer)], host=server_settings.host, port=server_settings.port,
-        max_workers=server_threads(engine), tls=tls, keys=keys,
+        max_workers=server_threads(engine), tls=tls, keys=keys,  # a stream holds a thread to its end
     )  # fmt: skip
     watch = lifecycle.HealthWatch(health, engine, servicer, client.is_reachable)
-    stop = lifecycle.on_signal()
+    stop = grpc_server.stop_on_signal()  # before the port is announced
     server.start()
     grpc_server.announce(server_settings.host, port)
-    lifecycle.wait_for(stop)
+    grpc_server.wait_for(stop)
     lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s)
     watch.stop()  # before the scheduler channel closes: no probe in flight
     client.close()

@@ -274,14 +274,9 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def serve_until_signal(
-    server: grpc.Server,
-    health_servicer: Health,
-    grace_s: float = 5.0,
-    on_stop: Callable[[], None] | None = None,
-) -> None:
-    """Blocks until SIGTERM or SIGINT, then stops taking calls (readiness NOT_SERVING), lets calls in
-    flight finish within grace_s, runs on_stop and returns."""
+def stop_on_signal() -> threading.Event:
+    """An event that SIGTERM or SIGINT sets. Install it before announcing the port, so a signal sent
+    as soon as the port is known is a graceful stop, not the default death."""
     stop = threading.Event()
 
     def handle(signum: int, _frame: Any) -> None:
@@ -290,7 +285,27 @@ def serve_until_signal(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handle)
-    stop.wait()
+    return stop
+
+
+def wait_for(event: threading.Event, poll_s: float = 0.5) -> None:
+    """Blocks the main thread until `event` is set, waking every poll_s: a signal delivered to
+    another thread only runs its Python handler once the main thread wakes, which an untimed wait
+    may never do."""
+    while not event.wait(poll_s):
+        pass
+
+
+def serve_until_signal(
+    server: grpc.Server,
+    health_servicer: Health,
+    grace_s: float = 5.0,
+    on_stop: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Blocks until SIGTERM or SIGINT (or `stop`, from stop_on_signal), then stops taking calls
+    (readiness NOT_SERVING), lets calls in flight finish within grace_s, runs on_stop and returns."""
+    wait_for(stop if stop is not None else stop_on_signal())
     health_servicer.enter_graceful_shutdown()
     server.stop(grace_s).wait()
     if on_stop is not None:

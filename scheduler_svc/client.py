@@ -155,10 +155,14 @@ class SchedulerClient:
         self._stub = pb_grpc.SchedulerStub(traced)  # type: ignore[no-untyped-call]
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._down_since: float | None = None  # when the current outage began; None while answered
+        self._answered_at = -1e9  # monotonic time of the last answer to a call or a probe
 
     def is_reachable(self, timeout_s: float = 1.0) -> bool:
         """Whether a replica answers (grpc.health.v1 readiness) within timeout_s: the worker's
-        readiness. An answer ends the outage, so the next call gets the whole give-up time again."""
+        readiness. An answer ends the outage, so the next call gets the whole give-up time again.
+        A call answered within the last timeout_s already says so: a busy worker sends no probe."""
+        if self._down_since is None and time.monotonic() - self._answered_at < timeout_s:
+            return True
         request = health_pb2.HealthCheckRequest(service="readiness")
         try:
             status = self._health.Check(request, timeout=timeout_s).status
@@ -166,6 +170,7 @@ class SchedulerClient:
             return False
         if status == health_pb2.HealthCheckResponse.SERVING:
             self._down_since = None
+            self._answered_at = time.monotonic()
             return True
         return False
 
@@ -189,6 +194,7 @@ class SchedulerClient:
             try:
                 response = method(request, timeout=timeout_s, wait_for_ready=True)
                 self._down_since = None
+                self._answered_at = time.monotonic()
                 return response
             except grpc.RpcError as err:
                 code, details = err.code(), err.details()

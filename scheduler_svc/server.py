@@ -85,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
         settings_from_args(TlsSettings, args),
     )
     server.start()
+    stop_requested = grpc_server.stop_on_signal()
     grpc_server.announce(settings.host, port)
-    grpc_server.serve_until_signal(server, health_servicer, grace_s=settings.drain_timeout_s, on_stop=stop_telemetry)
+    grpc_server.serve_until_signal(
+        server, health_servicer, grace_s=settings.drain_timeout_s, on_stop=stop_telemetry, stop=stop_requested
+    )
     return 0

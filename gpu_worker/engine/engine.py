@@ -318,7 +318,8 @@ class Engine:
             return None
         requests = prepared.yielding
         params = [r.params.sampling for r in requests]
-        return sample(output.logits[rows], params, [r.generator for r in requests])
+        logits = output.logits if len(rows) == output.logits.shape[0] else output.logits[rows]  # all rows: no copy
+        return sample(logits, params, [r.generator for r in requests])
 
     def _apply(self, prepared: PreparedStep, sampled: SampleOutput | None) -> list[Ending]:
         """Each sampled token to its request; returns the requests that ended (already freed)."""
@@ -331,7 +332,7 @@ class Engine:
                 self.observer.request_first_token(
                     FirstToken(request.request_id, request.arrival_time, request.first_token_time)
                 )
-            top = tuple((token_id, logprob) for token_id, logprob in sampled.top_logprobs[j])
+            top = tuple(sampled.top_logprobs[j]) if sampled.top_logprobs[j] else ()
             ending = self.outputs.append(request, sampled.token_ids[j], sampled.logprobs[j], top)
             if ending is not None:
                 self._remove(request.request_id)

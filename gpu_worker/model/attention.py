@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.model.chunk_attention import can_use_flash, chunk_attention
 from gpu_worker.model.config import BambaConfig
 from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.layers import apply_rope
@@ -88,6 +89,9 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """q [L, heads, d] -> [L, heads * d]; causal over [0, start_pos + L)."""
         L, start = span.num_tokens, span.start_pos
+        if can_use_flash(q):
+            k_ctx, v_ctx = k_cache[span.kv_slots], v_cache[span.kv_slots]  # [ctx, kvh, d]
+            return chunk_attention(q, k_ctx, v_ctx, start, self.scale).reshape(L, self.num_heads * self.head_dim)
         qg = q.view(L, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)  # [kvh, g, L, d]
         qg = qg.reshape(self.num_kv_heads, self.group * L, self.head_dim)
         k = k_cache[span.kv_slots].transpose(0, 1)  # [kvh, ctx, d]

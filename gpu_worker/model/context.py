@@ -11,7 +11,7 @@ Index maps (flat KV slot = page_id * kv_page_size + offset in page):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +51,9 @@ class ForwardContext:
     decode_kv_mask: torch.Tensor  # [num_decode, 1, 1, max_pages * page size] bool: True at real positions
     prefills: tuple[PrefillSpan, ...]  # multi-token chunks, in packed order after the decode group
     boundary_states: tuple[BoundaryState, ...] = ()  # states to keep inside prefill chunks, by span
+    # index maps derived from the fields above by the first layer that needs them, shared by the rest
+    # (e.g. gpu_worker.model.packed_prefill's); never part of the context's identity
+    derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     def boundaries_of(self, span_index: int) -> tuple[BoundaryState, ...]:
         """The boundary states wanted inside prefill span `span_index`."""

@@ -16,6 +16,7 @@ from gpu_worker.model.boundary_states import save_boundary_states
 from gpu_worker.model.config import BambaConfig
 from gpu_worker.model.context import BoundaryState, ForwardContext, PrefillSpan
 from gpu_worker.model.layers import GatedRMSNorm
+from gpu_worker.model.packed_prefill import packed_causal_conv, packed_index_for, packed_ssd_scan
 from gpu_worker.model.ssd import ssd_scan, ssm_step_
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ class Mamba2Mixer(nn.Module):
     """in_proj -> [z, xBC, dt]; causal depthwise conv + SiLU on xBC; SSD; gated RMS norm; out_proj."""
 
     ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.kernels)
+    packed_prefill = True  # every prefill chunk in one conv + one scan; False: one scan per chunk (the oracle)
 
     def __init__(self, config: BambaConfig) -> None:
         super().__init__()
@@ -61,9 +63,14 @@ class Mamba2Mixer(nn.Module):
             nd = ctx.num_decode
             if nd:
                 ys.append(self._decode(xbc[:nd], dt[:nd], A, ctx, conv_state, ssm_state))
-            for i, span in enumerate(ctx.prefills):
-                sl = slice(span.token_start, span.token_start + span.num_tokens)
-                ys.append(self._prefill(xbc[sl], dt[sl], A, span, conv_state, ssm_state, ctx.boundaries_of(i)))
+            # A step that keeps states inside its chunks runs them one scan each (boundary_states reads
+            # each scan's per-chunk states); the packed scan does not expose them per sequence yet.
+            if ctx.prefills and self.packed_prefill and not ctx.boundary_states:
+                ys.append(self._prefill_packed(xbc, dt, A, ctx, conv_state, ssm_state))
+            else:
+                for i, span in enumerate(ctx.prefills):
+                    sl = slice(span.token_start, span.token_start + span.num_tokens)
+                    ys.append(self._prefill(xbc[sl], dt[sl], A, span, conv_state, ssm_state, ctx.boundaries_of(i)))
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)  # [T, d_inner] float32
         out: torch.Tensor = self.out_proj(self.norm(y, z).to(hidden.dtype))
         return out
@@ -137,3 +144,24 @@ class Mamba2Mixer(nn.Module):
             inputs = (x, dt, A, B, C, self.D)
             save_boundary_states(boundaries, window, inputs, chunk_states[0], self.chunk_size, conv_state, ssm_state)
         return y.reshape(y.shape[0], self.d_inner)
+
+    def _prefill_packed(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        ctx: ForwardContext,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every multi-token chunk of the batch at once (gpu_worker.model.packed_prefill).
+        xbc [T, conv_dim] of the whole batch -> y [Tp, d_inner] of its prefill rows."""
+        index = packed_index_for(ctx, self.chunk_size, conv_state.shape[-1], xbc.device)
+        first = ctx.prefills[0].token_start  # the spans are contiguous after the decode group
+        rows = slice(first, first + index.num_prefill_tokens)
+        conv = packed_causal_conv(xbc[rows], self.conv1d.weight, self.conv1d.bias, conv_state, index)
+        x, B, C = self._split_xbc(F.silu(conv))
+        initial = ssm_state.index_select(0, index.state_slots)
+        scan = packed_ssd_scan(x, dt[rows], A, B, C, self.D, initial, index)
+        ssm_state.index_copy_(0, index.state_slots, scan.final_states.to(ssm_state.dtype))
+        return scan.y.reshape(index.num_prefill_tokens, self.d_inner)

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway.server", "serve the OpenAI HTTP API and the gRPC Generation API in front of workers"),
     "generate": ("hybridserve.cli.generate", "stream a completion from a running worker"),
     "bench": ("hybridserve.cli.loadgen", "drive N closed-loop clients against a worker and print a summary"),
+    "qualify": ("hybridserve.cli.qualify.command", "two worker profiles, one seeded workload, the seed's gates"),
     "init-model": ("gpu_worker.init_model", "write the default model (trained, or --random) to a folder"),
     "train-demo": ("gpu_worker.demo_model.train", "train the default model from scratch on the Python stdlib"),
     "health": ("hybridserve.cli.health", "exit 0 when a server's grpc.health.v1 check says SERVING (probes)"),

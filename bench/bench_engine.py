@@ -1,0 +1,203 @@
+"""The engine's own cost per step, with a null runner (no model): what a GPU step of a small model
+pays outside its forward pass. N requests decode steadily (N = 64, 256, 1,024 by default); each
+step's wall time is split into the engine thread's parts:
+
+    snapshot  the scheduler's view of every request (StepInput) for the next plan
+    plan      the part of the PlanStep round trip the engine waited for (with asynchronous
+              scheduling the round trip runs on the planner thread, overlapped with the step)
+    prepare   allocation and the batch's rows
+    forward   the null runner (building its logits; no model)
+    sample    sampling (greedy)
+    apply     each token to its request, its stream event queued
+    emit      the step record to the observers
+and, beside it, `stream`: the time a consumer thread spends turning the queued events into
+GenerateResponse messages (the worker's stream threads), per step, and the full round trip of the
+plan (`rtt`), overlapped or not. The scheduler is the real service in its own process, over gRPC.
+
+    .venv/bin/python bench/bench_engine.py [--requests 64,256,1024] [--steps 60] [--sync]
+
+Target (the issue): at most 1 ms per step at 256 requests outside the forward pass, planning
+overlapped. Only figures from one run, side by side, mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gpu_worker.batch import Batch, ForwardOutput
+from gpu_worker.cpu_alloc import set_cpu_threads
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.observer import EngineObserver
+from gpu_worker.engine.records import StepRecord
+from gpu_worker.engine.request import GenerationParams, Request
+from gpu_worker.engine.settings import EngineSettings
+from gpu_worker.engine.stop_checker import StopChecker
+from gpu_worker.kv_pool import KVPagePool
+from gpu_worker.runner import RunnerConfig
+from gpu_worker.sampling import SamplingParams
+from gpu_worker.service import output_to_pb
+from gpu_worker.state_pool import MambaStatePool
+from gpu_worker.tokenizer import Tokenizer, build_byte_tokenizer
+from hybridserve.children import Child, hybridserve_command, stop_all
+from scheduler_svc.client import SchedulerClient
+from scheduler_svc.core import MambaCacheMode, SchedulerConfig
+
+PAGE = 16
+VOCAB = 256
+PROMPT = 16
+PARTS = ("snapshot", "plan", "prepare", "forward", "sample", "apply", "emit")
+TOKENIZER = Tokenizer(build_byte_tokenizer())
+
+
+class NullRunner:
+    """Real page and slot pools (no layers); forward returns fixed logits, one row per sequence."""
+
+    def __init__(self, num_pages: int, max_num_seqs: int) -> None:
+        cpu = torch.device("cpu")
+        self.kv_pool = KVPagePool(num_pages, PAGE, 0, 1, 1, torch.float32, cpu)
+        self.state_pool = MambaStatePool(max_num_seqs, 0, 0, (1, 1), (1, 1, 1), torch.float32, cpu)
+        self.eos_token_ids = (2,)
+        self._logits = torch.zeros(max_num_seqs, VOCAB)
+        self._logits[:, 65] = 1.0
+
+    def forward(self, batch: Batch) -> ForwardOutput:
+        return ForwardOutput(logits=self._logits[: len(batch.sequences)])
+
+
+class Steps(EngineObserver):
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def step_finished(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+
+def timed(engine: Engine, name: str, totals: dict[str, float], part: str) -> None:
+    """Wraps an engine method so that its time on the engine thread adds up in totals[part]."""
+    original: Callable[..., Any] = getattr(engine, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        on_engine = threading.current_thread().name == "engine"
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if on_engine:
+                totals[part] += time.perf_counter() - started
+
+    setattr(engine, name, wrapper)
+
+
+def make_request(i: int) -> Request:
+    return Request(
+        request_id=f"r{i}", prompt_token_ids=[3 + (i + j) % 50 for j in range(PROMPT)],
+        params=GenerationParams(SamplingParams(), 1 << 20, (), True), arrival_time=time.monotonic(),
+        deadline=None, stop_checker=StopChecker(TOKENIZER, ()), generator=None,
+    )  # fmt: skip
+
+
+def drain_streams(requests: list[Request], stop: threading.Event, counted: dict[str, float]) -> None:
+    """The stream threads' work, in one thread: every queued event becomes a GenerateResponse."""
+    while not stop.is_set():
+        busy = 0.0
+        for r in requests:
+            while True:
+                try:
+                    event = r.events.get_nowait()
+                except queue.Empty:
+                    break
+                started = time.perf_counter()
+                output_to_pb(r.request_id, event)
+                busy += time.perf_counter() - started
+        counted["stream"] += busy
+        time.sleep(0.0005)
+
+
+def measure(num_requests: int, steps: int, scheduler: str, async_scheduling: bool) -> dict[str, float]:
+    """Per-step milliseconds of each part over `steps` steady decode steps of num_requests requests."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=max(2048, num_requests), max_num_seqs=num_requests, block_size=256,
+        mamba_block_size=64, mamba_cache_mode=MambaCacheMode.ALIGN, kv_page_size=PAGE,
+    )  # fmt: skip
+    num_pages = num_requests * (2 + (PROMPT + 4 * steps) // PAGE)
+    runner = NullRunner(num_pages, num_requests)
+    settings = EngineSettings(
+        scheduler=config, runner=RunnerConfig(kv_page_size_tokens=PAGE, max_num_seqs=num_requests),
+        scheduler_addresses=(scheduler,), async_scheduling=async_scheduling, max_queue_len=num_requests + 1,
+    )  # fmt: skip
+    client = SchedulerClient((scheduler,), deadline_s=10.0, give_up_after_s=30.0)
+    log = Steps()
+    engine = Engine(runner, client.plan, settings, observer=log)  # type: ignore[arg-type]
+    totals: dict[str, float] = defaultdict(float)
+    for name, part in (("_snapshot", "snapshot"), ("_prepare", "prepare"), ("_forward", "forward"),
+                       ("_sample", "sample"), ("_apply", "apply"), ("_emit", "emit")):  # fmt: skip
+        timed(engine, name, totals, part)
+    requests = [make_request(i) for i in range(num_requests)]
+    stop = threading.Event()
+    streamed: dict[str, float] = defaultdict(float)
+    consumer = threading.Thread(target=drain_streams, args=(requests, stop, streamed), daemon=True)
+    engine.start()
+    consumer.start()
+    try:
+        for r in requests:
+            engine.submit(r)
+        warm = -(-num_requests * PROMPT // config.max_num_batched_tokens) + 5
+        while len(log.records) < warm:
+            time.sleep(0.01)
+        first = len(log.records)
+        before, stream_before = dict(totals), streamed["stream"]
+        while len(log.records) < first + steps:
+            time.sleep(0.005)
+        records = log.records[first : first + steps]
+        after, stream_after = dict(totals), streamed["stream"]
+    finally:
+        for r in requests:
+            engine.abort(r.request_id)
+        engine.stop()
+        stop.set()
+        consumer.join(5)
+        client.close()
+    n = len(records)
+    out = {part: (after.get(part, 0.0) - before.get(part, 0.0)) / n * 1e3 for part in PARTS if part != "plan"}
+    out["plan"] = sum(r.plan_wait_s for r in records) / n * 1e3
+    out["rtt"] = sum(r.plan_latency_s for r in records) / n * 1e3
+    out["wall"] = sum(r.wall_s for r in records) / n * 1e3
+    out["stream"] = (stream_after - stream_before) / n * 1e3
+    out["outside"] = out["wall"] - out["forward"]
+    out["decodes"] = sum(len(r.served) for r in records) / n
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", default="64,256,1024", help="running requests, comma-separated")
+    parser.add_argument("--steps", type=int, default=60, help="steady decode steps measured per size")
+    parser.add_argument("--sync", action="store_true", help="also measure with asynchronous scheduling off")
+    args = parser.parse_args()
+    set_cpu_threads(0)  # as the worker does on CPU
+    scheduler = Child("scheduler", hybridserve_command("scheduler", "--port", "0"))
+    try:
+        address = scheduler.wait_listening(60.0)
+        modes = [True, False] if args.sync else [True]
+        cols = ("wall", "outside", *PARTS, "stream", "rtt")
+        print("ms per step (engine thread); outside = wall - forward; plan = wait for it; rtt = PlanStep round trip")
+        print(f"{'requests':>9}{'async':>7}" + "".join(f"{c:>10}" for c in cols))
+        for n in (int(x) for x in args.requests.split(",")):
+            for mode in modes:
+                m = measure(n, args.steps, address, mode)
+                print(f"{n:>9}{'on' if mode else 'off':>7}" + "".join(f"{m[c]:>10.3f}" for c in cols), flush=True)
+    finally:
+        stop_all([scheduler])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""Closed-loop HTTP load on an OpenAI-compatible `/v1/completions` (streamed, greedy, EOS ignored):
+the same generator drives vLLM's OpenAI server and the hybridserve gateway in bench_vs_vllm.py.
+
+N clients each send their next request as soon as the previous stream ended. A request's TTFT is
+the time to its first SSE chunk carrying a choice; its inter-token latency (ITL) is the time from
+that chunk to its last one over the tokens in between, so servers that deliver chunks in bursts
+(vLLM's output process at low load) and servers that deliver one per step compare fairly; the
+table reports the median over requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResult:
+    ok: bool
+    completion_tokens: int
+    ttft_s: float | None
+    itl_s: float | None  # (last chunk - first chunk) / (completion tokens - 1)
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSummary:
+    clients: int
+    requests_ok: int
+    requests_failed: int
+    wall_s: float
+    output_tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    itl_median_s: float | None
+    errors: tuple[str, ...]
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> HttpResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    started = time.perf_counter()
+    times: list[float] = []
+    completion = 0
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                return HttpResult(False, 0, None, None, f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices"):
+                    times.append(time.perf_counter())
+                if chunk.get("usage"):
+                    completion = int(chunk["usage"]["completion_tokens"])
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return HttpResult(False, 0, None, None, f"{type(exc).__name__}: {exc}")
+    tokens = completion or len(times)
+    itl = (times[-1] - times[0]) / (tokens - 1) if len(times) >= 2 and tokens > 1 else None
+    return HttpResult(True, tokens, times[0] - started if times else None, itl)
+
+
+async def _run(url: str, model: str, prompts: Sequence[list[int]], clients: int, max_tokens: int) -> HttpSummary:
+    results: list[HttpResult] = []
+    queue = list(reversed(range(len(prompts))))
+    timeout = aiohttp.ClientTimeout(total=3600)
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+        async def client() -> None:
+            while queue:
+                results.append(await _one(session, url, model, prompts[queue.pop()], max_tokens))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        wall_s = time.perf_counter() - started
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itls = [r.itl_s for r in ok if r.itl_s is not None]
+    errors = tuple(dict.fromkeys(r.error for r in results if not r.ok))[:3]
+    return HttpSummary(
+        clients=clients, requests_ok=len(ok), requests_failed=len(results) - len(ok), wall_s=wall_s,
+        output_tokens_per_s=sum(r.completion_tokens for r in ok) / wall_s, ttft_p50_s=_percentile(ttfts, 50),
+        ttft_p95_s=_percentile(ttfts, 95), itl_median_s=_percentile(itls, 50), errors=errors,
+    )  # fmt: skip
+
+
+def run_http_load(url: str, model: str, prompts: Sequence[list[int]], clients: int, max_tokens: int) -> HttpSummary:
+    """Serves every prompt once through `clients` closed-loop streaming clients."""
+    return asyncio.run(_run(url, model, prompts, clients, max_tokens))
+
+
+async def _ready(url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(f"{url}/v1/models") as resp:
+                    if resp.status == 200:
+                        return True
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            await asyncio.sleep(1.0)
+    return False
+
+
+def wait_http_ready(url: str, timeout_s: float) -> bool:
+    """Polls GET /v1/models until it answers 200 (True) or timeout_s passes (False)."""
+    return asyncio.run(_ready(url, timeout_s))

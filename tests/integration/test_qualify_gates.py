@@ -1,0 +1,82 @@
+"""`hybridserve qualify`'s gates, computed from a known set of measurements (pure, no processes)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hybridserve.cli.qualify.gates import Measurement, RequestTrace, Tolerances, evaluate, format_report, measure
+
+
+def trace(
+    kind: str, start: float, times: list[float], counts: list[int] | None = None, ok: bool = True
+) -> RequestTrace:
+    counts = counts or [1] * len(times)
+    return RequestTrace(kind, ok, 10, sum(counts) if ok else 0, start, tuple(times), tuple(counts),
+                        times[-1] if times else start)  # fmt: skip
+
+
+def test_measure_from_known_traces() -> None:
+    traces = [
+        trace("chat", 0.0, [0.5, 0.6, 0.7, 0.8]),  # TTFT 0.5; gaps 0.1 x3; decode 3 tokens / 0.3 s
+        trace("chat", 0.0, [1.0, 1.2, 1.4], [2, 1, 1]),  # TTFT 1.0; gaps 0.2 x2; decode 2 / 0.4 s
+        trace("long", 0.2, [2.2, 3.2]),  # TTFT 2.0; its gap (1.0) is not a chat gap
+        trace("chat", 0.0, [], ok=False),
+    ]
+    m = measure(traces, clients=2, wall_s=4.0, preemptions=1, stalled=0)
+    assert m.output_tokens == 4 + 4 + 2
+    assert m.output_tokens_per_s == pytest.approx(10 / 4.0)
+    assert m.median_decode_tokens_per_s == pytest.approx((10.0 + 5.0) / 2)
+    assert m.ttft_p50_s == pytest.approx(1.0)
+    assert m.ttft_p95_s == pytest.approx(1.0 + 0.9 * (2.0 - 1.0))  # linear between the ranks of 1.0 and 2.0
+    assert m.long_ttft_p50_s == pytest.approx(2.0)
+    assert m.worst_stall_s == pytest.approx(0.2)
+    assert m.itl_p99_s == pytest.approx(0.2)
+    assert (m.requests_ok, m.requests_failed, m.preemptions, m.stalled_steps) == (3, 1, 1, 0)
+
+
+BASE = Measurement(
+    clients=16, wall_s=10.0, output_tokens=10_000, output_tokens_per_s=1000.0, median_decode_tokens_per_s=50.0,
+    ttft_p50_s=0.1, ttft_p95_s=0.2, long_ttft_p50_s=None, itl_p99_s=0.05, worst_stall_s=0.3, preemptions=0,
+    stalled_steps=0, requests_ok=64, requests_failed=0,
+)  # fmt: skip
+
+
+def verdicts(candidate: Measurement, tol: Tolerances | None = None) -> dict[str, bool]:
+    return {g.name: g.passed for g in evaluate(BASE, candidate, tol or Tolerances())}
+
+
+def test_identical_measurements_pass_every_gate() -> None:
+    assert all(verdicts(BASE).values())
+    assert format_report([(BASE, BASE)]).endswith("verdict: PASS")
+
+
+@pytest.mark.parametrize(
+    ("change", "gate", "passed"),
+    [
+        ({"output_tokens_per_s": 970.0}, "aggregate output tok/s", True),  # exactly 3% lower
+        ({"output_tokens_per_s": 969.0}, "aggregate output tok/s", False),
+        ({"median_decode_tokens_per_s": 49.99}, "median decode tok/s", False),  # no loss allowed
+        ({"median_decode_tokens_per_s": 60.0}, "median decode tok/s", True),
+        ({"ttft_p95_s": 0.21}, "p95 TTFT s", True),  # exactly 5% higher
+        ({"ttft_p95_s": 0.2101}, "p95 TTFT s", False),
+        ({"preemptions": 1}, "preemptions", False),
+        ({"stalled_steps": 2}, "stalled steps", False),
+        ({"requests_failed": 1}, "failed requests", False),
+        ({"worst_stall_s": 9.0, "itl_p99_s": 9.0}, "aggregate output tok/s", True),  # the tail is not gated
+    ],
+)
+def test_each_gate_at_its_threshold(change: dict[str, float], gate: str, passed: bool) -> None:
+    result = verdicts(replace(BASE, **change))
+    assert result[gate] is passed
+    assert all(v for name, v in result.items() if name != gate)
+    report = format_report([(BASE, replace(BASE, **change))])
+    assert report.endswith("verdict: PASS" if passed else "verdict: FAIL")
+
+
+def test_tolerances_are_settings() -> None:
+    loose = Tolerances(max_throughput_loss=0.2, max_decode_loss=0.1, max_ttft_p95_increase=0.5)
+    candidate = replace(BASE, output_tokens_per_s=850.0, median_decode_tokens_per_s=46.0, ttft_p95_s=0.29)
+    assert all(verdicts(candidate, loose).values())
+    assert not any(v for k, v in verdicts(candidate).items() if k in ("aggregate output tok/s", "p95 TTFT s"))

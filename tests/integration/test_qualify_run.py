@@ -1,0 +1,55 @@
+"""`hybridserve qualify` for real: one short run of two profiles (a scheduler and two workers started
+by the command, on a tiny random model), checked through `--json` and `--plot`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridserve.cli.qualify.gates import Measurement, evaluate
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("qualify") / "model"
+    subprocess.run([sys.executable, "-m", "hybridserve.cli", "init-model", str(folder), "--random"], check=True,
+                   timeout=120, capture_output=True)  # fmt: skip
+    return folder
+
+
+def test_two_profiles_on_one_workload_give_gates_per_client_count(tiny_model: Path, tmp_path: Path) -> None:
+    plots = tmp_path / "plots"
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridserve.cli", "qualify", "--model", str(tiny_model),
+         "--baseline=--max-num-prefill-tokens-per-step 0", "--candidate=--max-num-prefill-tokens-per-step 64",
+         "--common=--no-prefix-caching --max-num-batched-tokens 128 --block-size 64 --mamba-block-size 32",
+         "--workload", "convoy", "--clients", "2,3", "--requests", "6", "--prompt-len-max", "48",
+         "--max-tokens", "6", "--long-prompts", "1", "--long-prompt-len", "300", "--long-max-tokens", "3",
+         "--long-after-s", "0.05", "--warmup-requests", "2", "--json", "--plot", str(plots)],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr[-3000:]  # 0: every gate passed, 1: one failed; 2 = no run
+    result = json.loads(done.stdout)
+    assert [run["clients"] for run in result["runs"]] == [2, 3]
+    for run in result["runs"]:
+        baseline, candidate = Measurement(**run["baseline"]), Measurement(**run["candidate"])
+        for m in (baseline, candidate):
+            assert m.requests_failed == 0 and m.requests_ok == 6 + 1  # the chats and the long prompt
+            assert m.output_tokens == 6 * 6 + 3
+            assert m.output_tokens_per_s > 0 and m.median_decode_tokens_per_s > 0
+            assert 0 < m.ttft_p50_s <= m.ttft_p95_s and m.long_ttft_p50_s is not None
+            assert 0 < m.itl_p99_s <= m.worst_stall_s
+        gates = {g["name"]: g["passed"] for g in run["gates"]}
+        assert gates == {g.name: g.passed for g in evaluate(baseline, candidate)}  # the printed verdicts
+        assert set(gates) >= {"aggregate output tok/s", "median decode tok/s", "p95 TTFT s", "preemptions",
+                              "stalled steps"}  # fmt: skip
+    assert result["passed"] == all(g["passed"] for run in result["runs"] for g in run["gates"])
+    assert (done.returncode == 0) == result["passed"]
+    for name in ("ttft.png", "itl.png", "tokens_per_step.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

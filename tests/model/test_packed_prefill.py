@@ -1,0 +1,115 @@
+"""The packed prefill (every chunk of a step in one conv and one SSD scan) against the per-sequence
+path it replaces (`Mamba2Mixer._prefill`, the oracle): outputs, conv and SSM states, and the state at
+every scan-chunk boundary, for random mixes of span lengths, warm states and decodes in the batch."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_worker.init_model import ModelSpec
+from gpu_worker.model.context import ForwardContext, PrefillSpan
+from gpu_worker.model.families import family_named
+from gpu_worker.model.mamba2 import Mamba2Mixer
+from gpu_worker.model.packed_prefill import build_packed_index, packed_ssd_scan
+from gpu_worker.model.ssd import ssd_scan
+
+TOL = 1e-5
+
+
+def _mixer(num_groups: int, d_conv: int, chunk: int, seed: int) -> Mamba2Mixer:
+    spec = ModelSpec(hidden_size=32, mamba_n_heads=4, mamba_n_groups=num_groups, mamba_d_state=8,
+                     mamba_d_conv=d_conv, mamba_chunk_size=chunk)  # fmt: skip
+    config = family_named("bamba").parse(spec.to_hf_config(), "config.json")
+    mixer = Mamba2Mixer(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        mixer.dt_bias.copy_(torch.randn(mixer.dt_bias.shape, generator=g) - 1.0)
+        mixer.A_log.copy_(torch.log(torch.rand(mixer.A_log.shape, generator=g) * 8 + 0.5))
+    return mixer
+
+
+def _context(num_decode: int, spans: list[tuple[int, int, int]]) -> ForwardContext:
+    """spans: (num_tokens, start_pos, state_slot); decodes take slots 0..num_decode-1."""
+    prefills, at = [], num_decode
+    for n, start, slot in spans:
+        prefills.append(PrefillSpan(at, n, start, slot, torch.zeros(0, dtype=torch.int64)))
+        at += n
+    empty = torch.zeros(0, dtype=torch.int64)
+    return ForwardContext(
+        positions=torch.zeros(at, dtype=torch.int64), kv_write_slots=torch.zeros(at, dtype=torch.int64),
+        num_decode=num_decode, decode_state_slots=torch.arange(num_decode), decode_slot_start=0 if num_decode else None,
+        kv_page_size_tokens=4, decode_page_table=empty[None], decode_kv_mask=torch.zeros(0, 1, 1, 4, dtype=torch.bool),
+        prefills=tuple(prefills),
+    )  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=6),
+    warm=st.lists(st.booleans(), min_size=6, max_size=6),
+    num_decode=st.integers(0, 3),
+    geometry=st.sampled_from([(1, 4, 8), (2, 4, 5), (4, 2, 16), (1, 3, 64)]),  # groups, d_conv, scan chunk
+    seed=st.integers(0, 1000),
+)
+def test_packed_prefill_matches_one_scan_per_sequence(lengths, warm, num_decode, geometry, seed) -> None:
+    groups, d_conv, chunk = geometry
+    mixer = _mixer(groups, d_conv, chunk, seed)
+    slots = list(range(num_decode, num_decode + len(lengths)))
+    spans = [(n, 7 if warm[i] else 0, slots[i]) for i, n in enumerate(lengths)]
+    ctx = _context(num_decode, spans)
+    g = torch.Generator().manual_seed(seed + 1)
+    rows = num_decode + len(lengths) + 2
+    conv = torch.randn(rows, mixer.conv_dim, d_conv - 1, generator=g)
+    ssm = torch.randn(rows, mixer.num_heads, mixer.head_dim, mixer.state_size, generator=g)
+    for _, start, slot in spans:
+        if start == 0:  # a fresh sequence starts from a zeroed row (the runner zeroes it)
+            conv[slot].zero_()
+            ssm[slot].zero_()
+    hidden = torch.randn(num_decode + sum(lengths), 32, generator=g)
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    with torch.no_grad():
+        mixer.packed_prefill = True
+        out = mixer(hidden, ctx, conv, ssm)
+        mixer.packed_prefill = False
+        ref = mixer(hidden, _context(num_decode, spans), conv_ref, ssm_ref)
+    assert (out - ref).abs().max().item() <= TOL
+    assert (conv - conv_ref).abs().max().item() <= TOL
+    assert (ssm - ssm_ref).abs().max().item() <= TOL
+
+
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(2, 50), min_size=1, max_size=4), chunk=st.sampled_from([4, 8, 16]),
+       seed=st.integers(0, 1000))  # fmt: skip
+def test_the_scan_returns_the_state_at_every_chunk_boundary(lengths, chunk, seed) -> None:
+    """chunk_start_states[chunk_start[s] + k] is sequence s's state after k * chunk of its tokens."""
+    g = torch.Generator().manual_seed(seed)
+    heads, p, n, groups = 4, 3, 5, 2
+    spans = []
+    at = 0
+    for i, length in enumerate(lengths):
+        spans.append(PrefillSpan(at, length, 1, i, torch.zeros(0, dtype=torch.int64)))
+        at += length
+    index = build_packed_index(tuple(spans), chunk, 3, torch.device("cpu"))
+    x = torch.randn(at, heads, p, generator=g)
+    dt = torch.rand(at, heads, generator=g) * 0.5
+    A = -torch.rand(heads, generator=g) * 2
+    B, C = torch.randn(at, groups, n, generator=g), torch.randn(at, groups, n, generator=g)
+    D = torch.randn(heads, generator=g)
+    initial = torch.randn(len(lengths), heads, p, n, generator=g)
+    scan = packed_ssd_scan(x, dt, A, B, C, D, initial, index)
+    for s, span in enumerate(spans):
+        rows = slice(span.token_start, span.token_start + span.num_tokens)
+        y_ref, final_ref = ssd_scan(x[rows], dt[rows], A, B[rows], C[rows], D, initial[s], chunk)
+        assert (scan.y[rows] - y_ref).abs().max().item() <= TOL
+        assert (scan.final_states[s] - final_ref).abs().max().item() <= TOL
+        for k in range(index.chunk_count[s]):
+            cut = slice(span.token_start, span.token_start + k * chunk)
+            if k == 0:
+                expected = initial[s]
+            else:
+                _, expected = ssd_scan(x[cut], dt[cut], A, B[cut], C[cut], D, initial[s], chunk)
+            assert (scan.chunk_start_states[index.chunk_start[s] + k] - expected).abs().max().item() <= TOL
