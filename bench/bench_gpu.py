@@ -72,8 +72,11 @@ def random_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed
     config = family.parse(raw, "config.json")
     with torch.device("meta"):
         model = HybridForCausalLM(config)
-    shapes = {n: shape for _, src, src_shapes in weight_sources(family, config, model).values()
-              for n, shape in zip(src.names, src_shapes, strict=True)}  # fmt: skip (checkpoint names)
+    shapes = {
+        n: shape
+        for _, src, src_shapes in weight_sources(family, config, model).values()
+        for n, shape in zip(src.names, src_shapes, strict=True)
+    }  # fmt: skip (checkpoint names)
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(shape: tuple[int, ...], std: float, mean: float = 0.0, dt: torch.dtype = dtype) -> torch.Tensor:

@@ -70,6 +70,7 @@ FLAGS = {
         scale=1 << 20,
     ),  # fmt: skip
     "ttl_s": Flag("seconds a block stays after its last publish"),
+    "worker_user": Flag("Redis ACL user for the workers' direct data path (block keys, data commands); '' = none"),
     "host": Flag("bind address"),
     "port": Flag("0 picks a free port"),
     "metrics_port": Flag(METRICS_PORT_HELP),

@@ -8,6 +8,7 @@ from typing import Literal
 
 import grpc
 
+from cache_svc import keys
 from cache_svc.store import CheckpointStore, StoreFull, StoreUnavailable
 from hybridserve import grpc_server
 from hybridserve.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError
@@ -78,6 +79,24 @@ class BlockCacheServicer:
         with _unavailable():
             deleted = self.store.discard(request.model_fingerprint, request.block_hash, why)
         return pb.DeleteResponse(deleted=deleted)
+
+    def Access(self, request: pb.AccessRequest, context: grpc.ServicerContext) -> pb.AccessResponse:
+        """The direct data path's address, user and lease (the user is set up on every ask: a
+        restarted Redis has forgotten it)."""
+        _require_fingerprint(request.model_fingerprint)
+        with _unavailable():
+            access = self.store.grant_worker_access()
+        if access is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this cache service hands out no direct Redis access (--worker-user ''); use Publish and Fetch",
+            )
+        assert access is not None  # abort raised
+        return pb.AccessResponse(
+            redis_url=access.redis_url, username=access.username, password=access.password,
+            key_prefix=keys.block_key_prefix(self.store.config.key_prefix, request.model_fingerprint),
+            ttl_s=access.ttl_s, schema_version=keys.SCHEMA_VERSION,
+        )  # fmt: skip
 
 
 def _require_fingerprint(fingerprint: str) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -36,6 +38,16 @@ class StoreCredentialsError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerAccess:
+    """What a worker needs to read and write block keys directly."""
+
+    redis_url: str  # without credentials
+    username: str
+    password: str
+    ttl_s: int  # the lease of a block a worker writes: its key's TTL
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     """How the cache service reaches and governs Redis; its flags are derived from these fields."""
 
@@ -49,6 +61,7 @@ class StoreConfig:
     redis_tls_cert: Path | None = None  # rediss://: client certificate, for a Redis with tls-auth-clients
     redis_tls_key: Path | None = None  # its private key
     socket_timeout_s: float = 1.0
+    worker_user: str = "hybridserve-worker"  # Redis ACL user handed to workers for the direct data path; "" = none
 
 
 class CheckpointStore:
@@ -65,6 +78,7 @@ class CheckpointStore:
             socket_connect_timeout=config.socket_timeout_s, health_check_interval=5,
             redis_connect_func=self._on_connect, **tls,
         )  # fmt: skip
+        self._worker_password = secrets.token_urlsafe(24)  # the workers' Redis user, as this service sets it
 
     def _on_connect(self, connection: redis.connection.AbstractConnection) -> None:
         """Runs on every new connection, before its first command: authenticates (redis-py's own
@@ -149,6 +163,7 @@ class CheckpointStore:
                 keys.FIELD_FINGERPRINT: fingerprint,
                 keys.FIELD_PARENT: parent.hex(),
                 keys.FIELD_BLOCK_SIZE: str(block_size),
+                keys.FIELD_VERSION: str(keys.SCHEMA_VERSION),
             })  # fmt: skip
             pipe.expire(key, self.config.ttl_s)
             pipe.execute()
@@ -158,8 +173,12 @@ class CheckpointStore:
         and deleted). The caller verifies the checksum while it streams (see `discard`)."""
         key = self._key(fingerprint, block_hash)
         with _redis_errors():
-            fields = self.redis.hmget(key, [keys.FIELD_DATA, keys.FIELD_SHA256, keys.FIELD_FINGERPRINT])
-        data, digest, stored_fingerprint = (_as_bytes(f) for f in fields)
+            fields = self.redis.hmget(
+                key, [keys.FIELD_DATA, keys.FIELD_SHA256, keys.FIELD_FINGERPRINT, keys.FIELD_VERSION]
+            )
+        data, digest, stored_fingerprint, version = (_as_bytes(f) for f in fields)
+        if version != str(keys.SCHEMA_VERSION).encode():
+            return None  # another schema version: a miss
         if data is None:
             return None
         if digest is None:
@@ -229,6 +248,26 @@ class CheckpointStore:
 
     def _size_keys(self, fingerprint: str) -> tuple[str, str]:
         return keys.sizes_key(self.config.key_prefix, fingerprint), keys.total_key(self.config.key_prefix, fingerprint)
+
+    def grant_worker_access(self) -> WorkerAccess | None:
+        """Sets up (again: Redis may have restarted) the workers' Redis ACL user, limited to the
+        block keys and data commands, with this service's password added to any it has (other
+        replicas' stay valid); None when there is no such user or Redis refuses (workers then go
+        through the service)."""
+        if not self.config.worker_user:
+            return None
+        rules = keys.worker_acl_rules(self.config.key_prefix, self._worker_password)
+        try:
+            self.redis.execute_command("ACL", "SETUSER", self.config.worker_user, *rules)  # type: ignore[no-untyped-call]
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+        except redis.exceptions.ResponseError as exc:  # no ACL (Redis < 6) or no right to set users
+            log.warning("cannot set up the workers' Redis user (%s); workers fetch through the service", exc)
+            return None
+        parsed = urlsplit(self.config.redis_url)
+        netloc = f"{parsed.hostname or '127.0.0.1'}:{parsed.port or 6379}"
+        url = urlunsplit((parsed.scheme, netloc, parsed.path, "", ""))  # the address, never the service's login
+        return WorkerAccess(url, self.config.worker_user, self._worker_password, self.config.ttl_s)
 
     def used_memory_bytes(self) -> int:
         with _redis_errors():

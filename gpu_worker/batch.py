@@ -23,6 +23,9 @@ class SequenceChunk:
     page_ids: tuple[int, ...]  # KV page table covering at least [0, start_pos + len) (kv_page_size units)
     state_slot: int  # live Mamba state slot; holds the state at start_pos (ignored when start_pos == 0)
     save_checkpoint_id: int | None = None  # copy the end-of-chunk state here (chunk ends on the grid)
+    # (position, checkpoint id): keep the state after token `position` (start_pos < position <
+    # start_pos + len, a block boundary inside the chunk) in that checkpoint slot
+    boundary_checkpoints: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,11 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the multi-token chunks."""
+        return sum(len(s.token_ids) for s in self.sequences if len(s.token_ids) > 1)
 
 
 @dataclass(frozen=True, slots=True)

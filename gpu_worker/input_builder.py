@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.batch import Batch, SequenceChunk
-from gpu_worker.model.context import ForwardContext, PrefillSpan
+from gpu_worker.model.context import BoundaryState, ForwardContext, PrefillSpan
 from hybridserve.errors import InvalidArgumentError
 
 
@@ -35,6 +35,17 @@ def _validate(seq: SequenceChunk, page_size: int, num_slots: int) -> None:
         )
     if not 0 <= seq.state_slot < num_slots:
         raise InvalidArgumentError(f"batch: state slot {seq.state_slot} outside [0, {num_slots})")
+    for position, checkpoint_id in seq.boundary_checkpoints:
+        if not seq.start_pos < position < seq.start_pos + n or checkpoint_id < 0:
+            raise InvalidArgumentError(
+                f"batch: boundary checkpoint {checkpoint_id} at position {position} is not inside the chunk "
+                f"[{seq.start_pos}, {seq.start_pos + n}) of state slot {seq.state_slot}"
+            )
+
+
+def _boundary_states(span_index: int, seq: SequenceChunk, num_slots: int) -> list[BoundaryState]:
+    """The chunk's inner boundary checkpoints as pool rows (checkpoint c is row num_slots + c)."""
+    return [BoundaryState(span_index, pos - seq.start_pos, num_slots + cid) for pos, cid in seq.boundary_checkpoints]
 
 
 def _context_slots(page_ids: tuple[int, ...], num_positions: int, page_size: int) -> torch.Tensor:
@@ -91,9 +102,11 @@ def build_inputs(batch: Batch, page_size: int, num_slots: int, device: torch.dev
 
     # prefill spans: [nd, T)
     spans: list[PrefillSpan] = []
+    boundaries: list[BoundaryState] = []
     for i in prefill_ids:
         s = seqs[i]
         n = len(s.token_ids)
+        boundaries.extend(_boundary_states(len(spans), s, num_slots))
         token_start[i] = len(ids)
         kv = _context_slots(s.page_ids, s.start_pos + n, page_size)
         spans.append(PrefillSpan(len(ids), n, s.start_pos, s.state_slot, kv.to(device)))
@@ -115,6 +128,7 @@ def build_inputs(batch: Batch, page_size: int, num_slots: int, device: torch.dev
         decode_page_table=table.to(device),
         decode_kv_mask=decode_mask.to(device),
         prefills=tuple(spans),
+        boundary_states=tuple(boundaries),
     )
     return PackedInputs(
         input_ids=torch.tensor(ids, dtype=torch.int64).to(device),

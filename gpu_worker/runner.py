@@ -9,7 +9,7 @@ rest of `memory_budget_bytes` becomes KV pages."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ class RunnerConfig:
     kv_page_size_tokens: int = 16  # tokens per KV page
     max_num_seqs: int = 32  # live Mamba state slots = most requests running at once
     num_checkpoint_slots: int = 64  # Mamba state checkpoints kept on the worker (one per cached block)
+    checkpoint_memory_bytes: int = 0  # when > 0, the checkpoint slots are as many as fit in it (bytes)
     device: str = "auto"  # auto | cpu | cuda[:i]
     dtype: str = "auto"  # auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
     cuda_graph_max_batch: int = 256  # decode steps up to this many sequences replay CUDA graphs; 0 = off
@@ -53,6 +54,8 @@ class RunnerConfig:
         for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.checkpoint_memory_bytes < 0:
+            raise InvalidArgumentError(f"checkpoint_memory_bytes must be >= 0, got {self.checkpoint_memory_bytes}")
         if self.cpu_threads < 0:
             raise InvalidArgumentError(f"cpu_threads must be >= 0 (0 = auto), got {self.cpu_threads}")
         if self.num_checkpoint_slots < 0:
@@ -66,7 +69,6 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, config: RunnerConfig) -> None:
         self.loaded = loaded
-        self.runner_config = config
         self.model = loaded.model
         self.device = loaded.device
         if self.device.type == "cpu":
@@ -83,6 +85,11 @@ class ModelRunner:
         self.state_bytes_per_request = MambaStatePool.bytes_per_slot(
             c.num_mamba_layers, conv_shape, ssm_shape, loaded.dtype
         )
+        if config.checkpoint_memory_bytes > 0 and self.state_bytes_per_request > 0:  # an MB budget, LRU within it
+            config = replace(
+                config, num_checkpoint_slots=config.checkpoint_memory_bytes // self.state_bytes_per_request
+            )
+        self.runner_config = config
         num_pages = _num_kv_pages(config, self.kv_bytes_per_token, self.state_bytes_per_request)
         self.kv_pool = KVPagePool(
             num_pages, config.kv_page_size_tokens, c.num_attention_layers, c.num_key_value_heads,
@@ -133,12 +140,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> ForwardOutput:
-        """Run every sequence's chunk; update KV pages and state slots; save requested checkpoints.
+        """Run every sequence's chunk; update KV pages and state slots; save requested checkpoints
+        (at a chunk's end, and at the block boundaries inside prefill chunks).
 
         Each sequence gets exactly the logits it would get alone. Raises InvalidArgumentError for a
         malformed batch (empty chunk, page table too short, duplicate or out-of-range state slot)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self._forward_graphed(batch)
+        for seq in batch.sequences:  # boundary checkpoints are written by the mixers: check ids first
+            for _, checkpoint_id in seq.boundary_checkpoints:
+                self.state_pool.checkpoint_row(checkpoint_id)
         packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
         if packed.fresh_slots is not None:
             self.state_pool.zero_slots(packed.fresh_slots)

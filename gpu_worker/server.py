@@ -45,7 +45,7 @@ class WorkerServerSettings:
     model: Path | None = None  # checkpoint folder (Hugging Face Bamba format)
     host: str = "127.0.0.1"  # bind address
     port: int = 50052  # 0 picks a free port
-    prefix_caching: bool = True  # reuse cached prefixes (KV + Mamba state at block boundaries); ALIGN only
+    prefix_caching: bool = True  # reuse cached prefixes (KV + Mamba state at block boundaries)
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = a free port
     record_steps: Path | None = None  # JSONL file of sampled steps' scheduler input and plan
     record_sample_rate: float = 1.0  # fraction of steps recorded
@@ -67,11 +67,16 @@ FLAGS = {
     "max_model_len": Flag("prompt + max_tokens limit (0 = what the KV pool holds)"),
     "scheduler_deadline_s": Flag("seconds one PlanStep call may take"),
     "scheduler_give_up_s": Flag("fail in-flight requests when no scheduler answers for this long"),
-    "prefix_caching": Flag("reuse cached prefixes (KV + Mamba state at block boundaries); ALIGN mode only"),
+    "prefix_caching": Flag("reuse cached prefixes (KV + Mamba state at block boundaries)"),
     "memory_budget_bytes": Flag(
         "KV pages + Mamba state slots + checkpoints, MiB", name="--memory-budget-mb", scale=1 << 20
     ),
     "num_checkpoint_slots": Flag("Mamba state checkpoints kept on the worker (one per cached block)"),
+    "checkpoint_memory_bytes": Flag(
+        "memory for Mamba state checkpoints, MiB; when set, replaces --num-checkpoint-slots (LRU within it)",
+        name="--checkpoint-memory-mb",
+        scale=1 << 20,
+    ),
     "device": Flag("auto | cpu | cuda[:i]"),
     "dtype": Flag("auto | float32 | bfloat16"),
     "cpu_threads": Flag("torch intra-op threads on CPU; 0 = one per core but one (for the server threads)"),
@@ -96,7 +101,9 @@ ENGINE_FIELDS = (
     "scheduler_addresses", "cache_address", "async_scheduling", "max_queue_len", "default_max_tokens",
     "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s",
 )  # fmt: skip
-RUNNER_FIELDS = ("memory_budget_bytes", "num_checkpoint_slots", "device", "dtype", "cpu_threads")  # the rest: config
+RUNNER_FIELDS = (
+    "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
+)  # fmt: skip  # the rest follow the config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
 
@@ -128,8 +135,9 @@ def observer_settings(server_settings: WorkerServerSettings) -> ObserverSettings
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
-    server = settings_from_args_of(WorkerServerSettings, args)
-    scheduler = config_from_args(args, stop_at_last_boundary=server.prefix_caching)
+    # Chunks keep the state at every block boundary they cross (gpu_worker/model/boundary_states.py),
+    # so the planner need not stop a prompt's last chunk at its last boundary.
+    scheduler = config_from_args(args, stop_at_last_boundary=False)
     runner = settings_from_args_of(
         RunnerConfig, args, kv_page_size_tokens=scheduler.kv_page_size, max_num_seqs=scheduler.max_num_seqs
     )
@@ -139,10 +147,11 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
 def build_prefix_cache(
     runner: ModelRunner, settings: EngineSettings, enabled: bool, access: SharedTierAccess | None = None
 ) -> PrefixCacheManager | None:
-    """The local tier, plus the shared tier when --cache is given; None when caching is off or the
-    scheduler does not align chunks to the checkpoint grid (no state would exist at block ends).
-    Without `access` checkpoints are sealed with a random key of this process alone."""
-    if not enabled or not settings.scheduler.is_aligned or runner.state_pool.num_checkpoint_slots == 0:
+    """The local tier, plus the shared tier when --cache is given; None when caching is off or there
+    are no checkpoint slots. Any mamba_cache_mode works: chunks keep the state at every block
+    boundary they cross, so no chunk has to end on the grid. Without `access` checkpoints are
+    sealed with a random key of this process alone."""
+    if not enabled or runner.state_pool.num_checkpoint_slots == 0:
         return None
     shared = None
     if settings.cache_address:

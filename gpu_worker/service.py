@@ -108,6 +108,7 @@ class GenerationServicer:
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.GetInfoResponse:
         engine, runner = self.engine, self.engine.runner
         counters, settings = engine.counters, engine.settings
+        cache = engine.prefix.stats()
         return pb.GetInfoResponse(
             model=self.model_name,
             architecture=runner.config.architecture,
@@ -134,6 +135,10 @@ class GenerationServicer:
             num_stalled_steps=counters.num_stalled_steps,
             async_scheduling=settings.async_scheduling,
             num_generated_tokens=counters.num_generated_tokens,
+            prefix_cache_queries=cache.prefix_cache_queries,
+            prefix_cache_hits=cache.prefix_cache_hits,
+            prefix_cache_declined_tokens=cache.num_declined_tokens,
+            prefix_cache_miss_reasons=cache.miss_reasons or {},
         )
 
 

@@ -117,6 +117,10 @@ class MambaStatePool:
         self._conv[:, row].copy_(conv)
         self._ssm[:, row].copy_(ssm)
 
+    def checkpoint_row(self, checkpoint_id: int) -> int:
+        """The storage row of a checkpoint slot (the mixers write boundary states there)."""
+        return self._check_checkpoint(checkpoint_id)
+
     def _copy_row(self, src: int, dst: int) -> None:
         self._conv[:, dst].copy_(self._conv[:, src])
         self._ssm[:, dst].copy_(self._ssm[:, src])

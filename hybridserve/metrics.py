@@ -107,6 +107,19 @@ class WorkerMetrics:
             "hybridserve_cache_lookups", "prefix cache lookups, by tier and result", ["tier", "result"],
             registry=registry,
         )  # fmt: skip
+        self.prefix_cache_queries = Counter(
+            "hybridserve_prefix_cache_queries", "prefix cache lookups, in tokens (as vLLM's)", registry=registry
+        )
+        self.prefix_cache_hits = Counter(
+            "hybridserve_prefix_cache_hits", "of those tokens, served from the cache (as vLLM's)", registry=registry
+        )
+        self.cache_misses = Counter(
+            "hybridserve_prefix_cache_misses", "lookups that stopped short, by reason", ["reason"], registry=registry
+        )
+        self.cache_fetch_decisions = Counter(
+            "hybridserve_prefix_cache_fetch_decisions", "shared-tier blocks fetched or recomputed", ["decision"],
+            registry=registry,
+        )  # fmt: skip
         self.steps = Counter("hybridserve_steps", "engine steps", registry=registry)
         self.stalled_steps = Counter(
             "hybridserve_stalled_steps", "steps where pending prefills got nothing", registry=registry
@@ -119,6 +132,22 @@ class WorkerMetrics:
         self.state_slots_used = Gauge("hybridserve_state_slots_used", "Mamba state slots in use", registry=registry)
         self.state_slots_total = Gauge("hybridserve_state_slots_total", "Mamba state slots", registry=registry)
 
-    def record_cache_lookup(self, tier: str, hit: bool) -> None:
-        """For the prefix cache (tier "worker" or "shared")."""
+    def record_cache_lookup(
+        self,
+        tier: str,
+        hit: bool,
+        query_tokens: int = 0,
+        hit_tokens: int = 0,
+        miss_reason: str = "",
+        decision: str = "",
+    ) -> None:
+        """For the prefix cache (tier "worker" or "shared"). Token counts and miss reasons come
+        from the worker-tier lookup (a request's outcome); the fetch decision from the shared one."""
         self.cache_lookups.labels(tier, "hit" if hit else "miss").inc()
+        if tier == "worker":
+            self.prefix_cache_queries.inc(query_tokens)
+            self.prefix_cache_hits.inc(hit_tokens)
+            if miss_reason:
+                self.cache_misses.labels(miss_reason).inc()
+        if decision:
+            self.cache_fetch_decisions.labels(decision).inc()

@@ -21,7 +21,7 @@ CONFIG_FLAGS = {
     "mamba_cache_mode": Flag("align: non-final prefill chunks end on the block grid (hybrid models); none: no grid"),
     "kv_page_size": Flag("KV cache page, tokens (divides --block-size)"),
 }
-DERIVED = ("stop_at_last_boundary",)  # set by the worker from --prefix-caching
+DERIVED = ("stop_at_last_boundary",)  # set by the worker (off: chunks keep state at every block boundary)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, service: str = "WORKER") -> None:

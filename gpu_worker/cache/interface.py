@@ -8,8 +8,8 @@ Contract, in the order the engine calls it (all on the engine thread):
 2. `attach(seq)` as the request enters the waiting queue (fresh or preempted): applies the local
    hit (pages, num_computed_tokens) and pins it until `on_admit` or `on_release`.
 3. `on_admit(seq)` once the request holds a state slot: restores the hit's state into it.
-4. `checkpoint_for(seq, end)` for a chunk ending on the grid; `register` the pending checkpoints
-   after the forward ran, or `discard` them when it failed.
+4. `checkpoints_for(seq, start, end)` for every block boundary a chunk [start, end) crosses or ends
+   on; `register` the pending checkpoints after the forward ran, or `discard` them when it failed.
 5. `on_release(seq)` when the request frees its pages (finished, preempted, aborted).
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from gpu_worker.cache.remote import FetchedBlock
+    from gpu_worker.cache.remote import FetchResult
 
 
 class CachedSequence(Protocol):
@@ -44,10 +44,26 @@ class CachedSequence(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class CacheLookup:
-    """One lookup of a queued request's prefix."""
+    """One lookup of a queued request's prefix. The worker-tier lookup is the request's outcome
+    (the shared tier's blocks were imported before it)."""
 
     tier: str  # "worker" (local pools) or "shared" (cache_svc)
     hit: bool
+    request_id: str = ""
+    num_query_tokens: int = 0  # tokens of the usable full blocks looked up
+    num_hit_tokens: int = 0  # of those, served from the cache
+    miss_reason: str = ""  # MissReason value for the first block past the hit; "" when none was missed
+    decision: str = ""  # shared tier: "fetch" or "recompute" (fetch-or-recompute); "" when not asked
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Totals since start, for GetInfo (token counts named as vLLM's hit-rate metrics)."""
+
+    prefix_cache_queries: int = 0  # tokens looked up (usable full blocks of queued requests)
+    prefix_cache_hits: int = 0  # of those, served from the cache
+    num_declined_tokens: int = 0  # held by the shared tier but recomputed (fetch slower than recompute)
+    miss_reasons: dict[str, int] | None = None  # lookups that stopped short, by MissReason value
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +71,20 @@ class PendingCheckpoint:
     """A checkpoint slot the step in flight fills; registered once the forward ran."""
 
     seq: CachedSequence
-    block_index: int  # the block that ends where the chunk ends
+    block_index: int  # the block whose end boundary the state is taken at
     checkpoint_id: int
+    position: int  # that boundary, tokens: (block_index + 1) * block_size
 
 
 class PrefixCache(ABC):
     """See the module docstring for the calling order."""
 
     @abstractmethod
-    def start_fetch(self, seq: CachedSequence) -> Future[list[FetchedBlock]] | None:
+    def start_fetch(self, seq: CachedSequence) -> Future[FetchResult] | None:
         """Asks the shared tier for blocks beyond the local hit; None when there is nothing to ask."""
 
     @abstractmethod
-    def import_fetched(self, fetch: Future[list[FetchedBlock]]) -> CacheLookup | None:
+    def import_fetched(self, fetch: Future[FetchResult]) -> CacheLookup | None:
         """Writes a finished fetch's blocks into the local tier; None when the fetch failed."""
 
     @abstractmethod
@@ -83,8 +100,8 @@ class PrefixCache(ABC):
         """The sequence gives up its pages: unpin a hit it still holds."""
 
     @abstractmethod
-    def checkpoint_for(self, seq: CachedSequence, end: int) -> PendingCheckpoint | None:
-        """A checkpoint slot for the block ending at `end` (on the grid), unless it is cached."""
+    def checkpoints_for(self, seq: CachedSequence, start: int, end: int) -> list[PendingCheckpoint]:
+        """Checkpoint slots for the block boundaries in (start, end] not cached yet, in order."""
 
     @abstractmethod
     def register(self, pending: list[PendingCheckpoint]) -> None:
@@ -93,6 +110,14 @@ class PrefixCache(ABC):
     @abstractmethod
     def discard(self, pending: list[PendingCheckpoint]) -> None:
         """The forward failed: free the pending checkpoint slots."""
+
+    @abstractmethod
+    def record_forward(self, num_prefill_tokens: int, seconds: float) -> None:
+        """A forward ran: its prefill tokens and wall time feed the fetch-or-recompute rule."""
+
+    @abstractmethod
+    def stats(self) -> CacheStats:
+        """Hit-rate totals and miss reasons since start."""
 
     @abstractmethod
     def num_free_pages(self, free_pages: int, enough: int) -> int:
@@ -110,10 +135,10 @@ class PrefixCache(ABC):
 class NoPrefixCache(PrefixCache):
     """Caching off: every request computes its whole prompt."""
 
-    def start_fetch(self, seq: CachedSequence) -> Future[list[FetchedBlock]] | None:
+    def start_fetch(self, seq: CachedSequence) -> Future[FetchResult] | None:
         return None
 
-    def import_fetched(self, fetch: Future[list[FetchedBlock]]) -> CacheLookup | None:
+    def import_fetched(self, fetch: Future[FetchResult]) -> CacheLookup | None:
         return None
 
     def attach(self, seq: CachedSequence) -> CacheLookup | None:
@@ -125,14 +150,20 @@ class NoPrefixCache(PrefixCache):
     def on_release(self, seq: CachedSequence) -> None:
         pass
 
-    def checkpoint_for(self, seq: CachedSequence, end: int) -> PendingCheckpoint | None:
-        return None
+    def checkpoints_for(self, seq: CachedSequence, start: int, end: int) -> list[PendingCheckpoint]:
+        return []
 
     def register(self, pending: list[PendingCheckpoint]) -> None:
         pass
 
     def discard(self, pending: list[PendingCheckpoint]) -> None:
         pass
+
+    def record_forward(self, num_prefill_tokens: int, seconds: float) -> None:
+        pass
+
+    def stats(self) -> CacheStats:
+        return CacheStats()
 
     def num_free_pages(self, free_pages: int, enough: int) -> int:
         return free_pages

@@ -1,8 +1,8 @@
 """The worker's local prefix-cache tier.
 
-An entry is one full block: the KV pages holding its tokens and, when a chunk ended exactly there, a
-state checkpoint taken at its end boundary (a chunk spanning several blocks leaves the inner ones
-KV-only: state exists only where a step ends). The cache holds one reference on each page
+An entry is one full block: the KV pages holding its tokens and a state checkpoint taken at its end
+boundary (every boundary a chunk reaches is checkpointed; an entry is KV-only when no checkpoint
+slot was free or its checkpoint was taken for a newer block). The cache holds one reference on each page
 (KVPagePool.share) and owns the checkpoint slots. A hit of k blocks needs the entries of blocks
 0..k-1, the last of them with a checkpoint: their pages give the KV of the whole prefix, the
 checkpoint the Mamba state there. KV without the matching state is a miss.
@@ -21,13 +21,15 @@ from dataclasses import dataclass
 from gpu_worker.kv_pool import KVPagePool
 from gpu_worker.state_pool import MambaStatePool
 
+MAX_EVICTED_REMEMBERED = 1 << 16  # block hashes whose entry or state was evicted, for miss reasons
+
 
 @dataclass(slots=True)
 class CacheEntry:
     block_hash: bytes
     parent_hash: bytes
     page_ids: list[int]  # the block's KV pages, in order
-    checkpoint_id: int | None  # state at the block's end boundary, if a step ended there
+    checkpoint_id: int | None  # state at the block's end boundary; None when not kept (KV-only)
     pins: int = 0  # requests waiting to restore from it
 
 
@@ -55,6 +57,7 @@ class LocalPrefixCache:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()  # least recently used first
+        self._evicted: OrderedDict[bytes, None] = OrderedDict()  # evicted entries or states, newest last
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -81,6 +84,25 @@ class LocalPrefixCache:
             entry.pins += 1
             self._entries.move_to_end(entry.block_hash)
         return Hit(tuple(found))
+
+    def num_leading(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks have an entry (with or without state)."""
+        count = 0
+        for h in block_hashes:
+            if h not in self._entries:
+                break
+            count += 1
+        return count
+
+    def was_evicted(self, block_hash: bytes) -> bool:
+        """Whether this block's entry or its state was evicted (and not cached again since)."""
+        return block_hash in self._evicted and not self.has_checkpoint(block_hash)
+
+    def _remember_eviction(self, block_hash: bytes) -> None:
+        self._evicted[block_hash] = None
+        self._evicted.move_to_end(block_hash)
+        if len(self._evicted) > MAX_EVICTED_REMEMBERED:
+            self._evicted.popitem(last=False)
 
     def release(self, hit: Hit) -> None:
         for entry in hit.entries:
@@ -125,10 +147,12 @@ class LocalPrefixCache:
                 return None
             self.state_pool.free_checkpoint(victim.checkpoint_id)
             victim.checkpoint_id = None
+            self._remember_eviction(victim.block_hash)
         return self.state_pool.allocate_checkpoint()
 
     def _evict(self, entry: CacheEntry) -> None:
         del self._entries[entry.block_hash]
+        self._remember_eviction(entry.block_hash)
         self.kv_pool.free(entry.page_ids)
         if entry.checkpoint_id is not None:
             self.state_pool.free_checkpoint(entry.checkpoint_id)

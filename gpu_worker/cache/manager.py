@@ -1,8 +1,10 @@
 """Prefix caching as the engine sees it: find a request's cached prefix when it is queued, restore
-it when it is admitted, checkpoint blocks as chunks reach the grid, publish them to the shared tier.
+it when it is admitted, checkpoint every block boundary a chunk reaches, publish new blocks to the
+shared tier, and say why each lookup stopped short (gpu_worker/cache/misses.py).
 
-Grid: the scheduler's block_size (state exists only there); KV pages stay small. A request with a
-hit of k blocks is queued with num_computed_tokens = k * block_size, holding references to those
+Grid: the scheduler's block_size (checkpoints are taken there: at a chunk's end by copying the
+state slot, inside a chunk by the mixers, gpu_worker/model/boundary_states.py); KV pages stay
+small. A request with a hit of k blocks is queued with num_computed_tokens = k * block_size, holding references to those
 blocks' pages, and its state slot is restored from block k-1's checkpoint when it is admitted. At
 least one prompt token is always left to compute, so the step that finishes the prompt yields logits.
 """
@@ -15,9 +17,10 @@ from concurrent.futures import Future
 
 from gpu_worker.cache.blocks import chain_hashes
 from gpu_worker.cache.checkpoint_io import export_block, import_block
-from gpu_worker.cache.interface import CachedSequence, CacheLookup, PendingCheckpoint, PrefixCache
+from gpu_worker.cache.interface import CachedSequence, CacheLookup, CacheStats, PendingCheckpoint, PrefixCache
 from gpu_worker.cache.local import Hit, LocalPrefixCache
-from gpu_worker.cache.remote import FetchedBlock, SharedTier
+from gpu_worker.cache.misses import FetchOrRecompute, MissReason
+from gpu_worker.cache.remote import FetchedBlock, FetchResult, SharedTier
 from gpu_worker.runner import ModelRunner
 
 log = logging.getLogger("hybridserve.cache")
@@ -33,7 +36,14 @@ class PrefixCacheManager(PrefixCache):
         self.local = LocalPrefixCache(runner.kv_pool, runner.state_pool)
         self.shared = shared
         self._hits: dict[str, Hit] = {}  # request_id -> pinned hit awaiting admission
+        self._shared_misses: dict[str, MissReason] = {}  # request_id -> why the shared tier gave no more
         self.num_shared_hits = 0
+        bytes_per_block = block_size * runner.kv_bytes_per_token + runner.state_bytes_per_request
+        self.fetch_policy = FetchOrRecompute(bytes_per_block, block_size)
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_declined_tokens = 0
+        self.miss_reasons: dict[str, int] = {}
         self.num_rejected_blocks = 0  # fetched blocks that failed to import (a miss each)
 
     # ---- queueing ---------------------------------------------------------------------------------
@@ -49,7 +59,7 @@ class PrefixCacheManager(PrefixCache):
         """Hashes of the blocks a hit may cover: full blocks, leaving >= 1 token to compute."""
         return self.hashes(seq, seq.num_tokens - 1)
 
-    def start_fetch(self, seq: CachedSequence) -> Future[list[FetchedBlock]] | None:
+    def start_fetch(self, seq: CachedSequence) -> Future[FetchResult] | None:
         """Asks the shared tier for blocks beyond the local hit; None when there is nothing to ask."""
         if self.shared is None:
             return None
@@ -57,16 +67,24 @@ class PrefixCacheManager(PrefixCache):
         local = sum(1 for _ in _leading(wanted, self.local))
         if local >= len(wanted):
             return None
-        return self.shared.fetch_prefix(wanted, local, seq.trace_context)
+        return self.shared.fetch_prefix(seq.request_id, wanted, local, seq.trace_context, self.fetch_policy)
 
-    def import_fetched(self, fetch: Future[list[FetchedBlock]]) -> CacheLookup | None:
-        """Writes a finished fetch's blocks into the local tier. A failed fetch (the shared tier's
-        own errors are already empty results) imports nothing and reports no lookup."""
+    def import_fetched(self, fetch: Future[FetchResult]) -> CacheLookup | None:
+        """Writes a finished fetch's blocks into the local tier and keeps why it gave no more for the
+        request's lookup. A failed fetch (the shared tier's own errors are already empty results)
+        imports nothing and reports no lookup."""
         if fetch.cancelled() or fetch.exception() is not None:
             return None
-        blocks = fetch.result()
-        self._import_blocks(blocks)
-        return CacheLookup("shared", bool(blocks))
+        result = fetch.result()
+        self._import_blocks(result.blocks)
+        if result.miss_reason is not None:
+            self._shared_misses[result.request_id] = result.miss_reason
+        if result.miss_reason is MissReason.FETCH_SLOWER:
+            self.num_declined_tokens += result.num_offered_blocks * self.block_size
+        reason = result.miss_reason.value if result.miss_reason is not None else ""
+        return CacheLookup(
+            "shared", bool(result.blocks), result.request_id, miss_reason=reason, decision=result.decision
+        )
 
     def _import_blocks(self, blocks: list[FetchedBlock]) -> None:
         """Stops at the first block that does not fit."""
@@ -108,17 +126,40 @@ class PrefixCacheManager(PrefixCache):
         return True
 
     def attach(self, seq: CachedSequence) -> CacheLookup:
-        """Applies the local hit to a request being queued (fresh or preempted)."""
-        hit = self.local.acquire(self.usable_hashes(seq))
+        """Applies the local hit to a request being queued (fresh or preempted); the lookup says
+        how many tokens it asked and got, and why it stopped short."""
+        wanted = self.usable_hashes(seq)
+        hit = self.local.acquire(wanted)
+        num_blocks = hit.num_blocks if hit is not None else 0
+        shared_miss = self._shared_misses.pop(seq.request_id, None)
+        reason = self._miss_reason(wanted, num_blocks, shared_miss) if num_blocks < len(wanted) else None
+        self.num_query_tokens += len(wanted) * self.block_size
+        self.num_hit_tokens += num_blocks * self.block_size
+        if reason is not None:
+            self.miss_reasons[reason.value] = self.miss_reasons.get(reason.value, 0) + 1
+        lookup = CacheLookup(
+            "worker", hit is not None, seq.request_id, len(wanted) * self.block_size, num_blocks * self.block_size,
+            reason.value if reason is not None else "",
+        )  # fmt: skip
         if hit is None:
-            return CacheLookup("worker", False)
+            return lookup
         seq.page_ids = hit.page_ids
         self.runner.kv_pool.share(seq.page_ids)
         seq.num_computed_tokens = hit.num_blocks * self.block_size
         cached = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
         seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
         self._hits[seq.request_id] = hit
-        return CacheLookup("worker", True)
+        return lookup
+
+    def _miss_reason(self, wanted: list[bytes], num_hit_blocks: int, shared_miss: MissReason | None) -> MissReason:
+        """Why block `num_hit_blocks` of `wanted` is not part of the hit."""
+        present = self.local.num_leading(wanted)
+        if present > num_hit_blocks:  # KV cached past the hit, but no state at a boundary there
+            evicted = any(self.local.was_evicted(h) for h in wanted[num_hit_blocks:present])
+            return MissReason.EVICTED if evicted else MissReason.KV_WITHOUT_STATE
+        if shared_miss is not None:
+            return shared_miss
+        return MissReason.EVICTED if self.local.was_evicted(wanted[num_hit_blocks]) else MissReason.NO_ENTRY
 
     def on_admit(self, seq: CachedSequence) -> None:
         """Restores the hit's state into the request's fresh slot and unpins the entries."""
@@ -134,39 +175,64 @@ class PrefixCacheManager(PrefixCache):
             self.local.release(hit)
 
     # ---- checkpoints while serving ------------------------------------------------------------------
-    def checkpoint_for(self, seq: CachedSequence, end: int) -> PendingCheckpoint | None:
-        """A checkpoint slot for the block ending at `end` (on the grid) unless it is cached."""
-        block_index = end // self.block_size - 1
-        if block_index < 0 or self.local.has_checkpoint(self.hashes(seq, end)[block_index]):
-            return None
-        checkpoint_id = self.local.allocate_checkpoint()
-        if checkpoint_id is None:
-            return None
-        return PendingCheckpoint(seq, block_index, checkpoint_id)
+    def checkpoints_for(self, seq: CachedSequence, start: int, end: int) -> list[PendingCheckpoint]:
+        """Checkpoint slots for every block boundary in (start, end] whose block has no state cached
+        yet: the chunk keeps the state at each (the mixers take the inner ones from the scan), so
+        every full block becomes a hit point whatever the chunking. The deepest boundaries come
+        first when slots run short (a deeper hit saves more); the list is in position order."""
+        first, last = start // self.block_size + 1, end // self.block_size
+        if last < first:
+            return []
+        hashes = self.hashes(seq, end)
+        pending: list[PendingCheckpoint] = []
+        for boundary in range(last, first - 1, -1):
+            block_index = boundary - 1
+            if self.local.has_checkpoint(hashes[block_index]):
+                continue
+            checkpoint_id = self.local.allocate_checkpoint()
+            if checkpoint_id is None:
+                break
+            pending.append(PendingCheckpoint(seq, block_index, checkpoint_id, boundary * self.block_size))
+        return pending[::-1]
 
     def register(self, pending: list[PendingCheckpoint]) -> None:
-        """After the forward: every full block up to the checkpoint becomes a cache entry (the inner
-        ones KV-only), and new ones go to the shared tier."""
-        pages_per_block = self.block_size // self.runner.kv_page_size_tokens
+        """After the forward: every full block up to a sequence's last checkpoint becomes a cache
+        entry (KV-only where no state was kept), and new ones go to the shared tier."""
+        by_seq: dict[int, tuple[CachedSequence, dict[int, int]]] = {}
         for p in pending:
-            hashes = p.seq.block_hashes
-            for index in range(p.block_index + 1):
-                checkpoint_id = p.checkpoint_id if index == p.block_index else None
-                if checkpoint_id is None and hashes[index] in self.local:
-                    continue
-                page_ids = p.seq.page_ids[index * pages_per_block : (index + 1) * pages_per_block]
-                parent = hashes[index - 1] if index else b""
-                fresh = (
-                    not self.local.has_checkpoint(hashes[index]) if checkpoint_id else hashes[index] not in self.local
-                )
-                self.local.insert(hashes[index], parent, page_ids, checkpoint_id)
-                if fresh and self.shared is not None:
-                    self.shared.publish(hashes[index], parent, export_block(self.runner, page_ids, checkpoint_id))
+            by_seq.setdefault(id(p.seq), (p.seq, {}))[1][p.block_index] = p.checkpoint_id
+        for seq, checkpoints in by_seq.values():
+            self._register_blocks(seq, checkpoints)
+
+    def _register_blocks(self, seq: CachedSequence, checkpoints: dict[int, int]) -> None:
+        pages_per_block = self.block_size // self.runner.kv_page_size_tokens
+        hashes = seq.block_hashes
+        for index in range(max(checkpoints) + 1):
+            checkpoint_id = checkpoints.get(index)
+            if checkpoint_id is None and hashes[index] in self.local:
+                continue
+            page_ids = seq.page_ids[index * pages_per_block : (index + 1) * pages_per_block]
+            parent = hashes[index - 1] if index else b""
+            fresh = (
+                not self.local.has_checkpoint(hashes[index])
+                if checkpoint_id is not None
+                else hashes[index] not in self.local
+            )
+            self.local.insert(hashes[index], parent, page_ids, checkpoint_id)
+            if fresh and self.shared is not None:
+                self.shared.publish(hashes[index], parent, export_block(self.runner, page_ids, checkpoint_id))
 
     def discard(self, pending: list[PendingCheckpoint]) -> None:
         """The forward failed: the slots hold nothing."""
         for p in pending:
             self.runner.state_pool.free_checkpoint(p.checkpoint_id)
+
+    def record_forward(self, num_prefill_tokens: int, seconds: float) -> None:
+        """Prefill speed for the fetch-or-recompute rule."""
+        self.fetch_policy.record_prefill(num_prefill_tokens, seconds)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self.num_query_tokens, self.num_hit_tokens, self.num_declined_tokens, dict(self.miss_reasons))
 
     # ---- capacity ---------------------------------------------------------------------------------
     def num_free_pages(self, free_pages: int, enough: int) -> int:

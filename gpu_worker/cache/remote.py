@@ -1,7 +1,11 @@
 """The worker's client of the shared tier (cache_svc). Publishing happens on a background thread,
 off the step's critical path; lookups and fetches run on a small pool so the engine never waits on
-the network. Every failure (cache_svc or Redis down, a damaged checkpoint) is a miss, logged once
-per outage; the gRPC channel reconnects by itself when the service returns.
+the network. Lookups and writes go to the service (Publish enforces its bounds); checkpoint bytes
+are read directly from Redis when the service grants access (cache_svc/client.py: pipelined batches
+for a run of blocks, each verified here while the next is read), else streamed by its Fetch. Every
+failure (cache_svc or Redis down, a damaged checkpoint) is a miss with its reason (misses.py),
+logged once per outage; the gRPC channel reconnects by itself, and the direct path is asked for
+again after it failed.
 
 The tier is untrusted storage: checkpoints are sealed with the workers' key and verified here, on
 the fetch thread, before anything touches a pool (checkpoint_io). One that fails is a miss, counted
@@ -24,6 +28,7 @@ import grpc
 from opentelemetry import context as otel_context
 from prometheus_client import Counter
 
+from cache_svc.client import DataPathError, DirectBlocks, StoredBlock
 from gpu_worker.cache.checkpoint_io import (
     BlockCheckpoint,
     BlockIdentity,
@@ -33,6 +38,7 @@ from gpu_worker.cache.checkpoint_io import (
     seal,
     verify,
 )
+from gpu_worker.cache.misses import FetchOrRecompute, MissReason, reason_for_rejection
 from hybridserve import telemetry
 from hybridserve.grpc_auth import with_bearer
 from hybridserve.metrics import process_registry
@@ -42,6 +48,9 @@ from hybridserve.v1 import cache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("hybridserve.cache.client")
 T = TypeVar("T")
+PIPELINE_BYTES = 4 << 20  # a direct fetch reads blocks in pipelined batches of about this many bytes
+MAX_DIRECT_FAILURES = 3  # direct reads failing in a row before a worker reads through the service only
+_BLOCK_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)  # about one block, not the tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +61,26 @@ class FetchedBlock:
 
 
 @dataclass(frozen=True, slots=True)
+class FetchResult:
+    """What the shared tier gave for one request's prefix."""
+
+    request_id: str
+    blocks: list[FetchedBlock]  # verified, in order, the last with state (empty: none)
+    miss_reason: MissReason | None  # why it gave no more (None: it held nothing more)
+    decision: str  # "fetch" or "recompute" (fetch-or-recompute), "" when it held nothing to offer
+    num_offered_blocks: int  # blocks it held beyond the local hit
+
+
+@dataclass(frozen=True, slots=True)
 class SharedTierAccess:
     """What a worker needs to use the shared tier safely."""
 
     checkpoint_key: bytes  # the workers' MAC key (>= 16 bytes); the tier never sees it
     cluster_token: str | None = None  # sent on every BlockCache call
     tls: TlsSettings | None = None  # how to dial the cache service
+
+
+Verified = tuple[list[FetchedBlock], MissReason | None, int]  # blocks, why it stopped, bytes read
 
 
 class SharedTier:
@@ -82,12 +105,17 @@ class SharedTier:
         self._stub = pb_grpc.BlockCacheStub(channel)  # type: ignore[no-untyped-call]
         self._publish_queue: queue.Queue[tuple[bytes, bytes, BlockCheckpoint] | None] = queue.Queue(max_pending)
         self._fetch_pool = ThreadPoolExecutor(2, thread_name_prefix="cache-fetch")
+        self._verify_pool = ThreadPoolExecutor(2, thread_name_prefix="cache-verify")  # overlaps the next read
         self._publisher = threading.Thread(target=self._publish_loop, name="cache-publish", daemon=True)
         self._publisher.start()
         self._healthy = True
         self.num_published = 0
         self.rejected: collections.Counter[str] = collections.Counter()  # refused checkpoints, by reason
         self._rejected_metric = _rejected_counter()
+        self._direct: DirectBlocks | None = None  # the direct read path, once the service granted it
+        self._direct_refused = False  # the service hands out none: Fetch through it
+        self._direct_lock = threading.Lock()
+        self._direct_failures = 0  # direct reads failed in a row
 
     # ---- publish (engine thread enqueues, the publisher sends) ------------------------------------
     def publish(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
@@ -123,42 +151,176 @@ class SharedTier:
 
     # ---- lookup + fetch (off the engine thread) ----------------------------------------------------
     def fetch_prefix(
-        self, block_hashes: list[bytes], num_local_blocks: int, trace_context: object | None = None
-    ) -> Future[list[FetchedBlock]]:
-        """Fetches the blocks after the first num_local_blocks that the shared tier holds; the cache
-        calls are traced as children of `trace_context` (the request's span) when given."""
-        return self._fetch_pool.submit(self._fetch_traced, trace_context, block_hashes, num_local_blocks)
+        self,
+        request_id: str,
+        block_hashes: list[bytes],
+        num_local_blocks: int,
+        trace_context: object | None = None,
+        policy: FetchOrRecompute | None = None,
+    ) -> Future[FetchResult]:
+        """Fetches the blocks after the first num_local_blocks that the shared tier holds, unless
+        `policy` expects computing them to be faster; the cache calls are traced as children of
+        `trace_context` (the request's span) when given."""
+        return self._fetch_pool.submit(
+            self._fetch_traced, trace_context, request_id, block_hashes, num_local_blocks, policy
+        )
 
     def _fetch_traced(
-        self, trace_context: object | None, block_hashes: list[bytes], num_local_blocks: int
-    ) -> list[FetchedBlock]:
+        self,
+        trace_context: object | None,
+        request_id: str,
+        block_hashes: list[bytes],
+        num_local_blocks: int,
+        policy: FetchOrRecompute | None,
+    ) -> FetchResult:
         token = otel_context.attach(trace_context) if trace_context is not None else None  # type: ignore[arg-type]
         try:
-            return self._fetch_prefix(block_hashes, num_local_blocks)
+            return self._fetch_prefix(request_id, block_hashes, num_local_blocks, policy)
         finally:
             if token is not None:
                 otel_context.detach(token)
 
-    def _fetch_prefix(self, block_hashes: list[bytes], num_local_blocks: int) -> list[FetchedBlock]:
+    def _fetch_prefix(
+        self, request_id: str, block_hashes: list[bytes], num_local_blocks: int, policy: FetchOrRecompute | None
+    ) -> FetchResult:
         lookup = pb.LookupRequest(model_fingerprint=self.fingerprint, block_hashes=block_hashes)
-        found = self._call(lambda: self._stub.Lookup(lookup, timeout=self.deadline_s))
-        if found is None or found.num_hit_blocks <= num_local_blocks:
-            return []
-        fetched: list[FetchedBlock] = []
-        for index in range(num_local_blocks, min(found.num_hit_blocks, len(block_hashes))):
-            parent = block_hashes[index - 1] if index else b""
-            checkpoint = self._fetch_one(self._identity(block_hashes[index], parent))
-            if checkpoint is None:
-                break
-            fetched.append(FetchedBlock(block_hashes[index], parent, checkpoint))
+        found, _ = self._try(lambda: self._stub.Lookup(lookup, timeout=self.deadline_s))
+        if found is None:
+            return FetchResult(request_id, [], MissReason.SHARED_TIER_DOWN, "", 0)
+        end = min(found.num_hit_blocks, len(block_hashes))
+        offered = end - num_local_blocks
+        if offered <= 0:
+            return FetchResult(request_id, [], None, "", 0)
+        decision = policy.decide(offered) if policy is not None else None
+        if decision is not None and not decision.fetch:
+            return FetchResult(request_id, [], MissReason.FETCH_SLOWER, "recompute", offered)
+        started = time.monotonic()
+        direct = self._direct_path()
+        hint = policy.bytes_per_block if policy is not None else 0
+        got = self._read_direct(direct, block_hashes, num_local_blocks, end, hint) if direct is not None else None
+        if got is None:  # no direct path, or it failed: through the service
+            got = self._read_via_service(block_hashes, num_local_blocks, end)
+        fetched, reason, num_bytes = got
+        if policy is not None:
+            policy.record_fetch(num_bytes, time.monotonic() - started)
         while fetched and not fetched[-1].checkpoint.has_state:
             fetched.pop()  # a hit must end on the state at its boundary: KV alone is a miss
-        return fetched
+            reason = reason or MissReason.KV_WITHOUT_STATE
+        return FetchResult(request_id, fetched, reason, "fetch", offered)
+
+    # ---- the direct read path ---------------------------------------------------------------------
+    @property
+    def uses_direct_path(self) -> bool:
+        """Whether checkpoint bytes currently come directly from Redis."""
+        return self._direct is not None
+
+    def _direct_path(self) -> DirectBlocks | None:
+        """The direct read path, asked of the service once (again after a failed ask or read)."""
+        if self._direct is not None or self._direct_refused:
+            return self._direct
+        with self._direct_lock:
+            if self._direct is None and not self._direct_refused:
+                request = pb.AccessRequest(model_fingerprint=self.fingerprint)
+                access, code = self._try(lambda: self._stub.Access(request, timeout=self.deadline_s))
+                if access is not None:
+                    try:
+                        self._direct = DirectBlocks(access, socket_timeout_s=self.deadline_s * 5)
+                    except DataPathError as exc:
+                        log.warning("not using the direct data path: %s", exc)
+                        self._direct_refused = True
+                elif code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                    self._direct_refused = True
+        return self._direct
+
+    def _drop_direct(self, direct: DirectBlocks) -> None:
+        """A failed direct read: ask the service again next time (Redis may have restarted and
+        forgotten the workers' user); after MAX_DIRECT_FAILURES in a row (e.g. Redis unreachable
+        from here), read through the service only."""
+        with self._direct_lock:
+            if self._direct is direct:
+                self._direct = None
+            self._direct_failures += 1
+            if self._direct_failures >= MAX_DIRECT_FAILURES and not self._direct_refused:
+                log.warning(
+                    "the direct data path failed %d times in a row; reading through the service", MAX_DIRECT_FAILURES
+                )
+                self._direct_refused = True
+        direct.close()
+
+    def _read_direct(
+        self, direct: DirectBlocks, block_hashes: list[bytes], first: int, end: int, block_bytes_hint: int
+    ) -> Verified | None:
+        """Blocks [first, end) read in pipelined batches of about PIPELINE_BYTES (one round trip
+        each), each batch verified on another thread while the next is read; stops at the first
+        bad block. None when Redis cannot be read directly before any block came (the caller reads
+        through the service)."""
+        per_batch = max(1, PIPELINE_BYTES // block_bytes_hint) if block_bytes_hint > 0 else end - first
+        checks: list[Future[Verified]] = []
+        for start in range(first, end, per_batch):
+            if any(c.done() and c.result()[1] is not None for c in checks):
+                break  # a bad block: what follows cannot be part of the hit
+            indices = range(start, min(start + per_batch, end))
+            try:
+                rows = direct.read([block_hashes[i] for i in indices], max_block_bytes(block_bytes_hint))
+            except DataPathError as exc:
+                log.warning("direct read failed: %s", exc)
+                self._drop_direct(direct)
+                if not checks:
+                    return None
+                checks.append(_done(([], MissReason.SHARED_TIER_DOWN, 0)))
+                break
+            self._direct_failures = 0
+            checks.append(self._verify_pool.submit(self._verify_rows, block_hashes, indices, rows))
+        fetched: list[FetchedBlock] = []
+        num_bytes = 0
+        for check in checks:
+            blocks, reason, size = check.result()
+            fetched += blocks
+            num_bytes += size
+            if reason is not None:
+                return fetched, reason, num_bytes
+        return fetched, None, num_bytes
+
+    def _verify_rows(self, block_hashes: list[bytes], indices: range, rows: list[StoredBlock | None]) -> Verified:
+        """Checks the rows read for `indices`: present, this model and schema, sealed by a worker."""
+        fetched: list[FetchedBlock] = []
+        num_bytes = 0
+        for index, row in zip(indices, rows, strict=True):
+            if row is None:
+                return fetched, MissReason.EVICTED, num_bytes  # gone since the lookup
+            parent = block_hashes[index - 1] if index else b""
+            if row.oversized:
+                self._reject(block_hashes[index], Rejection("format", "larger than this model's checkpoints"))
+                return fetched, MissReason.FAILED_VERIFICATION, num_bytes
+            if not row.is_current_schema or row.fingerprint != self.fingerprint:
+                return fetched, MissReason.FOREIGN_FINGERPRINT, num_bytes
+            verdict = verify(row.data, self._identity(block_hashes[index], parent), self.layout, self._key)
+            if isinstance(verdict, Rejection):
+                self._reject(block_hashes[index], verdict)
+                return fetched, reason_for_rejection(verdict.reason), num_bytes
+            num_bytes += len(row.data)
+            fetched.append(FetchedBlock(block_hashes[index], parent, verdict))
+        return fetched, None, num_bytes
+
+    # ---- through the service ----------------------------------------------------------------------
+    def _read_via_service(self, block_hashes: list[bytes], first: int, end: int) -> Verified:
+        """Blocks [first, end) streamed by the service one by one; stops at the first bad one."""
+        fetched: list[FetchedBlock] = []
+        num_bytes = 0
+        for index in range(first, end):
+            parent = block_hashes[index - 1] if index else b""
+            checkpoint, size, reason = self._fetch_one(self._identity(block_hashes[index], parent))
+            if checkpoint is None:
+                return fetched, reason, num_bytes
+            num_bytes += size
+            fetched.append(FetchedBlock(block_hashes[index], parent, checkpoint))
+        return fetched, None, num_bytes
 
     def _identity(self, block_hash: bytes, parent_hash: bytes) -> BlockIdentity:
         return BlockIdentity(block_hash, parent_hash, self.block_size, self.fingerprint)
 
-    def _fetch_one(self, identity: BlockIdentity) -> BlockCheckpoint | None:
+    def _fetch_one(self, identity: BlockIdentity) -> tuple[BlockCheckpoint | None, int, MissReason | None]:
+        """(checkpoint, its size in bytes, None) or (None, 0, why not)."""
         request = pb.FetchRequest(model_fingerprint=self.fingerprint, block_hash=identity.block_hash)
 
         def fetch() -> tuple[bytes, bytes]:
@@ -170,9 +332,9 @@ class SharedTier:
                     chunks.append(chunk.data)
             return b"".join(chunks), checksum
 
-        got = self._call(fetch)
+        got, code = self._try(fetch)
         if got is None:
-            return None
+            return None, 0, _reason_for_status(code)
         data, checksum = got
         if hashlib.sha256(data).digest() != checksum:
             verdict: BlockCheckpoint | Rejection = Rejection("checksum", "damaged in transit")
@@ -180,8 +342,8 @@ class SharedTier:
             verdict = verify(data, identity, self.layout, self._key)
         if isinstance(verdict, Rejection):
             self._reject(identity.block_hash, verdict)
-            return None
-        return verdict
+            return None, 0, reason_for_rejection(verdict.reason)
+        return verdict, len(data), None
 
     def _reject(self, block_hash: bytes, rejection: Rejection) -> None:
         """Counts a refused checkpoint and deletes it from the tier (it would fail every worker)."""
@@ -192,14 +354,24 @@ class SharedTier:
         request = pb.DeleteRequest(model_fingerprint=self.fingerprint, block_hash=block_hash, reason=rejection.reason)
         self._call(lambda: self._stub.Delete(request, timeout=self.deadline_s))
 
-    def _call(self, fn: Callable[[], T]) -> T | None:
-        """fn() or, when the shared tier fails, None (logged once per outage)."""
+    def _try(self, fn: Callable[[], T]) -> tuple[T | None, grpc.StatusCode | None]:
+        """(fn(), None) or, when the call fails, (None, its status code)."""
+        try:
+            return self._call(fn, raise_errors=True), None
+        except grpc.RpcError as err:
+            return None, err.code()
+
+    def _call(self, fn: Callable[[], T], raise_errors: bool = False) -> T | None:
+        """fn() or, when the shared tier fails, None (logged once per outage); with raise_errors
+        the RpcError is raised after logging."""
         try:
             result = fn()
         except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND and self._healthy:
+            if err.code() not in (*_BLOCK_ERRORS, grpc.StatusCode.FAILED_PRECONDITION) and self._healthy:
                 log.warning("shared cache tier at %s unavailable (%s); serving misses", self.address, err.code().name)
                 self._healthy = False
+            if raise_errors:
+                raise
             return None
         if not self._healthy:
             log.info("shared cache tier at %s is back", self.address)
@@ -214,7 +386,31 @@ class SharedTier:
         self._publish_queue.put(None)
         self._publisher.join(5)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
+        if self._direct is not None:
+            self._direct.close()
+
+
+def max_block_bytes(block_bytes: int) -> int:
+    """The most bytes a fetch reads for one block of `block_bytes` expected (twice that, plus room
+    for the format's header); 0 (no bound) when the size is not known."""
+    return 2 * block_bytes + (64 << 10) if block_bytes > 0 else 0
+
+
+def _done(value: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
+
+
+def _reason_for_status(code: grpc.StatusCode | None) -> MissReason:
+    """A failed Fetch of one block: gone since the lookup, damaged, or the tier is down."""
+    if code == grpc.StatusCode.NOT_FOUND:
+        return MissReason.EVICTED
+    if code == grpc.StatusCode.DATA_LOSS:
+        return MissReason.FAILED_VERIFICATION
+    return MissReason.SHARED_TIER_DOWN
 
 
 def _rejected_counter() -> Counter | None:

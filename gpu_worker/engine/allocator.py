@@ -42,9 +42,9 @@ class Allocator:
         request.page_ids.extend(self.kv_pool.allocate(need))
         return True
 
-    def checkpoint_for(self, request: Request, end: int) -> PendingCheckpoint | None:
-        """A checkpoint slot for the state at `end` (a chunk end on the block grid)."""
-        return self.prefix.checkpoint_for(request, end)
+    def checkpoints_for(self, request: Request, start: int, end: int) -> list[PendingCheckpoint]:
+        """Checkpoint slots for the states at the block boundaries the chunk [start, end) reaches."""
+        return self.prefix.checkpoints_for(request, start, end)
 
     def release(self, request: Request) -> None:
         """Frees everything the request holds."""

@@ -186,11 +186,15 @@ class Engine:
             return None
         prepared = self._prepare(planned.plan)  # 2. prepare (allocate)
         following = self._plan_ahead(prepared)  # (async) step N+1's plan while step N runs
+        forward_started = time.monotonic()
         output = self._forward(prepared)  # 3. forward
         if isinstance(output, HybridServeError):  # the forward failed, and so do the running requests
             endings, yielded = self._fail_running(output), False
         else:
-            endings, yielded = self._apply(prepared, self._sample(prepared, output)), True  # 4. sample, 5. apply
+            sampled = self._sample(prepared, output)  # 4. sample
+            if sampled is not None and prepared.batch is not None:  # sampling waited for the device
+                self.prefix.record_forward(prepared.batch.num_prefill_tokens, time.monotonic() - forward_started)
+            endings, yielded = self._apply(prepared, sampled), True  # 5. apply
         self._emit(step_index, planned, prepared, yielded, waited_s, started)  # 6. emit the step record
         self._end(endings)  # the ended requests' last events, after the record
         return following
@@ -251,8 +255,8 @@ class Engine:
                 self._preempt(request.request_id)
                 requeue.append(request)
                 continue
-            checkpoint = self.allocator.checkpoint_for(request, end) if planned.ends_on_checkpoint else None
-            rows.append(make_row(request, planned, checkpoint))
+            checkpoints = self.allocator.checkpoints_for(request, request.num_computed_tokens, end)
+            rows.append(make_row(request, planned, checkpoints))
             request.num_computed_tokens = end
         for request in requeue:
             self._enqueue(request)

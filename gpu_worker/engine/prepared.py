@@ -18,7 +18,7 @@ class Row:
     slice: Slice  # as planned
     chunk: SequenceChunk
     yields: bool  # the chunk reaches the end of the known tokens: the step samples the next token
-    checkpoint: PendingCheckpoint | None  # the state at the chunk's end goes to this slot
+    checkpoints: tuple[PendingCheckpoint, ...]  # states at the block boundaries the chunk reaches
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,18 +45,21 @@ class PreparedStep:
 
     @property
     def checkpoints(self) -> list[PendingCheckpoint]:
-        return [r.checkpoint for r in self.rows if r.checkpoint is not None]
+        return [c for r in self.rows for c in r.checkpoints]
 
 
-def make_row(request: Request, planned: Slice, checkpoint: PendingCheckpoint | None) -> Row:
-    """The row of `planned` for a request whose pages already cover the chunk."""
+def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoint]) -> Row:
+    """The row of `planned` for a request whose pages already cover the chunk. A checkpoint at the
+    chunk's end is copied from the state slot after the forward; those inside it, by the mixers."""
     start = request.num_computed_tokens
     end = start + planned.num_tokens
+    at_end = next((c.checkpoint_id for c in checkpoints if c.position == end), None)
     chunk = SequenceChunk(
         token_ids=request.tokens(start, end),
         start_pos=start,
         page_ids=tuple(request.page_ids),
         state_slot=request.state_slot if request.state_slot is not None else -1,
-        save_checkpoint_id=checkpoint.checkpoint_id if checkpoint is not None else None,
+        save_checkpoint_id=at_end,
+        boundary_checkpoints=tuple((c.position, c.checkpoint_id) for c in checkpoints if c.position != end),
     )
-    return Row(request, planned, chunk, end == request.num_tokens, checkpoint)
+    return Row(request, planned, chunk, end == request.num_tokens, tuple(checkpoints))

@@ -16,14 +16,14 @@ from gpu_worker.engine.request import Request
 from scheduler_svc.core import RequestState
 
 if TYPE_CHECKING:
-    from gpu_worker.cache.remote import FetchedBlock
+    from gpu_worker.cache.remote import FetchResult
 
 
 class RequestTable:
     def __init__(self) -> None:
         self.running: dict[str, Request] = {}
         self.waiting: dict[str, Request] = {}
-        self.fetching: dict[str, tuple[Request, Future[list[FetchedBlock]]]] = {}
+        self.fetching: dict[str, tuple[Request, Future[FetchResult]]] = {}
 
     @property
     def num_running(self) -> int:
@@ -44,10 +44,10 @@ class RequestTable:
         """Whether some queue holds the request."""
         return request_id in self.running or request_id in self.waiting or request_id in self.fetching
 
-    def add_fetching(self, request: Request, fetch: Future[list[FetchedBlock]]) -> None:
+    def add_fetching(self, request: Request, fetch: Future[FetchResult]) -> None:
         self.fetching[request.request_id] = (request, fetch)
 
-    def pop_fetched(self) -> list[tuple[Request, Future[list[FetchedBlock]]]]:
+    def pop_fetched(self) -> list[tuple[Request, Future[FetchResult]]]:
         """Removes and returns the requests whose fetch finished, in queue order."""
         done = [rid for rid, (_, fetch) in self.fetching.items() if fetch.done()]
         return [self.fetching.pop(rid) for rid in done]

@@ -28,6 +28,16 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True, slots=True)
+class BoundaryState:
+    """Keep the Mamba state inside a prefill chunk: after its first `offset` tokens (a block
+    boundary the chunk crosses), copy every layer's conv window and SSM state to pool row `row`."""
+
+    span_index: int  # index into ForwardContext.prefills
+    offset: int  # tokens of the chunk before the boundary, 0 < offset < span.num_tokens
+    row: int  # state pool storage row (a checkpoint slot) that receives the state
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardContext:
     """Tensor metadata for one forward over a packed batch; valid for that forward only."""
 
@@ -40,6 +50,11 @@ class ForwardContext:
     decode_page_table: torch.Tensor  # [num_decode, max_pages] int64: page ids (padded with page 0)
     decode_kv_mask: torch.Tensor  # [num_decode, 1, 1, max_pages * page size] bool: True at real positions
     prefills: tuple[PrefillSpan, ...]  # multi-token chunks, in packed order after the decode group
+    boundary_states: tuple[BoundaryState, ...] = ()  # states to keep inside prefill chunks, by span
     # index maps derived from the fields above by the first layer that needs them, shared by the rest
     # (e.g. gpu_worker.model.packed_prefill's); never part of the context's identity
     derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+
+    def boundaries_of(self, span_index: int) -> tuple[BoundaryState, ...]:
+        """The boundary states wanted inside prefill span `span_index`."""
+        return tuple(b for b in self.boundary_states if b.span_index == span_index)

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.model.boundary_states import save_boundary_states
 from gpu_worker.model.config import BambaConfig
-from gpu_worker.model.context import ForwardContext, PrefillSpan
+from gpu_worker.model.context import BoundaryState, ForwardContext, PrefillSpan
 from gpu_worker.model.layers import GatedRMSNorm
 from gpu_worker.model.packed_prefill import packed_causal_conv, packed_index_for, packed_ssd_scan
 from gpu_worker.model.ssd import ssd_scan, ssm_step_
@@ -62,12 +63,14 @@ class Mamba2Mixer(nn.Module):
             nd = ctx.num_decode
             if nd:
                 ys.append(self._decode(xbc[:nd], dt[:nd], A, ctx, conv_state, ssm_state))
-            if ctx.prefills and self.packed_prefill:
+            # A step that keeps states inside its chunks runs them one scan each (boundary_states reads
+            # each scan's per-chunk states); the packed scan does not expose them per sequence yet.
+            if ctx.prefills and self.packed_prefill and not ctx.boundary_states:
                 ys.append(self._prefill_packed(xbc, dt, A, ctx, conv_state, ssm_state))
             else:
-                for span in ctx.prefills:
+                for i, span in enumerate(ctx.prefills):
                     sl = slice(span.token_start, span.token_start + span.num_tokens)
-                    ys.append(self._prefill(xbc[sl], dt[sl], A, span, conv_state, ssm_state))
+                    ys.append(self._prefill(xbc[sl], dt[sl], A, span, conv_state, ssm_state, ctx.boundaries_of(i)))
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)  # [T, d_inner] float32
         out: torch.Tensor = self.out_proj(self.norm(y, z).to(hidden.dtype))
         return out
@@ -124,16 +127,22 @@ class Mamba2Mixer(nn.Module):
         span: PrefillSpan,
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
+        boundaries: tuple[BoundaryState, ...] = (),
     ) -> torch.Tensor:
-        """One multi-token chunk continuing from its state row. xbc [L, conv_dim] -> y [L, d_inner]."""
+        """One multi-token chunk continuing from its state row. xbc [L, conv_dim] -> y [L, d_inner].
+        The states at `boundaries` inside the chunk go to their checkpoint rows."""
         row = span.state_slot
         keep = conv_state.shape[-1]  # K - 1
         window = torch.cat([conv_state[row], xbc.t()], dim=-1)  # [conv_dim, K-1+L]
         conv_state[row] = window[:, window.shape[-1] - keep :]
         conv = F.conv1d(window[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)[0]
         x, B, C = self._split_xbc(F.silu(conv.t()))  # conv: [conv_dim, L]
-        y, final_state = ssd_scan(x, dt, A, B, C, self.D, ssm_state[row], self.chunk_size)
+        chunk_states: list[torch.Tensor] | None = [] if boundaries else None
+        y, final_state = ssd_scan(x, dt, A, B, C, self.D, ssm_state[row], self.chunk_size, chunk_states)
         ssm_state[row] = final_state
+        if chunk_states:
+            inputs = (x, dt, A, B, C, self.D)
+            save_boundary_states(boundaries, window, inputs, chunk_states[0], self.chunk_size, conv_state, ssm_state)
         return y.reshape(y.shape[0], self.d_inner)
 
     def _prefill_packed(

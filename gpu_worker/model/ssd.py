@@ -33,11 +33,14 @@ def ssd_scan(
     D: torch.Tensor,
     initial_state: torch.Tensor,
     chunk_size: int,
+    chunk_states_out: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD scan of one sequence's chunk continuing from `initial_state`.
 
     x [L, H, P], dt [L, H] (already softplus'd and clamped), A [H], B/C [L, G, N], D [H],
     initial_state [H, P, N] (float32). Returns y [L, H, P] and the final state [H, P, N], both float32.
+    With `chunk_states_out`, also appends the states after every scan chunk, [c+1, H, P, N] (row k =
+    the state after k * chunk_size tokens; row 0 the initial state): `boundary_states` reads them.
     """
     seq_len, num_heads, _ = x.shape
     heads_per_group = num_heads // B.shape[1]
@@ -66,6 +69,8 @@ def ssd_scan(
     states = torch.cat([initial_state.float()[None], chunk_states], dim=0)  # [c+1, h, p, n]
     carry = torch.exp(_segment_sum(F.pad(a_cum[:, :, -1], (1, 0))))  # [h, c+1 (to), c+1 (from)]
     states = torch.einsum("hzw,whpn->zhpn", carry, states)
+    if chunk_states_out is not None:
+        chunk_states_out.append(states)
     start_states, final_state = states[:-1], states[-1]
 
     # 4. contribution of each chunk's start state

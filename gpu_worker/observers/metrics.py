@@ -24,7 +24,9 @@ class MetricsObserver(EngineObserver):
         self._seen.pop(event.request_id, None)
 
     def cache_lookup(self, event: CacheLookup) -> None:
-        self.metrics.record_cache_lookup(event.tier, event.hit)
+        self.metrics.record_cache_lookup(
+            event.tier, event.hit, event.num_query_tokens, event.num_hit_tokens, event.miss_reason, event.decision
+        )
 
     def occupancy_changed(self, occupancy: Occupancy) -> None:
         m, o = self.metrics, occupancy

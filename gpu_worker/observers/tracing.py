@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from gpu_worker.engine.observer import EngineObserver
-from gpu_worker.engine.records import FirstToken, RequestFinished, RequestQueued, StepRecord
+from gpu_worker.engine.records import CacheLookup, FirstToken, RequestFinished, RequestQueued, StepRecord
 from gpu_worker.observers.recording import RecordingObserver
 from hybridserve import telemetry
 
@@ -61,6 +61,21 @@ class TracingObserver(EngineObserver):
             "hybridserve.request", kind=SpanKind.INTERNAL, attributes=request_attributes(event, self._model_name)
         )
         return trace.set_span_in_context(span)  # parents the request's cache calls
+
+    def cache_lookup(self, event: CacheLookup) -> None:
+        """The request's span says what the prefix cache gave it, why it stopped short, and
+        whether the shared tier's blocks were fetched or recomputed."""
+        span = self._request_spans.get(event.request_id)
+        if span is None:
+            return
+        if event.decision:
+            span.set_attribute("hybridserve.cache.shared.decision", event.decision)
+        if event.tier == "worker":
+            span.set_attributes({
+                "hybridserve.cache.query_tokens": event.num_query_tokens,
+                "hybridserve.cache.hit_tokens": event.num_hit_tokens,
+                "hybridserve.cache.miss_reason": event.miss_reason or "none",
+            })  # fmt: skip
 
     def request_first_token(self, event: FirstToken) -> None:
         span = self._request_spans.get(event.request_id)

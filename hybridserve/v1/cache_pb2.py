@@ -24,31 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahybridserve/v1/cache.proto\x12\x0ehybridserve.v1\"@\n\rLookupRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"(\n\x0eLookupResponse\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\x03\"\x8e\x01\n\x0ePublishRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x12\n\nblock_size\x18\x04 \x01(\x03\x12\x12\n\ncheckpoint\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x0c\"!\n\x0fPublishResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\"=\n\x0c\x46\x65tchRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"4\n\x0b\x46\x65tchHeader\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x0c\"S\n\nFetchChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.hybridserve.v1.FetchHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"N\n\rDeleteRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xaf\x02\n\nBlockCache\x12G\n\x06Lookup\x12\x1d.hybridserve.v1.LookupRequest\x1a\x1e.hybridserve.v1.LookupResponse\x12J\n\x07Publish\x12\x1e.hybridserve.v1.PublishRequest\x1a\x1f.hybridserve.v1.PublishResponse\x12\x43\n\x05\x46\x65tch\x12\x1c.hybridserve.v1.FetchRequest\x1a\x1a.hybridserve.v1.FetchChunk0\x01\x12G\n\x06\x44\x65lete\x12\x1d.hybridserve.v1.DeleteRequest\x1a\x1e.hybridserve.v1.DeleteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahybridserve/v1/cache.proto\x12\x0ehybridserve.v1\"*\n\rAccessRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\"\x82\x01\n\x0e\x41\x63\x63\x65ssResponse\x12\x11\n\tredis_url\x18\x01 \x01(\t\x12\x10\n\x08username\x18\x02 \x01(\t\x12\x10\n\x08password\x18\x03 \x01(\t\x12\x12\n\nkey_prefix\x18\x04 \x01(\t\x12\r\n\x05ttl_s\x18\x05 \x01(\x03\x12\x16\n\x0eschema_version\x18\x06 \x01(\x03\"@\n\rLookupRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"(\n\x0eLookupResponse\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\x03\"\x8e\x01\n\x0ePublishRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x12\n\nblock_size\x18\x04 \x01(\x03\x12\x12\n\ncheckpoint\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x0c\"!\n\x0fPublishResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\"=\n\x0c\x46\x65tchRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"4\n\x0b\x46\x65tchHeader\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x0c\"S\n\nFetchChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.hybridserve.v1.FetchHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"N\n\rDeleteRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xf8\x02\n\nBlockCache\x12G\n\x06Lookup\x12\x1d.hybridserve.v1.LookupRequest\x1a\x1e.hybridserve.v1.LookupResponse\x12J\n\x07Publish\x12\x1e.hybridserve.v1.PublishRequest\x1a\x1f.hybridserve.v1.PublishResponse\x12\x43\n\x05\x46\x65tch\x12\x1c.hybridserve.v1.FetchRequest\x1a\x1a.hybridserve.v1.FetchChunk0\x01\x12G\n\x06\x44\x65lete\x12\x1d.hybridserve.v1.DeleteRequest\x1a\x1e.hybridserve.v1.DeleteResponse\x12G\n\x06\x41\x63\x63\x65ss\x12\x1d.hybridserve.v1.AccessRequest\x1a\x1e.hybridserve.v1.AccessResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hybridserve.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOOKUPREQUEST']._serialized_start=46
-  _globals['_LOOKUPREQUEST']._serialized_end=110
-  _globals['_LOOKUPRESPONSE']._serialized_start=112
-  _globals['_LOOKUPRESPONSE']._serialized_end=152
-  _globals['_PUBLISHREQUEST']._serialized_start=155
-  _globals['_PUBLISHREQUEST']._serialized_end=297
-  _globals['_PUBLISHRESPONSE']._serialized_start=299
-  _globals['_PUBLISHRESPONSE']._serialized_end=332
-  _globals['_FETCHREQUEST']._serialized_start=334
-  _globals['_FETCHREQUEST']._serialized_end=395
-  _globals['_FETCHHEADER']._serialized_start=397
-  _globals['_FETCHHEADER']._serialized_end=449
-  _globals['_FETCHCHUNK']._serialized_start=451
-  _globals['_FETCHCHUNK']._serialized_end=534
-  _globals['_DELETEREQUEST']._serialized_start=536
-  _globals['_DELETEREQUEST']._serialized_end=614
-  _globals['_DELETERESPONSE']._serialized_start=616
-  _globals['_DELETERESPONSE']._serialized_end=649
-  _globals['_BLOCKCACHE']._serialized_start=652
-  _globals['_BLOCKCACHE']._serialized_end=955
+  _globals['_ACCESSREQUEST']._serialized_start=46
+  _globals['_ACCESSREQUEST']._serialized_end=88
+  _globals['_ACCESSRESPONSE']._serialized_start=91
+  _globals['_ACCESSRESPONSE']._serialized_end=221
+  _globals['_LOOKUPREQUEST']._serialized_start=223
+  _globals['_LOOKUPREQUEST']._serialized_end=287
+  _globals['_LOOKUPRESPONSE']._serialized_start=289
+  _globals['_LOOKUPRESPONSE']._serialized_end=329
+  _globals['_PUBLISHREQUEST']._serialized_start=332
+  _globals['_PUBLISHREQUEST']._serialized_end=474
+  _globals['_PUBLISHRESPONSE']._serialized_start=476
+  _globals['_PUBLISHRESPONSE']._serialized_end=509
+  _globals['_FETCHREQUEST']._serialized_start=511
+  _globals['_FETCHREQUEST']._serialized_end=572
+  _globals['_FETCHHEADER']._serialized_start=574
+  _globals['_FETCHHEADER']._serialized_end=626
+  _globals['_FETCHCHUNK']._serialized_start=628
+  _globals['_FETCHCHUNK']._serialized_end=711
+  _globals['_DELETEREQUEST']._serialized_start=713
+  _globals['_DELETEREQUEST']._serialized_end=791
+  _globals['_DELETERESPONSE']._serialized_start=793
+  _globals['_DELETERESPONSE']._serialized_end=826
+  _globals['_BLOCKCACHE']._serialized_start=829
+  _globals['_BLOCKCACHE']._serialized_end=1205
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AccessRequest(_message.Message):
+    __slots__ = ("model_fingerprint",)
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    def __init__(self, model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class AccessResponse(_message.Message):
+    __slots__ = ("redis_url", "username", "password", "key_prefix", "ttl_s", "schema_version")
+    REDIS_URL_FIELD_NUMBER: _ClassVar[int]
+    USERNAME_FIELD_NUMBER: _ClassVar[int]
+    PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    redis_url: str
+    username: str
+    password: str
+    key_prefix: str
+    ttl_s: int
+    schema_version: int
+    def __init__(self, redis_url: _Optional[str] = ..., username: _Optional[str] = ..., password: _Optional[str] = ..., key_prefix: _Optional[str] = ..., ttl_s: _Optional[int] = ..., schema_version: _Optional[int] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
     __slots__ = ("model_fingerprint", "block_hashes")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class BlockCacheStub:
                 request_serializer=hybridserve_dot_v1_dot_cache__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=hybridserve_dot_v1_dot_cache__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.Access = channel.unary_unary(
+                '/hybridserve.v1.BlockCache/Access',
+                request_serializer=hybridserve_dot_v1_dot_cache__pb2.AccessRequest.SerializeToString,
+                response_deserializer=hybridserve_dot_v1_dot_cache__pb2.AccessResponse.FromString,
+                _registered_method=True)
 
 
 class BlockCacheServicer:
@@ -91,6 +96,15 @@ class BlockCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Access(self, request, context):
+        """The direct data path: where workers read block keys in Redis themselves, as a Redis ACL user
+        limited to the block keys and read commands (writes stay on Publish, which enforces the bounds).
+        FAILED_PRECONDITION when the service hands out no such access (workers then use Fetch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +127,11 @@ def add_BlockCacheServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=hybridserve_dot_v1_dot_cache__pb2.DeleteRequest.FromString,
                     response_serializer=hybridserve_dot_v1_dot_cache__pb2.DeleteResponse.SerializeToString,
+            ),
+            'Access': grpc.unary_unary_rpc_method_handler(
+                    servicer.Access,
+                    request_deserializer=hybridserve_dot_v1_dot_cache__pb2.AccessRequest.FromString,
+                    response_serializer=hybridserve_dot_v1_dot_cache__pb2.AccessResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +242,33 @@ class BlockCache:
             '/hybridserve.v1.BlockCache/Delete',
             hybridserve_dot_v1_dot_cache__pb2.DeleteRequest.SerializeToString,
             hybridserve_dot_v1_dot_cache__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Access(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridserve.v1.BlockCache/Access',
+            hybridserve_dot_v1_dot_cache__pb2.AccessRequest.SerializeToString,
+            hybridserve_dot_v1_dot_cache__pb2.AccessResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -113,7 +113,14 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "device", "dtype", "max_model_len", "vocab_size", "kv_page_size", "block_size", "num_kv_pages_total", "num_kv_pages_free", "num_state_slots_total", "num_state_slots_free", "kv_bytes_per_token", "state_bytes_per_request", "num_running", "num_waiting", "max_queue_len", "num_steps", "step_wall_seconds", "scheduler_wait_seconds", "num_preemptions", "num_stalled_steps", "async_scheduling", "num_generated_tokens", "architecture")
+    __slots__ = ("model", "model_fingerprint", "device", "dtype", "max_model_len", "vocab_size", "kv_page_size", "block_size", "num_kv_pages_total", "num_kv_pages_free", "num_state_slots_total", "num_state_slots_free", "kv_bytes_per_token", "state_bytes_per_request", "num_running", "num_waiting", "max_queue_len", "num_steps", "step_wall_seconds", "scheduler_wait_seconds", "num_preemptions", "num_stalled_steps", "async_scheduling", "num_generated_tokens", "architecture", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_declined_tokens", "prefix_cache_miss_reasons")
+    class PrefixCacheMissReasonsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +146,10 @@ class GetInfoResponse(_message.Message):
     ASYNC_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_DECLINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_MISS_REASONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     device: str
@@ -164,4 +175,8 @@ class GetInfoResponse(_message.Message):
     async_scheduling: bool
     num_generated_tokens: int
     architecture: str
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_pages_total: _Optional[int] = ..., num_kv_pages_free: _Optional[int] = ..., num_state_slots_total: _Optional[int] = ..., num_state_slots_free: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., state_bytes_per_request: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_wall_seconds: _Optional[float] = ..., scheduler_wait_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_stalled_steps: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., num_generated_tokens: _Optional[int] = ..., architecture: _Optional[str] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_declined_tokens: int
+    prefix_cache_miss_reasons: _containers.ScalarMap[str, int]
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_pages_total: _Optional[int] = ..., num_kv_pages_free: _Optional[int] = ..., num_state_slots_total: _Optional[int] = ..., num_state_slots_free: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., state_bytes_per_request: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_wall_seconds: _Optional[float] = ..., scheduler_wait_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_stalled_steps: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., num_generated_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_declined_tokens: _Optional[int] = ..., prefix_cache_miss_reasons: _Optional[_Mapping[str, int]] = ...) -> None: ...

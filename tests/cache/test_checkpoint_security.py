@@ -152,7 +152,7 @@ def test_a_wrong_shape_checkpoint_written_into_redis_is_a_miss(start_worker, col
             mapping={keys.FIELD_DATA: data, keys.FIELD_SHA256: hashlib.sha256(data).hexdigest()},
         )
     shared = first.engine.prefix.shared
-    assert shared.fetch_prefix(hashes, 0).result(timeout=30) == []
+    assert shared.fetch_prefix("forged", hashes, 0).result(timeout=30).blocks == []
     assert shared.rejected["layout" if signed else "mac"] == 1
     assert not client.exists(keys.block_key("hybridserve", fingerprint, hashes[0])), "the forged block was deleted"
     second = start_worker(prefix_caching=True, cache_address=cache_service.address)

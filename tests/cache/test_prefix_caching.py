@@ -83,7 +83,7 @@ def damage(redis_client, how: str) -> int:
     from safetensors.torch import load
 
     count = 0
-    for key in redis_client.scan_iter("hybridserve:blk:*"):
+    for key in redis_client.scan_iter("hybridserve:v2:blk:*"):
         data = redis_client.hget(key, keys.FIELD_DATA)
         if how == "flip":
             damaged = bytearray(data)

@@ -137,11 +137,11 @@ class ForgingSharedTier:
         self.runner = runner
         self.num_fetches = 0
 
-    def fetch_prefix(self, block_hashes, num_local_blocks, trace_context=None):
+    def fetch_prefix(self, request_id, block_hashes, num_local_blocks, trace_context=None, policy=None):
         import torch
 
         from gpu_worker.cache.checkpoint_io import BlockCheckpoint
-        from gpu_worker.cache.remote import FetchedBlock
+        from gpu_worker.cache.remote import FetchedBlock, FetchResult
 
         self.num_fetches += 1
         caches = self.runner.kv_pool.layer_caches()
@@ -151,7 +151,8 @@ class ForgingSharedTier:
         self.runner.state_pool.free_checkpoint(slot)
         forged = BlockCheckpoint(kv=kv, conv=conv[..., :-1], ssm=ssm[..., :-1])
         done: Future = Future()
-        done.set_result([FetchedBlock(h, b"", forged) for h in block_hashes[num_local_blocks:]])
+        blocks = [FetchedBlock(h, b"", forged) for h in block_hashes[num_local_blocks:]]
+        done.set_result(FetchResult(request_id, blocks, None, "fetch", len(blocks)))
         return done
 
     def publish(self, *args) -> None:

@@ -8,7 +8,8 @@ Differences from the torch reference, all invisible in the results (up to float 
   and writes nothing. The decode mask and `decode_slot_start` of the context are not used.
 - Prefill attention is one launch over every packed chunk, through a flat slot map of each chunk's
   context; the prefill conv is one launch over every chunk. The chunked SSD scan stays the torch
-  matmul form (`ssd.ssd_scan`, float32), one call per chunk.
+  matmul form (`ssd.ssd_scan`, float32), one call per chunk; states at block boundaries inside a
+  chunk come from its per-chunk states (`boundary_states`), as in the reference path.
 Per-forward metadata of the prefill chunks is built once per context and shared by every layer."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gpu_worker.model.boundary_states import save_boundary_states
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.model.kernels import attention as attn_k
 from gpu_worker.model.kernels import mamba as mamba_k
@@ -103,13 +105,24 @@ class TritonOps:
             mamba_k.ssm_update(ssm_state, x, dt[:nd], A, B, C, mixer.D, None, slots, out=y[:nd])
         if ctx.prefills:
             meta = self._prefill_meta(ctx, xbc.device)
+            conv_before = {
+                i: conv_state[s.state_slot].clone() for i, s in enumerate(ctx.prefills) if ctx.boundaries_of(i)
+            }
             x, B, C = mixer._split_xbc(mamba_k.conv_varlen(xbc[nd:], conv_state, weight, bias, meta.conv_spans))
-            for span in ctx.prefills:
+            for i, span in enumerate(ctx.prefills):
                 rows = slice(span.token_start - nd, span.token_start - nd + span.num_tokens)
                 packed = slice(span.token_start, span.token_start + span.num_tokens)
+                chunk_states: list[torch.Tensor] | None = [] if i in conv_before else None
                 y_span, final = ssd_scan(
-                    x[rows], dt[packed], A, B[rows], C[rows], mixer.D, ssm_state[span.state_slot], mixer.chunk_size
-                )
+                    x[rows], dt[packed], A, B[rows], C[rows], mixer.D, ssm_state[span.state_slot], mixer.chunk_size,
+                    chunk_states,
+                )  # fmt: skip
                 ssm_state[span.state_slot] = final
                 y[packed] = y_span
+                if chunk_states:
+                    window = torch.cat([conv_before[i], xbc[packed].t()], dim=-1)  # [conv_dim, K-1+L]
+                    inputs = (x[rows], dt[packed], A, B[rows], C[rows], mixer.D)
+                    save_boundary_states(
+                        ctx.boundaries_of(i), window, inputs, chunk_states[0], mixer.chunk_size, conv_state, ssm_state
+                    )
         return y.view(num_tokens, mixer.d_inner)
