@@ -63,9 +63,7 @@ class Mamba2Mixer(nn.Module):
             nd = ctx.num_decode
             if nd:
                 ys.append(self._decode(xbc[:nd], dt[:nd], A, ctx, conv_state, ssm_state))
-            # A step that keeps states inside its chunks runs them one scan each (boundary_states reads
-            # each scan's per-chunk states); the packed scan does not expose them per sequence yet.
-            if ctx.prefills and self.packed_prefill and not ctx.boundary_states:
+            if ctx.prefills and self.packed_prefill:
                 ys.append(self._prefill_packed(xbc, dt, A, ctx, conv_state, ssm_state))
             else:
                 for i, span in enumerate(ctx.prefills):
@@ -159,9 +157,20 @@ class Mamba2Mixer(nn.Module):
         index = packed_index_for(ctx, self.chunk_size, conv_state.shape[-1], xbc.device)
         first = ctx.prefills[0].token_start  # the spans are contiguous after the decode group
         rows = slice(first, first + index.num_prefill_tokens)
+        wanted = [(i, ctx.boundaries_of(i)) for i in range(index.num_seqs)] if ctx.boundary_states else []
+        wanted = [(i, points) for i, points in wanted if points]
+        conv_before = {i: conv_state[ctx.prefills[i].state_slot].clone() for i, _ in wanted}  # the conv updates it
         conv = packed_causal_conv(xbc[rows], self.conv1d.weight, self.conv1d.bias, conv_state, index)
         x, B, C = self._split_xbc(F.silu(conv))
         initial = ssm_state.index_select(0, index.state_slots)
         scan = packed_ssd_scan(x, dt[rows], A, B, C, self.D, initial, index)
         ssm_state.index_copy_(0, index.state_slots, scan.final_states.to(ssm_state.dtype))
+        for i, points in wanted:  # states at block boundaries inside span i, from the scan's chunk states
+            t0 = ctx.prefills[i].token_start - first
+            span_rows = slice(t0, t0 + ctx.prefills[i].num_tokens)
+            window = torch.cat([conv_before[i], xbc[rows][span_rows].t()], dim=-1)
+            start, count = index.chunk_start[i], index.chunk_count[i]
+            states = torch.cat([scan.chunk_start_states[start : start + count], scan.final_states[i : i + 1]])
+            inputs = (x[span_rows], dt[rows][span_rows], A, B[span_rows], C[span_rows], self.D)
+            save_boundary_states(points, window, inputs, states, self.chunk_size, conv_state, ssm_state)
         return scan.y.reshape(index.num_prefill_tokens, self.d_inner)

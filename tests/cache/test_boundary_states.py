@@ -24,8 +24,10 @@ def _tokens(vocab: int, n: int, seed: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed scan", "one scan per chunk"])
 @pytest.mark.parametrize("name", [*FAMILY_SPECS, "conv2_chunk5"])
-def test_states_inside_a_chunk_equal_the_states_where_a_chunk_ends(name, tmp_path):
+def test_states_inside_a_chunk_equal_the_states_where_a_chunk_ends(name, packed, tmp_path, monkeypatch):
+    monkeypatch.setattr(Mamba2Mixer, "packed_prefill", packed)
     spec = SPECS[name]
     runner = make_runner(save_hf_model(make_hf_model(spec), tmp_path))
     tokens, other = _tokens(spec.vocab_size, 40, 1), _tokens(spec.vocab_size, 30, 2)
