@@ -89,13 +89,22 @@ def step_from_pb(msg: pb.PlanStepRequest) -> StepInput:
 
 
 def step_to_pb(step: StepInput) -> pb.PlanStepRequest:
-    return pb.PlanStepRequest(
-        config=config_to_pb(step.config),
-        running=[state_to_pb(r) for r in step.running],
-        waiting=[state_to_pb(r) for r in step.waiting],
-        step_index=step.step_index,
-        num_free_kv_pages=step.num_free_kv_pages,
+    msg = pb.PlanStepRequest(
+        config=config_to_pb(step.config), step_index=step.step_index, num_free_kv_pages=step.num_free_kv_pages
     )
+    # In place, as plan_to_pb does: this runs for every request of every step.
+    for add, states in ((msg.running.add, step.running), (msg.waiting.add, step.waiting)):
+        for r in states:
+            add(
+                request_id=r.request_id,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=r.num_computed_tokens,
+                num_output_tokens=r.num_output_tokens,
+                max_tokens=r.max_tokens,
+                priority=r.priority,
+                arrival_time=r.arrival_time,
+            )
+    return msg
 
 
 def plan_to_pb(plan: StepPlan) -> pb.PlanStepResponse:

@@ -50,13 +50,15 @@ class PreparedStep:
 
 def make_row(request: Request, planned: Slice, checkpoint: PendingCheckpoint | None) -> Row:
     """The row of `planned` for a request whose pages already cover the chunk."""
+    # Positional construction: this runs for every row of every step.
     start = request.num_computed_tokens
     end = start + planned.num_tokens
+    slot = request.state_slot
     chunk = SequenceChunk(
-        token_ids=request.tokens(start, end),
-        start_pos=start,
-        page_ids=tuple(request.page_ids),
-        state_slot=request.state_slot if request.state_slot is not None else -1,
-        save_checkpoint_id=checkpoint.checkpoint_id if checkpoint is not None else None,
+        request.tokens(start, end),
+        start,
+        tuple(request.page_ids),
+        slot if slot is not None else -1,
+        checkpoint.checkpoint_id if checkpoint is not None else None,
     )
     return Row(request, planned, chunk, end == request.num_tokens, checkpoint)

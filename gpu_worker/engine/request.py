@@ -85,18 +85,22 @@ class Request:
         n = len(self.prompt_token_ids)
         if end <= n:
             return tuple(self.prompt_token_ids[start:end])
-        return tuple(self.prompt_token_ids[start:n] + self.output_token_ids[max(start - n, 0) : end - n])
+        if start >= n:  # generated tokens only (a decode): one slice
+            return tuple(self.output_token_ids[start - n : end - n])
+        return tuple(self.prompt_token_ids[start:n] + self.output_token_ids[: end - n])
 
     def sched_state(self, num_new_outputs: int = 0) -> RequestState:
         """The scheduler's view; `num_new_outputs` tokens the step in flight will add (prediction)."""
+        # Positional, in RequestState's field order: this runs for every request of every step.
+        base, params = self.sched_output_base, self.params
         return RequestState(
-            request_id=self.request_id,
-            num_prompt_tokens=self.sched_prompt_len,
-            num_computed_tokens=self.num_computed_tokens,
-            num_output_tokens=len(self.output_token_ids) + num_new_outputs - self.sched_output_base,
-            max_tokens=self.params.max_tokens - self.sched_output_base,
-            priority=self.params.priority,
-            arrival_time=self.arrival_time,
+            self.request_id,
+            self.sched_prompt_len,
+            self.num_computed_tokens,
+            len(self.output_token_ids) + num_new_outputs - base,
+            params.max_tokens - base,
+            params.priority,
+            self.arrival_time,
         )
 
     def fold_for_recompute(self) -> None:
