@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpu_worker.batch import Batch, SequenceChunk
 from gpu_worker.cache.interface import PendingCheckpoint
@@ -10,9 +11,12 @@ from gpu_worker.engine.request import Request
 from scheduler_svc.core import Slice
 
 
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One batch row: a request's chunk [start, end) of its known tokens."""
+class Row(NamedTuple):
+    """One batch row: a request's chunk [start, end) of its known tokens.
+
+    A NamedTuple, immutable like a frozen dataclass: one is built per row every step, and a
+    frozen dataclass costs about three times as much to construct.
+    """
 
     request: Request
     slice: Slice  # as planned

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -34,9 +35,12 @@ class GenerationParams:
     priority: int = 0  # smaller is served first
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """One streamed event: new tokens, and on the last event the finish reason and usage."""
+class RequestOutput(NamedTuple):
+    """One streamed event: new tokens, and on the last event the finish reason and usage.
+
+    A NamedTuple, immutable like a frozen dataclass: one is built per token every step, and a
+    frozen dataclass costs about three times as much to construct.
+    """
 
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
