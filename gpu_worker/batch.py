@@ -19,7 +19,7 @@ class SequenceChunk(NamedTuple):
     """One sequence's work in a step.
 
     A NamedTuple, immutable like a frozen dataclass: one is built per sequence every step, and a
-    frozen dataclass costs about three times as much to construct.
+    frozen dataclass costs two to four times as much to construct.
     """
 
     token_ids: tuple[int, ...]  # the chunk's tokens, absolute positions [start_pos, start_pos + len)

@@ -15,7 +15,7 @@ class Row(NamedTuple):
     """One batch row: a request's chunk [start, end) of its known tokens.
 
     A NamedTuple, immutable like a frozen dataclass: one is built per row every step, and a
-    frozen dataclass costs about three times as much to construct.
+    frozen dataclass costs two to four times as much to construct.
     """
 
     request: Request

@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 class Slice(NamedTuple):
     """One request's part of a step. A NamedTuple, immutable like the frozen dataclasses here: one
-    is built per request per step on both sides of the wire, and a frozen dataclass costs about
-    three times as much to construct."""
+    is built per request per step on both sides of the wire, and a frozen dataclass costs two
+    to four times as much to construct."""
 
     request_id: str
     num_tokens: int  # computes [num_computed_tokens, num_computed_tokens + num_tokens)

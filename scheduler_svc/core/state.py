@@ -11,7 +11,7 @@ from scheduler_svc.core.config import SchedulerConfig
 class RequestState(NamedTuple):
     """One request as the planner sees it. A NamedTuple, immutable like the frozen dataclasses
     here: one is built per request per step on both sides of the wire, and a frozen dataclass costs
-    about three times as much to construct (a changed copy: `state._replace(field=value)`)."""
+    two to four times as much to construct (a changed copy: `state._replace(field=value)`)."""
 
     request_id: str
     num_prompt_tokens: int  # tokens known before generation (preempted: incl. generated ones)
