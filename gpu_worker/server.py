@@ -15,6 +15,7 @@ from gpu_worker.cache.remote import SharedTier, SharedTierAccess
 from gpu_worker.cpu_alloc import keep_freed_memory
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
+from gpu_worker.gc_tuning import freeze_startup_objects
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.service import GenerationServicer, add_to_server, server_threads
@@ -214,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     access = shared_tier_access(server_settings, tls) if settings.cache_address else None
     prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching, access)
     engine = Engine(runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix)
+    freeze_startup_objects()  # full collections skip the model's and the libraries' objects
     engine.start()
     servicer = GenerationServicer(engine, model_name=server_settings.model.name)
     server, port, health = grpc_server.create_server(

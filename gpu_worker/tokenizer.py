@@ -79,19 +79,20 @@ class IncrementalDetokenizer:
     once, whole. One instance per request."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tok = tokenizer
+        self._decode = tokenizer.decode
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # ids before this were emitted as text
 
     def push(self, token_ids: list[int]) -> str:
         """Append new ids; return the newly completed text (possibly empty)."""
-        self._ids.extend(token_ids)
-        prefix_text = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._tok.decode(self._ids[self._prefix_offset :])
+        ids, decode = self._ids, self._decode
+        ids.extend(token_ids)
+        prefix_text = decode(ids[self._prefix_offset : self._read_offset])
+        new_text = decode(ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         return new_text[len(prefix_text) :]
 
 

@@ -81,21 +81,30 @@ def step_from_pb(msg: pb.PlanStepRequest) -> StepInput:
         raise InvalidArgumentError("config is required: send the SchedulerConfig with every PlanStep")
     return StepInput(
         config=config_from_pb(msg.config),
-        running=tuple(state_from_pb(r) for r in msg.running),
-        waiting=tuple(state_from_pb(r) for r in msg.waiting),
+        running=tuple([state_from_pb(r) for r in msg.running]),
+        waiting=tuple([state_from_pb(r) for r in msg.waiting]),
         step_index=msg.step_index,
         num_free_kv_pages=msg.num_free_kv_pages,
     )
 
 
 def step_to_pb(step: StepInput) -> pb.PlanStepRequest:
-    return pb.PlanStepRequest(
-        config=config_to_pb(step.config),
-        running=[state_to_pb(r) for r in step.running],
-        waiting=[state_to_pb(r) for r in step.waiting],
-        step_index=step.step_index,
-        num_free_kv_pages=step.num_free_kv_pages,
+    msg = pb.PlanStepRequest(
+        config=config_to_pb(step.config), step_index=step.step_index, num_free_kv_pages=step.num_free_kv_pages
     )
+    # In place, as plan_to_pb does: this runs for every request of every step.
+    for add, states in ((msg.running.add, step.running), (msg.waiting.add, step.waiting)):
+        for r in states:
+            add(
+                request_id=r.request_id,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=r.num_computed_tokens,
+                num_output_tokens=r.num_output_tokens,
+                max_tokens=r.max_tokens,
+                priority=r.priority,
+                arrival_time=r.arrival_time,
+            )
+    return msg
 
 
 def plan_to_pb(plan: StepPlan) -> pb.PlanStepResponse:
@@ -127,15 +136,8 @@ def plan_to_pb(plan: StepPlan) -> pb.PlanStepResponse:
 def plan_from_pb(msg: pb.PlanStepResponse) -> StepPlan:
     stats = msg.stats
     return StepPlan(
-        slices=tuple(
-            Slice(
-                request_id=s.request_id,
-                num_tokens=s.num_tokens,
-                is_prefill=s.is_prefill,
-                ends_on_checkpoint=s.ends_on_checkpoint,
-            )
-            for s in msg.slices
-        ),
+        # Positional, in Slice's field order: one per slice of every step.
+        slices=tuple([Slice(s.request_id, s.num_tokens, s.is_prefill, s.ends_on_checkpoint) for s in msg.slices]),
         preempted_request_ids=tuple(msg.preempted_request_ids),
         quantum=msg.quantum,
         stats=PlanStats(

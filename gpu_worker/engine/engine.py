@@ -243,14 +243,16 @@ class Engine:
         prefix, which would pin again the pages its preemption freed for this step's plan."""
         requeue = [r for rid in plan.preempted_request_ids if (r := self._preempt(rid)) is not None]
         rows: list[Row] = []
+        running, page_size = self.table.running, self.allocator.kv_pool.page_size_tokens
         for planned in plan.slices:
-            request = self.table.get_running(planned.request_id) or self._admit(planned.request_id)
+            request = running.get(planned.request_id) or self._admit(planned.request_id)
             if request is None:
                 continue
             end = request.num_computed_tokens + planned.num_tokens
             if end > request.num_tokens:
                 continue
-            if not self.allocator.ensure_pages(request, end):
+            covered = end <= len(request.page_ids) * page_size  # most decodes: no new page, no call
+            if not covered and not self.allocator.ensure_pages(request, end):
                 log.warning("no KV pages for %s although planned; preempting it", request.request_id)
                 self._preempt(request.request_id)
                 requeue.append(request)
@@ -326,14 +328,16 @@ class Engine:
         if sampled is None:
             return []
         endings: list[Ending] = []
-        for j, request in enumerate(prepared.yielding):
+        append, tops = self.outputs.append, sampled.top_logprobs
+        for request, token_id, logprob, top in zip(
+            prepared.yielding, sampled.token_ids, sampled.logprobs, tops, strict=True
+        ):
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
                 self.observer.request_first_token(
                     FirstToken(request.request_id, request.arrival_time, request.first_token_time)
                 )
-            top = tuple(sampled.top_logprobs[j]) if sampled.top_logprobs[j] else ()
-            ending = self.outputs.append(request, sampled.token_ids[j], sampled.logprobs[j], top)
+            ending = append(request, token_id, logprob, tuple(top) if top else ())
             if ending is not None:
                 self._remove(request.request_id)
                 endings.append(ending)

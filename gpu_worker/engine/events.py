@@ -40,14 +40,15 @@ def finished(ending: Ending, now: float) -> RequestFinished:
 
 def served(prepared: PreparedStep, yielded: bool) -> tuple[ServedSlice, ...]:
     """The rows of a step that ran; `yielded` is False when its forward failed."""
-    return tuple(
+    # Positional, in ServedSlice's field order: this runs for every row of every step.
+    return tuple([
         ServedSlice(
-            request_id=row.request.request_id,
-            num_tokens=row.slice.num_tokens,
-            is_prefill=row.slice.is_prefill,
-            ends_on_checkpoint=row.slice.ends_on_checkpoint,
-            sampled=row.yields and yielded,
-            num_output_tokens=len(row.request.output_token_ids),
+            (request := row.request).request_id,
+            (planned := row.slice).num_tokens,
+            planned.is_prefill,
+            planned.ends_on_checkpoint,
+            row.yields and yielded,
+            len(request.output_token_ids),
         )
         for row in prepared.rows
-    )
+    ])  # fmt: skip

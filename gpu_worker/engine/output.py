@@ -30,16 +30,18 @@ class OutputProcessor:
     def append(self, request: Request, token_id: int, logprob: float, top: TopLogprobs) -> Ending | None:
         """Appends one sampled token: streams it now, or returns the request's ending (the token
         rides on the last event)."""
-        request.output_token_ids.append(token_id)
-        is_eos = token_id in self._eos_ids and not request.params.ignore_eos
+        outputs, params = request.output_token_ids, request.params
+        outputs.append(token_id)
+        is_eos = token_id in self._eos_ids and not params.ignore_eos
         text, hit_stop = request.stop_checker.push([] if is_eos else [token_id])
-        reason = finish_reason(is_eos, hit_stop, len(request.output_token_ids) >= request.params.max_tokens)
-        if reason is not None and not hit_stop:
-            text += request.stop_checker.flush()
-        event = RequestOutput(token_ids=(token_id,), logprobs=(logprob,), top_logprobs=(top,), text=text)
-        if reason is None:
-            request.events.put(event)
+        if not (is_eos or hit_stop) and len(outputs) < params.max_tokens:  # the common case: it goes on
+            request.events.put(RequestOutput((token_id,), (logprob,), (top,), text))
             return None
+        reason = finish_reason(is_eos, hit_stop, len(outputs) >= params.max_tokens)
+        assert reason is not None
+        if not hit_stop:
+            text += request.stop_checker.flush()
+        event = RequestOutput((token_id,), (logprob,), (top,), text)
         return Ending(request, reason, request.last_output(reason, event))
 
     @staticmethod

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from gpu_worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
+TRIM_CHARS = 1024  # emitted text kept before the window is cut (cutting is a copy too)
+
 
 class StopChecker:
     """Incremental text with stop strings: holds back the tail that could still become a stop
@@ -13,13 +15,18 @@ class StopChecker:
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
-        self._text = ""
-        self._emitted = 0
+        self._text = ""  # the text, less a head that no stop string can reach any more (see push)
+        self._emitted = 0  # text before this index in `_text` was emitted
 
     def push(self, token_ids: list[int]) -> tuple[str, bool]:
         """Returns (text to emit now, whether a stop string was reached)."""
         if self._detok is None:
             return "", False
+        if not self._stop:  # nothing held back: the new text goes out as it comes
+            return self._detok.push(token_ids), False
+        drop = self._emitted - self._hold - 1  # no stop string can begin before this index
+        if drop > TRIM_CHARS:  # appending to an ever-growing string copies it: keep a bounded window
+            self._text, self._emitted = self._text[drop:], self._emitted - drop
         self._text += self._detok.push(token_ids)
         for s in self._stop:
             index = self._text.find(s, max(self._emitted - len(s), 0))

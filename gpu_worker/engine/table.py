@@ -77,5 +77,5 @@ class RequestTable:
     def sched_states(self, yielding_ids: set[str]) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
         """The scheduler's view of running and waiting requests; those in `yielding_ids` are
         counted with the token the step in flight will add."""
-        running = tuple(r.sched_state(int(r.request_id in yielding_ids)) for r in self.running.values())
-        return running, tuple(r.sched_state() for r in self.waiting.values())
+        running = tuple([r.sched_state(rid in yielding_ids) for rid, r in self.running.items()])
+        return running, tuple([r.sched_state() for r in self.waiting.values()])

@@ -5,7 +5,6 @@ scan's chunk grid, in a batch with other spans and on a chunk that continues an 
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -36,7 +35,7 @@ def test_states_inside_a_chunk_equal_the_states_where_a_chunk_ends(name, packed,
     positions = (6, 5 + spec.mamba_chunk_size, 13, 37)
     request, neighbour = Request(runner, tokens), Request(runner, other)
     runner.forward(Batch((request.chunk(5),)))  # the chunk under test continues from position 5
-    chunk = replace(request.chunk(35), boundary_checkpoints=tuple((p, i) for i, p in enumerate(positions)))
+    chunk = request.chunk(35)._replace(boundary_checkpoints=tuple((p, i) for i, p in enumerate(positions)))
     runner.forward(Batch((neighbour.chunk(30), chunk)))  # a second span before it in the batch
     kept = runner.state_pool.layer_states()
     for checkpoint_id, position in enumerate(positions):
@@ -54,7 +53,7 @@ def test_a_boundary_checkpoint_outside_its_chunk_is_invalid_argument(tmp_path):
     runner = make_runner(save_hf_model(make_hf_model(spec), tmp_path))
     request = Request(runner, _tokens(spec.vocab_size, 20, 3))
     for bad in ((20, 0), (0, 0), (8, 99)):  # the chunk's end, its start, an unknown checkpoint slot
-        chunk = replace(request.chunk(20), boundary_checkpoints=(bad,))
+        chunk = request.chunk(20)._replace(boundary_checkpoints=(bad,))
         request.num_computed = 0
         with pytest.raises(InvalidArgumentError):
             runner.forward(Batch((chunk,)))
@@ -96,7 +95,7 @@ def test_the_kernel_path_keeps_the_same_boundary_states(name, tmp_path, monkeypa
                     module.ops = ops_module.TritonOps()
         request = Request(runner, _tokens(spec.vocab_size, 30, 4))
         runner.forward(Batch((request.chunk(3),)))
-        chunk = replace(request.chunk(27), boundary_checkpoints=((4, 0), (3 + spec.mamba_chunk_size, 1), (29, 2)))
+        chunk = request.chunk(27)._replace(boundary_checkpoints=((4, 0), (3 + spec.mamba_chunk_size, 1), (29, 2)))
         runner.forward(Batch((chunk,)))
         rows = [runner.state_pool.checkpoint_row(i) for i in range(3)]
         states.append([(conv[rows].clone(), ssm[rows].clone()) for conv, ssm in runner.state_pool.layer_states()])

@@ -61,7 +61,7 @@ def test_fairness_each_prefill_advances_within_ceil_p_over_k_steps(config, num_p
         served = {s.request_id: s.num_tokens for s in plan.slices if s.is_prefill}
         assert plan.stats.micro_sliced and sum(served.values()) > 0
         prefills = [
-            replace(p, num_computed_tokens=p.num_computed_tokens + served.get(p.request_id, 0)) for p in prefills
+            p._replace(num_computed_tokens=p.num_computed_tokens + served.get(p.request_id, 0)) for p in prefills
         ]
         for rid in served:
             last_served[rid] = index

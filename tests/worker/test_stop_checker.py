@@ -1,0 +1,52 @@
+"""The stop checker on long outputs: the text it streams is the generated text cut before the first
+stop string, however far into the output that string comes (its window of text is cut as it goes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpu_worker.engine.stop_checker import TRIM_CHARS, StopChecker
+from gpu_worker.tokenizer import Tokenizer, build_byte_tokenizer
+
+TOKENIZER = Tokenizer(build_byte_tokenizer())
+
+
+def run(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """Pushes `text` one token at a time; returns what was streamed (with the flush) and whether a
+    stop string ended it."""
+    checker = StopChecker(TOKENIZER, stop)
+    out = []
+    for token in TOKENIZER.encode(text):
+        delta, hit = checker.push([token])
+        out.append(delta)
+        if hit:
+            return "".join(out), True
+    return "".join(out) + checker.flush(), False
+
+
+def expected(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    cuts = [i for s in stop if (i := text.find(s)) >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_long_output_is_cut_at_the_first_stop_string(seed):
+    rng = random.Random(seed)
+    body = "".join(rng.choice("abcxyz ") for _ in range(3 * TRIM_CHARS + rng.randrange(500)))
+    stop = ("STOP", "xyzzy!", "q")
+    at = rng.randrange(TRIM_CHARS, len(body))  # past the first cut of the window
+    text = body[:at] + "xyzzy!" + body[at:] + "STOP tail"
+    assert run(text, stop) == expected(text, stop) == (body[:at], True)
+
+
+def test_stop_string_after_a_near_miss_across_the_cut():
+    text = "a" * (TRIM_CHARS + 3) + "STO" + "b" * (TRIM_CHARS * 2) + "STOP" + "c" * 10
+    assert run(text, ("STOP",)) == (text[: text.index("STOP")], True)
+
+
+@pytest.mark.parametrize("stop", [(), ("never",)])
+def test_without_a_stop_string_the_whole_text_streams(stop):
+    text = "".join(chr(ord("a") + i % 26) for i in range(3 * TRIM_CHARS)) + " é€ end"  # multi-byte too
+    assert run(text, stop) == (text, False)
