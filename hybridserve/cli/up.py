@@ -27,6 +27,8 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -220,6 +222,26 @@ def start_services(args: UpSettings, model_dir: Path, worker_args: list[str], st
     worker = stack.start("worker", hybridserve_command(*command, *stack.tls_flags("worker"), *worker_args))
     worker_address = worker.wait_listening(args.start_timeout, stack.should_stop)
     stack.endpoints.append(("worker", worker_address, "(Generation API)"))
+    gateway_address = next(address for name, address, _ in stack.endpoints if name == "gateway")
+    wait_gateway_ready(gateway_address, args.start_timeout, stack)
+
+
+def wait_gateway_ready(address: str, timeout_s: float, stack: Stack) -> None:
+    """Blocks until the gateway's /ready says a worker is in rotation, so the stack is announced
+    only once a request through the front door can be served."""
+    deadline = time.monotonic() + timeout_s
+    url = f"http://{address}/ready"
+    while time.monotonic() < deadline:
+        if stack.should_stop():
+            raise Interrupted()
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass  # 503 until the gateway admits the worker, or not answering yet
+        time.sleep(0.05)
+    raise UpError(f"the gateway at {address} admitted no worker within {timeout_s:.0f}s (see the worker's log)")
 
 
 def start_gateway(args: UpSettings, model_dir: Path, worker_address: str, stack: Stack) -> None:
