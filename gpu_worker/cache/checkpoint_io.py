@@ -23,11 +23,11 @@ from __future__ import annotations
 import hmac
 import json
 import struct
+import warnings
 from dataclasses import dataclass
 from hashlib import sha256
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from gpu_worker.runner import ModelRunner
@@ -42,6 +42,7 @@ _DTYPE_NAMES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
+_DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,11 +154,40 @@ def verify(data: bytes, identity: BlockIdentity, layout: CheckpointLayout, key: 
     problem = _layout_problem(header, layout)
     if problem is not None:
         return Rejection("layout", problem)
-    try:
-        tensors = st_load(bytes(body))
-    except Exception as exc:  # safetensors raises its own error types on malformed bytes
-        return Rejection("format", f"not valid safetensors: {exc}")
+    tensors = _views(body, header)
+    if isinstance(tensors, Rejection):
+        return tensors
     return BlockCheckpoint(kv=tensors["kv"], conv=tensors.get("conv"), ssm=tensors.get("ssm"))
+
+
+def _views(body: memoryview, header: dict[str, dict[str, object]]) -> dict[str, torch.Tensor] | Rejection:
+    """Read-only tensors over the checkpoint's own bytes (no copy: `import_block` copies them into
+    the pools once). The header's dtypes and shapes were checked against the layout already; here
+    each tensor's byte range must lie in the data section and hold exactly its elements."""
+    (length,) = struct.unpack("<Q", body[:8])
+    base, data_len = 8 + length, len(body) - 8 - length
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        dtype = _DTYPES_BY_NAME.get(str(entry.get("dtype")))
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+            return Rejection("format", f"{name}: malformed safetensors entry")
+        start, end = offsets
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        item = torch.empty(0, dtype=dtype).element_size()
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= data_len):
+            return Rejection("format", f"{name}: byte range {offsets} outside the data ({data_len} bytes)")
+        if end - start != numel * item:
+            return Rejection("format", f"{name}: {end - start} bytes for {numel} elements of {item} bytes")
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the buffer is read-only; nothing writes to it
+            out[name] = torch.frombuffer(body, dtype=dtype, count=numel, offset=base + start).view(shape)
+    return out
 
 
 def _header(body: memoryview) -> dict[str, dict[str, object]] | Rejection:

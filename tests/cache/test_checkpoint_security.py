@@ -83,6 +83,48 @@ def test_a_sealed_but_malformed_body_is_a_format_rejection():
     assert isinstance(verdict, Rejection) and verdict.reason == "format"
 
 
+def _resealed(mutate) -> bytes:
+    """A checkpoint whose safetensors header was changed by `mutate` and then sealed with the key."""
+    import hmac
+    import json
+    import struct
+
+    body = seal(block(), IDENTITY, KEY)[len(MAGIC) + MAC_BYTES :]
+    (length,) = struct.unpack("<Q", body[:8])
+    header = json.loads(body[8 : 8 + length])
+    mutate(header)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    new_body = struct.pack("<Q", len(encoded)) + encoded + body[8 + length :]
+    return MAGIC + hmac.new(KEY, MAGIC + new_body, hashlib.sha256).digest() + new_body
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda h: h["kv"].update(data_offsets=[0, 10**9]),  # past the data section
+        lambda h: h["ssm"].update(data_offsets=[4, h["ssm"]["data_offsets"][1]]),  # too few bytes
+        lambda h: h["conv"].update(data_offsets=[-8, h["conv"]["data_offsets"][1]]),
+        lambda h: h["conv"].update(data_offsets="0-10"),
+    ],
+    ids=["past the data", "too few bytes", "negative start", "not a pair"],
+)
+def test_a_sealed_checkpoint_whose_byte_ranges_do_not_fit_is_a_format_rejection(mutate):
+    """Only a key holder can get here (a buggy worker): the tensors are views of the bytes, so a
+    range outside the data must be refused before any view is made."""
+    verdict = verify(_resealed(mutate), IDENTITY, LAYOUT, KEY)
+    assert isinstance(verdict, Rejection) and verdict.reason == "format", verdict
+
+
+def test_verified_tensors_are_views_of_the_checkpoint_bytes_and_import_copies_them():
+    data = seal(block(3), IDENTITY, KEY)
+    got = verify(data, IDENTITY, LAYOUT, KEY)
+    assert isinstance(got, BlockCheckpoint)
+    assert torch.equal(got.conv, block(3).conv) and torch.equal(got.kv, block(3).kv)
+    del data  # the views keep the bytes alive
+    assert torch.equal(got.ssm.clone(), block(3).ssm)
+
+
 # ---- real workers, cache service and Redis -----------------------------------------------------
 def assert_genuine(redis_client, worker, hashes: list[bytes]) -> None:
     """The forged entries were deleted, and what is stored now is each block's own checkpoint."""
