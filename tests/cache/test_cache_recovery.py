@@ -24,6 +24,15 @@ MAX_MEMORY_MB = 48
 
 
 def cache_process(redis: RedisProcess, *extra: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """A cache service over `redis`; when it does not start, `redis` is stopped too (nothing leaks)."""
+    try:
+        return _cache_process(redis, *extra, env=env)
+    except BaseException:
+        redis.stop()
+        raise
+
+
+def _cache_process(redis: RedisProcess, *extra: str, env: dict[str, str] | None = None) -> ServerProcess:
     return ServerProcess(
         [
             "cache",
@@ -103,7 +112,7 @@ def test_wrong_or_missing_redis_password_stops_the_cache_service_at_start(passwo
     env = {"HYBRIDSERVE_CACHE_REDIS_PASSWORD": password or ""}
     try:
         with pytest.raises(RuntimeError) as err:
-            cache_process(redis, env=env)
+            _cache_process(redis, env=env)
         output = str(err.value)
         assert "refused the credentials" in output and "HYBRIDSERVE_CACHE_REDIS_PASSWORD" in output, output
         assert "the-right-one" not in output and (password is None or password not in output)
