@@ -28,7 +28,7 @@ import grpc
 from opentelemetry import context as otel_context
 from prometheus_client import Counter
 
-from cache_svc.client import DataPathError, DirectBlocks, StoredBlock
+from cache_svc.client import StoredBlock
 from gpu_worker.cache.checkpoint_io import (
     BlockCheckpoint,
     BlockIdentity,
@@ -38,6 +38,8 @@ from gpu_worker.cache.checkpoint_io import (
     seal,
     verify,
 )
+from gpu_worker.cache.direct_reads import DirectReads, Verified
+from gpu_worker.cache.direct_reads import FetchedBlock as FetchedBlock
 from gpu_worker.cache.misses import FetchOrRecompute, MissReason, reason_for_rejection
 from hybridserve import telemetry
 from hybridserve.grpc_auth import with_bearer
@@ -48,16 +50,7 @@ from hybridserve.v1 import cache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("hybridserve.cache.client")
 T = TypeVar("T")
-PIPELINE_BYTES = 4 << 20  # a direct fetch reads blocks in pipelined batches of about this many bytes
-MAX_DIRECT_FAILURES = 3  # direct reads failing in a row before a worker reads through the service only
 _BLOCK_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)  # about one block, not the tier
-
-
-@dataclass(frozen=True, slots=True)
-class FetchedBlock:
-    block_hash: bytes
-    parent_hash: bytes
-    checkpoint: BlockCheckpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +71,6 @@ class SharedTierAccess:
     checkpoint_key: bytes  # the workers' MAC key (>= 16 bytes); the tier never sees it
     cluster_token: str | None = None  # sent on every BlockCache call
     tls: TlsSettings | None = None  # how to dial the cache service
-
-
-Verified = tuple[list[FetchedBlock], MissReason | None, int]  # blocks, why it stopped, bytes read
 
 
 class SharedTier:
@@ -105,17 +95,22 @@ class SharedTier:
         self._stub = pb_grpc.BlockCacheStub(channel)  # type: ignore[no-untyped-call]
         self._publish_queue: queue.Queue[tuple[bytes, bytes, BlockCheckpoint] | None] = queue.Queue(max_pending)
         self._fetch_pool = ThreadPoolExecutor(2, thread_name_prefix="cache-fetch")
-        self._verify_pool = ThreadPoolExecutor(2, thread_name_prefix="cache-verify")  # overlaps the next read
         self._publisher = threading.Thread(target=self._publish_loop, name="cache-publish", daemon=True)
         self._publisher.start()
         self._healthy = True
         self.num_published = 0
         self.rejected: collections.Counter[str] = collections.Counter()  # refused checkpoints, by reason
         self._rejected_metric = _rejected_counter()
-        self._direct: DirectBlocks | None = None  # the direct read path, once the service granted it
-        self._direct_refused = False  # the service hands out none: Fetch through it
-        self._direct_lock = threading.Lock()
-        self._direct_failures = 0  # direct reads failed in a row
+        access_request = pb.AccessRequest(model_fingerprint=fingerprint)
+        self._direct = DirectReads(
+            lambda: self._try(lambda: self._stub.Access(access_request, timeout=self.deadline_s)),
+            self._verify_rows, socket_timeout_s=deadline_s * 5,
+        )  # fmt: skip
+
+    @property
+    def uses_direct_path(self) -> bool:
+        """Whether checkpoint bytes currently come directly from Redis."""
+        return self._direct.active
 
     # ---- publish (engine thread enqueues, the publisher sends) ------------------------------------
     def publish(self, block_hash: bytes, parent_hash: bytes, checkpoint: BlockCheckpoint) -> None:
@@ -195,9 +190,9 @@ class SharedTier:
         if decision is not None and not decision.fetch:
             return FetchResult(request_id, [], MissReason.FETCH_SLOWER, "recompute", offered)
         started = time.monotonic()
-        direct = self._direct_path()
+        direct = self._direct.path()
         hint = policy.bytes_per_block if policy is not None else 0
-        got = self._read_direct(direct, block_hashes, num_local_blocks, end, hint) if direct is not None else None
+        got = self._direct.read(direct, block_hashes, num_local_blocks, end, hint) if direct is not None else None
         if got is None:  # no direct path, or it failed: through the service
             got = self._read_via_service(block_hashes, num_local_blocks, end)
         fetched, reason, num_bytes = got
@@ -208,79 +203,7 @@ class SharedTier:
             reason = reason or MissReason.KV_WITHOUT_STATE
         return FetchResult(request_id, fetched, reason, "fetch", offered)
 
-    # ---- the direct read path ---------------------------------------------------------------------
-    @property
-    def uses_direct_path(self) -> bool:
-        """Whether checkpoint bytes currently come directly from Redis."""
-        return self._direct is not None
-
-    def _direct_path(self) -> DirectBlocks | None:
-        """The direct read path, asked of the service once (again after a failed ask or read)."""
-        if self._direct is not None or self._direct_refused:
-            return self._direct
-        with self._direct_lock:
-            if self._direct is None and not self._direct_refused:
-                request = pb.AccessRequest(model_fingerprint=self.fingerprint)
-                access, code = self._try(lambda: self._stub.Access(request, timeout=self.deadline_s))
-                if access is not None:
-                    try:
-                        self._direct = DirectBlocks(access, socket_timeout_s=self.deadline_s * 5)
-                    except DataPathError as exc:
-                        log.warning("not using the direct data path: %s", exc)
-                        self._direct_refused = True
-                elif code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
-                    self._direct_refused = True
-        return self._direct
-
-    def _drop_direct(self, direct: DirectBlocks) -> None:
-        """A failed direct read: ask the service again next time (Redis may have restarted and
-        forgotten the workers' user); after MAX_DIRECT_FAILURES in a row (e.g. Redis unreachable
-        from here), read through the service only."""
-        with self._direct_lock:
-            if self._direct is direct:
-                self._direct = None
-            self._direct_failures += 1
-            if self._direct_failures >= MAX_DIRECT_FAILURES and not self._direct_refused:
-                log.warning(
-                    "the direct data path failed %d times in a row; reading through the service", MAX_DIRECT_FAILURES
-                )
-                self._direct_refused = True
-        direct.close()
-
-    def _read_direct(
-        self, direct: DirectBlocks, block_hashes: list[bytes], first: int, end: int, block_bytes_hint: int
-    ) -> Verified | None:
-        """Blocks [first, end) read in pipelined batches of about PIPELINE_BYTES (one round trip
-        each), each batch verified on another thread while the next is read; stops at the first
-        bad block. None when Redis cannot be read directly before any block came (the caller reads
-        through the service)."""
-        per_batch = max(1, PIPELINE_BYTES // block_bytes_hint) if block_bytes_hint > 0 else end - first
-        checks: list[Future[Verified]] = []
-        for start in range(first, end, per_batch):
-            if any(c.done() and c.result()[1] is not None for c in checks):
-                break  # a bad block: what follows cannot be part of the hit
-            indices = range(start, min(start + per_batch, end))
-            try:
-                rows = direct.read([block_hashes[i] for i in indices], max_block_bytes(block_bytes_hint))
-            except DataPathError as exc:
-                log.warning("direct read failed: %s", exc)
-                self._drop_direct(direct)
-                if not checks:
-                    return None
-                checks.append(_done(([], MissReason.SHARED_TIER_DOWN, 0)))
-                break
-            self._direct_failures = 0
-            checks.append(self._verify_pool.submit(self._verify_rows, block_hashes, indices, rows))
-        fetched: list[FetchedBlock] = []
-        num_bytes = 0
-        for check in checks:
-            blocks, reason, size = check.result()
-            fetched += blocks
-            num_bytes += size
-            if reason is not None:
-                return fetched, reason, num_bytes
-        return fetched, None, num_bytes
-
+    # ---- verification (the direct path's batches, on its verify threads) ----------------------------
     def _verify_rows(self, block_hashes: list[bytes], indices: range, rows: list[StoredBlock | None]) -> Verified:
         """Checks the rows read for `indices`: present, this model and schema, sealed by a worker."""
         fetched: list[FetchedBlock] = []
@@ -386,22 +309,8 @@ class SharedTier:
         self._publish_queue.put(None)
         self._publisher.join(5)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
-        self._verify_pool.shutdown(wait=False, cancel_futures=True)
+        self._direct.close()
         self._channel.close()
-        if self._direct is not None:
-            self._direct.close()
-
-
-def max_block_bytes(block_bytes: int) -> int:
-    """The most bytes a fetch reads for one block of `block_bytes` expected (twice that, plus room
-    for the format's header); 0 (no bound) when the size is not known."""
-    return 2 * block_bytes + (64 << 10) if block_bytes > 0 else 0
-
-
-def _done(value: T) -> Future[T]:
-    future: Future[T] = Future()
-    future.set_result(value)
-    return future
 
 
 def _reason_for_status(code: grpc.StatusCode | None) -> MissReason:
