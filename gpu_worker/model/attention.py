@@ -78,8 +78,11 @@ class PagedAttention(nn.Module):
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)  # [b, kvh, g, d]
         ps, table = ctx.kv_page_size_tokens, ctx.decode_page_table  # gather whole pages, not token rows
         width = table.shape[1] * ps
-        k = k_cache.view(-1, ps, self.num_kv_heads, self.head_dim)[table].view(b, width, self.num_kv_heads, -1)
-        v = v_cache.view(-1, ps, self.num_kv_heads, self.head_dim)[table].view(b, width, self.num_kv_heads, -1)
+        # index_select over page rows: one contiguous copy per page (advanced indexing is ~5x slower on CPU)
+        pages = table.reshape(-1)
+        k = k_cache.view(-1, ps * self.num_kv_heads * self.head_dim).index_select(0, pages)
+        v = v_cache.view(-1, ps * self.num_kv_heads * self.head_dim).index_select(0, pages)
+        k, v = k.view(b, width, self.num_kv_heads, -1), v.view(b, width, self.num_kv_heads, -1)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, kvh, max_pages * ps, d]
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=ctx.decode_kv_mask, scale=self.scale)  # [b, kvh, g, d]
         return out.reshape(b, self.num_heads * self.head_dim)

@@ -1,0 +1,158 @@
+"""Decode-step profile of the model runner at 8..64 running sequences, split by phase and by layer kind.
+
+Model: the issue's tiny Granite-4.0-H (hidden 256, 8 layers, attention at layers 3 and 7, 8 Mamba heads
+of 64, d_state 64, dense MLP 512, vocab 512), as bench/bench_vs_vllm.py writes it. Each batch size
+prefills prompts of 16..256 tokens, then times decode steps (greedy), split into:
+    inputs   build_inputs (validation, packing, index tensors)
+    model    the forward, per block kind (mamba, attention, mlp; norm + residual are the rest)
+    logits   the LM head on the last rows
+    sample   greedy sampling and the device -> list copy
+With --compile the Mamba decode step runs compiled (gpu_worker.model.compiled_decode; the compile time
+is printed); with --scattered the sequences hold every other state slot (not one contiguous run).
+Absolute times depend on the machine and its load; compare rows measured in one run.
+
+    .venv/bin/python bench/bench_decode.py [--batches 8,32,64] [--steps 48] [--compile] [--scattered]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_worker.batch import Batch, SequenceChunk
+from gpu_worker.cpu_alloc import keep_freed_memory
+from gpu_worker.init_model import ModelSpec, write_random_checkpoint
+from gpu_worker.input_builder import build_inputs
+from gpu_worker.model.model import Block
+from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.sampling import SamplingParams, sample
+
+SPEC = ModelSpec(
+    vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=8, attn_layer_indices=(3, 7),
+    num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_state=64, mamba_chunk_size=256,
+    arch="granitemoehybrid", init_std=0.06,
+)  # fmt: skip
+
+
+class Clock:
+    """Accumulates wall seconds per label (CPU ops run synchronously, so wall time is op time)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.on = False
+
+    def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.seconds[label] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+
+def instrument(runner: ModelRunner, clock: Clock) -> None:
+    """Time the mixers by kind and the LM head (instance attributes shadow the class methods)."""
+    for module in runner.model.blocks:
+        assert isinstance(module, Block)
+        module.mixer.forward = clock.wrap(module.kind, module.mixer.forward)  # type: ignore[method-assign]
+    runner.model.compute_logits = clock.wrap("logits", runner.model.compute_logits)  # type: ignore[method-assign]
+
+
+def run_batch(
+    runner: ModelRunner, clock: Clock, b: int, steps: int, g: torch.Generator, scattered: bool
+) -> dict[str, float]:
+    kv, states = runner.kv_pool, runner.state_pool
+    lens = torch.randint(16, 257, (b,), generator=g).tolist()
+    prompts = [torch.randint(3, 512, (k,), generator=g).tolist() for k in lens]
+    slots = [states.allocate_slot() for _ in range(2 * b if scattered else b)]
+    held, slots = slots, slots[1::2] if scattered else slots
+    warm = 8
+    pages = [tuple(kv.allocate(kv.pages_for_tokens(len(p) + warm + steps + 1))) for p in prompts]
+    params, gens = [SamplingParams()] * b, [None] * b
+    batch = Batch(tuple(SequenceChunk(tuple(p), 0, pg, s) for p, pg, s in zip(prompts, pages, slots, strict=True)))
+    last = sample(runner.forward(batch).logits, params, gens).token_ids
+    total = 0.0
+    for step in range(steps + warm):
+        if step == warm:
+            clock.seconds.clear()
+            clock.on = True
+            total = 0.0
+        t0 = time.perf_counter()
+        batch = Batch(
+            tuple(
+                SequenceChunk((t,), len(p) + step, pg, s)
+                for p, t, pg, s in zip(prompts, last, pages, slots, strict=True)
+            )
+        )
+        if clock.on:
+            t1 = time.perf_counter()
+            build_inputs(
+                batch, runner.kv_page_size_tokens, states.num_slots, runner.device
+            )  # timed copy of the step's own
+            clock.seconds["inputs"] += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        logits = runner.forward(batch).logits
+        t2 = time.perf_counter()
+        last = sample(logits, params, gens).token_ids
+        t3 = time.perf_counter()
+        if clock.on:
+            clock.seconds["forward"] += t2 - t1
+            clock.seconds["sample"] += t3 - t2
+            total += t3 - t0 - (t1 - t0)  # the extra build_inputs above is not part of the step
+    clock.on = False
+    for pg in pages:
+        kv.free(list(pg))
+    for s in held:
+        states.free_slot(s)
+    ms = {k: 1000 * v / steps for k, v in clock.seconds.items()}
+    ms["step"] = 1000 * total / steps
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="8,32,64")
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per batch size")
+    parser.add_argument("--compile", action="store_true", help="decode through the compiled step")
+    parser.add_argument("--scattered", action="store_true", help="every other state slot (gathered state rows)")
+    args = parser.parse_args()
+    keep_freed_memory()
+    batches = [int(x) for x in args.batches.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_random_checkpoint(Path(tmp) / "m", SPEC, seed=0, with_tokenizer=False)
+        config = RunnerConfig(
+            max_num_seqs=2 * max(batches), num_checkpoint_slots=0, decode_compile="on" if args.compile else "off"
+        )
+        t0 = time.perf_counter()
+        runner = ModelRunner.from_model_dir(path, config)
+        if runner.decode_compiler is not None:
+            runner.decode_compiler.wait()
+        print(f"runner ready in {time.perf_counter() - t0:.1f} s; {runner.describe()}")
+        print(f"threads {torch.get_num_threads()}; ms per decode step (best of {args.repeats} x {args.steps} steps)")
+        clock = Clock()
+        instrument(runner, clock)
+        g = torch.Generator().manual_seed(0)
+        cols = ("step", "inputs", "forward", "mamba", "attention", "mlp", "logits", "sample")
+        print(f"{'batch':>6}" + "".join(f"{c:>11}" for c in cols) + f"{'tok/s':>10}")
+        for b in batches:
+            best = min(
+                (run_batch(runner, clock, b, args.steps, g, args.scattered) for _ in range(args.repeats)),
+                key=lambda r: r["step"],
+            )
+            print(f"{b:>6}" + "".join(f"{best.get(c, 0.0):>11.2f}" for c in cols) + f"{1000 * b / best['step']:>10.0f}")
+        print("forward includes inputs (built again inside it), mixers, norms and logits; mixers are timed by kind")
+
+
+if __name__ == "__main__":
+    main()
