@@ -15,6 +15,7 @@ Only ratios measured in one run mean anything.
 
     .venv/bin/python bench/bench_vs_vllm.py [--vllm-python PATH] [--clients 1,8,32]
         [--mixes 16-256,1000-3000] [--max-tokens 64] [--families granitemoehybrid[,...]] [--skip-http]
+        [--decode-compile auto|on|off]
 
 vLLM lives in its own virtual environment, never in the project's (found by --vllm-python, else
 $HYBRIDSERVE_VLLM_PYTHON, else ~/.cache/hybridserve/vllm-venv/bin/python):
@@ -53,6 +54,7 @@ FAMILIES = {  # label -> (init-model arch, MoE)
 }
 SERVED_NAME = "bench"  # the model name both OpenAI servers answer to
 START_TIMEOUT_S = 300.0
+COMPILED_LINE = "compiled the Mamba decode step"  # gpu_worker.model.compiled_decode logs it when ready
 VLLM_TIMEOUT_S = 1800.0
 
 
@@ -151,7 +153,23 @@ def write_model(label: str, args: argparse.Namespace, tmp: Path) -> Path:
     return write_random_checkpoint(tmp / label, spec, seed=0, with_tokenizer=False)
 
 
-def start_ours(model: Path, scheduler: str, max_seqs: int) -> tuple[list[Any], str, str]:
+def wait_decode_compile(worker: Any, timeout_s: float) -> str:
+    """The worker's decode compile outcome ('compiled', 'failed', 'off'), read from its log: compiling
+    runs in the background, and the timed runs should not straddle the switch."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and worker.is_running():
+        text = worker.output
+        if COMPILED_LINE in text:
+            return "compiled"
+        if "decode compile failed" in text:
+            return "failed"
+        if "'decode_compile': 'off'" in text:
+            return "off"
+        time.sleep(0.5)
+    return "still compiling"
+
+
+def start_ours(model: Path, scheduler: str, max_seqs: int, decode_compile: str) -> tuple[list[Any], str, str]:
     """(children, worker gRPC address, gateway HTTP URL): a worker and a gateway in front of it."""
     from http_load import wait_http_ready
 
@@ -161,9 +179,10 @@ def start_ours(model: Path, scheduler: str, max_seqs: int) -> tuple[list[Any], s
     try:
         children.append(Child("worker", hybridserve_command(
             "worker", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--no-prefix-caching",
-            "--max-num-seqs", str(max_seqs),
-        )))  # fmt: skip
+            "--max-num-seqs", str(max_seqs), "--decode-compile", decode_compile,
+        ), keep_lines=400))  # fmt: skip
         address = children[0].wait_listening(START_TIMEOUT_S)
+        print(f"hybridserve decode compile: {wait_decode_compile(children[0], START_TIMEOUT_S)}", flush=True)
         children.insert(0, Child("gateway", hybridserve_command(
             "gateway", "--workers", address, "--port", "0", "--grpc-port", "0", "--served-model-name", SERVED_NAME,
         )))  # fmt: skip
@@ -278,7 +297,7 @@ def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: st
     print(f"\n== {label}: blocks {letters} (M Mamba2, * attention, - MLP, E MoE), hidden {args.hidden_size}, "
           f"vocab {args.vocab_size} ==", flush=True)  # fmt: skip
     max_seqs = max(int(c) for c in args.clients.split(","))
-    children, worker, gateway = start_ours(model, scheduler, max(max_seqs, args.requests))
+    children, worker, gateway = start_ours(model, scheduler, max(max_seqs, args.requests), args.decode_compile)
     try:
         offline_and_tokens(label, args, vllm, model, worker, tmp)
         if not http:
@@ -303,6 +322,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clients", default="1,8,32", help="closed-loop HTTP client counts")
     parser.add_argument("--min-requests", type=int, default=4, help="HTTP requests per cell: max(this, 2 x clients)")
     parser.add_argument("--skip-http", action="store_true", help="only the token comparison and the offline run")
+    parser.add_argument("--decode-compile", default="auto", choices=("auto", "on", "off"),
+                        help="the worker's --decode-compile (timed runs start once its compile ended)")  # fmt: skip
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=512)

@@ -19,6 +19,7 @@ from gpu_worker.cpu_alloc import set_cpu_threads
 from gpu_worker.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from gpu_worker.input_builder import build_inputs
 from gpu_worker.kv_pool import KVPagePool
+from gpu_worker.model.compiled_decode import DecodeCompiler, can_compile
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.model.kernels import kernel_backend
@@ -33,6 +34,7 @@ PAGES_WITHOUT_ATTENTION = 1 << 16
 # long chunks slow and pad short prompts to a whole chunk, and 64 measured fastest
 # (bench/bench_model.py: 16 prompts of 128 tokens 2.3x faster than with 256).
 CPU_SCAN_CHUNK_TOKENS = 64  # a pure-Mamba model still gets page ids for accounting (0 bytes each)
+DECODE_COMPILE_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,9 @@ class RunnerConfig:
     cuda_graph_max_batch: int = 256  # decode steps up to this many sequences replay CUDA graphs; 0 = off
     cuda_graph_max_context_tokens: int = 32768  # longer contexts decode eagerly (sizes the graphs' page table)
     cpu_threads: int = 0  # torch intra-op threads when running on CPU; 0 = auto (cpu_alloc.default_cpu_threads)
+    # torch.compile the Mamba decode step on CPU, in the background at start-up (eager until it is ready):
+    # auto = when a C++ compiler is found | on | off (gpu_worker.model.compiled_decode)
+    decode_compile: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens"):
@@ -60,6 +65,10 @@ class RunnerConfig:
             raise InvalidArgumentError(f"cpu_threads must be >= 0 (0 = auto), got {self.cpu_threads}")
         if self.num_checkpoint_slots < 0:
             raise InvalidArgumentError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
+        if self.decode_compile not in DECODE_COMPILE_MODES:
+            raise InvalidArgumentError(
+                f"decode_compile must be one of {', '.join(DECODE_COMPILE_MODES)}, got {self.decode_compile!r}"
+            )
         if self.cuda_graph_max_batch < 0:
             raise InvalidArgumentError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
 
@@ -102,6 +111,16 @@ class ModelRunner:
         self._kv_caches = self.kv_pool.layer_caches()
         self._states = self.state_pool.layer_states()
         self.decode_graphs = self._capture_decode_graphs()
+        self.decode_compiler = self._start_decode_compile()
+
+    def _start_decode_compile(self) -> DecodeCompiler | None:
+        """The background compile of the Mamba decode step (CPU only; see compiled_decode)."""
+        mode = self.runner_config.decode_compile
+        if mode == "off" or self.device.type != "cpu" or (mode == "auto" and not can_compile(self.device)):
+            return None
+        compiler = DecodeCompiler(self.model, self._states)
+        compiler.start()
+        return compiler
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, only on CUDA with the kernels attached (see cuda_graphs)."""
@@ -147,6 +166,8 @@ class ModelRunner:
         malformed batch (empty chunk, page table too short, duplicate or out-of-range state slot)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self._forward_graphed(batch)
+        if self.decode_compiler is not None:  # between steps: switch to the compiled decode once built
+            self.decode_compiler.attach_if_ready()
         for seq in batch.sequences:  # boundary checkpoints are written by the mixers: check ids first
             for _, checkpoint_id in seq.boundary_checkpoints:
                 self.state_pool.checkpoint_row(checkpoint_id)
@@ -188,6 +209,7 @@ class ModelRunner:
             "architecture": self.config.architecture,
             "kernels": kernel_backend(self.model),
             **graphs,
+            "decode_compile": self.decode_compiler.status if self.decode_compiler is not None else "off",
             "device": str(self.device),
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_bytes_per_token,

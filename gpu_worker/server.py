@@ -81,6 +81,10 @@ FLAGS = {
     "device": Flag("auto | cpu | cuda[:i]"),
     "dtype": Flag("auto | float32 | bfloat16"),
     "cpu_threads": Flag("torch intra-op threads on CPU; 0 = one per core but one (for the server threads)"),
+    "decode_compile": Flag(
+        "torch.compile the Mamba decode step on CPU in the background at start-up, decoding eagerly until it"
+        " is ready: auto (when a C++ compiler is found) | on | off"
+    ),
     "metrics_port": Flag(METRICS_PORT_HELP),
     "record_steps": Flag(
         "append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
@@ -104,6 +108,7 @@ ENGINE_FIELDS = (
 )  # fmt: skip
 RUNNER_FIELDS = (
     "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
+    "decode_compile",
 )  # fmt: skip  # the rest follow the config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
@@ -120,7 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         defaults={"scheduler_addresses": ("127.0.0.1:50051",)},
     )  # fmt: skip
     group = parser.add_argument_group("model runner")
-    add_settings_arguments(group, RunnerConfig, SERVICE, flags=FLAGS, only=RUNNER_FIELDS)
+    add_settings_arguments(
+        group, RunnerConfig, SERVICE, flags=FLAGS, only=RUNNER_FIELDS, defaults={"decode_compile": "auto"}
+    )  # a served worker compiles when it can; a runner built in-process (tests, benches) does not
     group = parser.add_argument_group("observability (tracing: the standard OTEL_* variables)")
     add_settings_arguments(group, WorkerServerSettings, SERVICE, flags=FLAGS, only=OBSERVABILITY_FIELDS)
     group = parser.add_argument_group("security (secrets: files or variables, never flags)")

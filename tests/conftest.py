@@ -7,6 +7,9 @@ import os
 import pytest
 
 os.environ.setdefault("OTEL_SDK_DISABLED", "true")
+# Workers the tests start decode eagerly: a background compile in every worker process would load the
+# 2-core CI machine; tests/model/test_compiled_decode.py covers the compiled decode step.
+os.environ.setdefault("HYBRIDSERVE_WORKER_DECODE_COMPILE", "off")
 
 
 def _interpret_triton_without_cuda() -> None:

@@ -6,6 +6,7 @@ State per sequence (one pool row): conv state = the last d_conv - 1 pre-conv xBC
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,11 +23,16 @@ from gpu_worker.model.ssd import ssd_scan, ssm_step_
 if TYPE_CHECKING:
     from gpu_worker.model.kernels.ops import TritonOps
 
+# (mixer, zxbcdt of the decode group [nd, width], ctx, conv pool, ssm pool) -> gated-normed y [nd, d_inner]
+FusedDecode = Callable[["Mamba2Mixer", torch.Tensor, ForwardContext, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 class Mamba2Mixer(nn.Module):
     """in_proj -> [z, xBC, dt]; causal depthwise conv + SiLU on xBC; SSD; gated RMS norm; out_proj."""
 
     ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.kernels)
+    # the compiled decode step when attached (gpu_worker.model.compiled_decode): decode group -> normed y
+    fused_decode: FusedDecode | None = None
     packed_prefill = True  # every prefill chunk in one conv + one scan; False: one scan per chunk (the oracle)
 
     def __init__(self, config: BambaConfig) -> None:
@@ -53,6 +59,9 @@ class Mamba2Mixer(nn.Module):
         """hidden [T, hidden] -> [T, hidden]. conv_state [rows, conv_dim, K-1] and ssm_state
         [rows, H, P, N] are this layer's pool tensors; the rows of the batch's sequences are updated."""
         zxbcdt = self.in_proj(hidden)  # [T, d_inner + conv_dim + H]
+        if self.fused_decode is not None and ctx.num_decode and self.ops is None:
+            fused = self._forward_fused(self.fused_decode, zxbcdt, ctx, conv_state, ssm_state)
+            return self.out_proj(fused)  # type: ignore[no-any-return]
         z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         dt = torch.clamp(F.softplus(dt.float() + self.dt_bias.float()), self.dt_min, self.dt_max)  # [T, H]
         A = -torch.exp(self.A_log.float())  # [H]
@@ -72,6 +81,33 @@ class Mamba2Mixer(nn.Module):
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)  # [T, d_inner] float32
         out: torch.Tensor = self.out_proj(self.norm(y, z).to(hidden.dtype))
         return out
+
+    def _forward_fused(
+        self,
+        fused: FusedDecode,
+        zxbcdt: torch.Tensor,
+        ctx: ForwardContext,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """The decode group through the compiled step, the prefill rows (if any) through the eager
+        code; both gated-normed ([T, d_inner], out_proj input)."""
+        nd = ctx.num_decode
+        normed = fused(self, zxbcdt[:nd], ctx, conv_state, ssm_state)  # [nd, d_inner]
+        if not ctx.prefills:
+            return normed
+        z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        dt = torch.clamp(F.softplus(dt.float() + self.dt_bias.float()), self.dt_min, self.dt_max)
+        A = -torch.exp(self.A_log.float())
+        if self.packed_prefill:
+            y = self._prefill_packed(xbc, dt, A, ctx, conv_state, ssm_state)
+        else:
+            ys = []
+            for i, span in enumerate(ctx.prefills):
+                sl = slice(span.token_start, span.token_start + span.num_tokens)
+                ys.append(self._prefill(xbc[sl], dt[sl], A, span, conv_state, ssm_state, ctx.boundaries_of(i)))
+            y = torch.cat(ys)
+        return torch.cat([normed, self.norm(y, z[nd:]).to(zxbcdt.dtype)])
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gn = self.num_groups * self.state_size
