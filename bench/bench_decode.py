@@ -7,8 +7,9 @@ prefills prompts of 16..256 tokens, then times decode steps (greedy), split into
     model    the forward, per block kind (mamba, attention, mlp; norm + residual are the rest)
     logits   the LM head on the last rows
     sample   greedy sampling and the device -> list copy
-With --compile the Mamba decode step runs compiled (gpu_worker.model.compiled_decode; the compile time
-is printed); with --scattered the sequences hold every other state slot (not one contiguous run).
+With --compile the same steps also run with the Mamba decode step compiled (gpu_worker.model.
+compiled_decode), interleaved with the eager runs; with --scattered the sequences hold every other
+state slot (not one contiguous run).
 Absolute times depend on the machine and its load; compare rows measured in one run.
 
     .venv/bin/python bench/bench_decode.py [--batches 8,32,64] [--steps 48] [--compile] [--scattered]
@@ -30,6 +31,7 @@ from gpu_worker.batch import Batch, SequenceChunk
 from gpu_worker.cpu_alloc import keep_freed_memory
 from gpu_worker.init_model import ModelSpec, write_random_checkpoint
 from gpu_worker.input_builder import build_inputs
+from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.model.model import Block
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.sampling import SamplingParams, sample
@@ -119,12 +121,22 @@ def run_batch(
     return ms
 
 
+def set_compiled(runner: ModelRunner, compiled: bool) -> None:
+    """Route the Mamba decode rows through the compiled step (attached) or the eager code."""
+    compiler = runner.decode_compiler
+    assert compiler is not None and compiler.attach_if_ready(), f"decode compile: {compiler and compiler.status}"
+    step = compiler.compiled if compiled else None
+    for module in runner.model.modules():
+        if isinstance(module, Mamba2Mixer):
+            module.fused_decode = step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="8,32,64")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per batch size")
-    parser.add_argument("--compile", action="store_true", help="decode through the compiled step")
+    parser.add_argument("--compile", action="store_true", help="also the compiled Mamba step, interleaved")
     parser.add_argument("--scattered", action="store_true", help="every other state slot (gathered state rows)")
     args = parser.parse_args()
     keep_freed_memory()
@@ -144,13 +156,19 @@ def main() -> None:
         instrument(runner, clock)
         g = torch.Generator().manual_seed(0)
         cols = ("step", "inputs", "forward", "mamba", "attention", "mlp", "logits", "sample")
-        print(f"{'batch':>6}" + "".join(f"{c:>11}" for c in cols) + f"{'tok/s':>10}")
+        modes = ("eager", "compiled") if args.compile else ("eager",)
+        print(f"{'batch':>6}{'mode':>10}" + "".join(f"{c:>10}" for c in cols) + f"{'tok/s':>9}")
         for b in batches:
-            best = min(
-                (run_batch(runner, clock, b, args.steps, g, args.scattered) for _ in range(args.repeats)),
-                key=lambda r: r["step"],
-            )
-            print(f"{b:>6}" + "".join(f"{best.get(c, 0.0):>11.2f}" for c in cols) + f"{1000 * b / best['step']:>10.0f}")
+            runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            for _ in range(args.repeats):  # interleaved, so a load spike hits both alike
+                for mode in modes:
+                    if args.compile:
+                        set_compiled(runner, mode == "compiled")
+                    runs[mode].append(run_batch(runner, clock, b, args.steps, g, args.scattered))
+            for mode in modes:
+                best = min(runs[mode], key=lambda r: r["step"])
+                row = "".join(f"{best.get(c, 0.0):>10.2f}" for c in cols)
+                print(f"{b:>6}{mode:>10}{row}{1000 * b / best['step']:>9.0f}")
         print("forward includes inputs (built again inside it), mixers, norms and logits; mixers are timed by kind")
 
 

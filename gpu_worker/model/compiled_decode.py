@@ -170,6 +170,11 @@ class DecodeCompiler:
         """Blocks until the compile ended (ready or failed); True when it did within `timeout_s`."""
         return self._done.wait(timeout_s)
 
+    @property
+    def compiled(self) -> CompiledMambaDecode | None:
+        """The compiled step once ready (what `attach_if_ready` attaches)."""
+        return self._compiled
+
     def attach_if_ready(self) -> bool:
         """Called by the engine thread between steps: points every mixer at the compiled step once it
         is ready. True when attached."""
