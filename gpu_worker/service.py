@@ -182,13 +182,18 @@ def merge_events(first: RequestOutput, later: list[RequestOutput]) -> RequestOut
 
 
 def output_to_pb(request_id: str, event: RequestOutput) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(
-        request_id=request_id,
-        token_ids=list(event.token_ids),
-        logprobs=list(event.logprobs),
-        text=event.text,
-        finish_reason=finish_reason_to_pb(event.finish_reason),
-    )
+    if event.finish_reason is None:  # a token on its way: no finish reason (unspecified), no usage
+        msg = pb.GenerateResponse(
+            request_id=request_id, token_ids=event.token_ids, logprobs=event.logprobs, text=event.text
+        )
+    else:
+        msg = pb.GenerateResponse(
+            request_id=request_id,
+            token_ids=event.token_ids,
+            logprobs=event.logprobs,
+            text=event.text,
+            finish_reason=finish_reason_to_pb(event.finish_reason),
+        )
     for top in event.top_logprobs:
         if top:
             msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
