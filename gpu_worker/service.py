@@ -154,14 +154,12 @@ def take_queued(events: queue.SimpleQueue[RequestOutput], first: RequestOutput) 
     taken: list[RequestOutput] = []
     if first.finish_reason is not None:
         return taken
-    while True:
-        try:
-            event = events.get_nowait()
-        except queue.Empty:
-            return taken
+    while not events.empty():  # only this stream takes from its queue: empty() is exact here
+        event = events.get_nowait()  # (and, unlike a get_nowait that raises Empty, costs nothing when empty)
         taken.append(event)
         if event.finish_reason is not None or event.error is not None:
-            return taken
+            break
+    return taken
 
 
 def merge_events(first: RequestOutput, later: list[RequestOutput]) -> RequestOutput:
