@@ -28,7 +28,7 @@ from gateway.convert import generate_requests
 from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_request import ApiRequest, parse_chat, parse_completion
-from gateway.openai_response import ChoiceState, envelope, final_body, new_id, total_usage
+from gateway.openai_response import ChoiceState, ChunkFrame, envelope, final_body, new_id, total_usage
 from gateway.tokens import GatewayTokenizer, token_id_text
 from hybridserve import telemetry
 from hybridserve.auth import is_authorized
@@ -156,7 +156,9 @@ class Generation:
             await queue.put((index, exc))
 
     async def events(self) -> Any:
-        """(choice index, worker message) pairs from all choices as they come; raises ApiError."""
+        """Lists of (choice index, worker message) pairs from all choices: each list what had
+        arrived when the previous one was taken (one pair while the client keeps up); raises
+        ApiError after the pairs that came before the failure."""
         prompt = self.prompt()
         prefix = self.gateway.dispatcher.prefix_hashes(prompt)
         carrier: dict[str, str] = {}
@@ -169,18 +171,30 @@ class Generation:
         remaining = len(tasks)
         try:
             while remaining:
+                batch: list[tuple[int, pb.GenerateResponse]] = []
+                ended: list[int] = []  # choices whose stream ended: checked once the batch was applied
+                error: ApiError | None = None
                 index, item = await queue.get()
-                if item is _DONE:
-                    remaining -= 1
-                    if self.choices[index].finish_reason is None:
-                        raise api_errors.upstream_failed("the worker aborted this request before it finished")
-                elif isinstance(item, UpstreamError | NoWorkerError):
-                    raise upstream_to_api(item)
-                else:
-                    if not self.first_token:
-                        self.first_token = True
-                        self.gateway.metrics.ttft_seconds.observe(time.perf_counter() - self.started_s)
-                    yield index, item
+                while True:
+                    if item is _DONE:
+                        remaining -= 1
+                        ended.append(index)
+                    elif isinstance(item, UpstreamError | NoWorkerError):
+                        error = upstream_to_api(item)
+                    else:
+                        if not self.first_token:
+                            self.first_token = True
+                            self.gateway.metrics.ttft_seconds.observe(time.perf_counter() - self.started_s)
+                        batch.append((index, item))
+                    if error is not None or queue.empty():
+                        break
+                    index, item = queue.get_nowait()
+                if batch:
+                    yield batch
+                if error is not None:
+                    raise error
+                if any(self.choices[i].finish_reason is None for i in ended):
+                    raise api_errors.upstream_failed("the worker aborted this request before it finished")
         finally:
             for task in tasks:
                 task.cancel()
@@ -197,8 +211,9 @@ class Generation:
 
     async def respond_json(self) -> web.Response:
         async with contextlib.aclosing(self.events()) as events:
-            async for index, message in events:
-                self.choices[index].apply(message)
+            async for batch in events:
+                for index, message in batch:
+                    self.choices[index].apply(message)
         body = final_body(self.api.kind, self.response_id, self.model, self.choices)
         self.record_usage()
         return web.json_response(body)
@@ -206,19 +221,18 @@ class Generation:
     async def respond_stream(self, request: web.Request) -> web.StreamResponse:
         response: web.StreamResponse | None = None
         created = int(time.time())
+        frame = ChunkFrame.of(self.api.kind, self.response_id, self.model, created, self.api.include_usage)
+        choices = self.choices
         async with contextlib.aclosing(self.events()) as events:
             try:
-                async for index, message in events:
-                    chunk = envelope(self.api.kind, self.response_id, self.model, created, chunk=True)
-                    chunk["choices"] = [self.choices[index].apply(message)]
-                    if self.api.include_usage:
-                        chunk["usage"] = None
+                async for batch in events:
+                    data = b"".join([frame.sse(choices[index].apply(message)) for index, message in batch])
                     if response is None:  # errors before the first token still get their HTTP status
                         response = web.StreamResponse(
                             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
                         )
                         await response.prepare(request)
-                    await response.write(_sse(chunk))
+                    await response.write(data)  # what arrived meanwhile: one write
             except ApiError as exc:
                 if response is None:
                     raise

@@ -6,6 +6,7 @@ non-streaming body or turns each into one stream chunk."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -184,6 +185,25 @@ def envelope(
         "model": model,
         "system_fingerprint": None,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFrame:
+    """One stream's chunk bytes around the choice entry: the envelope is the same in every chunk of
+    a stream, so it is serialised once and each chunk serialises only its entry. The bytes equal
+    `data: ` + the compact JSON of {envelope..., "choices": [entry], ("usage": null)} + a blank line."""
+
+    head: bytes  # b'data: {"id":...,"system_fingerprint":null,"choices":['
+    tail: bytes  # b']}\n\n', or b'],"usage":null}\n\n' when the stream ends with a usage chunk
+
+    @staticmethod
+    def of(kind: str, response_id: str, model: str, created: int, include_usage: bool) -> ChunkFrame:
+        text = json.dumps(envelope(kind, response_id, model, created, chunk=True), separators=(",", ":"))
+        tail = '],"usage":null}' if include_usage else "]}"
+        return ChunkFrame(b"data: " + text[:-1].encode() + b',"choices":[', tail.encode() + b"\n\n")
+
+    def sse(self, entry: dict[str, Any]) -> bytes:
+        return self.head + json.dumps(entry, separators=(",", ":")).encode() + self.tail
 
 
 def final_body(kind: str, response_id: str, model: str, choices: Sequence[ChoiceState]) -> dict[str, Any]:

@@ -87,18 +87,24 @@ class GenerationServicer:
             self.engine.abort(req.request_id)
 
         context.add_callback(on_rpc_done)
+        events = req.events
         while True:
             try:
-                event = req.events.get(timeout=POLL_S)
+                event = events.get(timeout=POLL_S)
             except queue.Empty:
                 if not context.is_active():
                     return
                 continue
             if event.error is not None:
                 raise event.error
+            behind = take_queued(events, event)
+            if behind:  # the client fell behind: the events queued meanwhile go out as one message
+                event = merge_events(event, behind)
             yield output_to_pb(req.request_id, event)
             if event.finish_reason is not None:
                 return
+            if behind and behind[-1].error is not None:
+                raise behind[-1].error
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         if not self.engine.abort(request.request_id):
@@ -142,14 +148,50 @@ class GenerationServicer:
         )
 
 
-def output_to_pb(request_id: str, event: RequestOutput) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(
-        request_id=request_id,
-        token_ids=list(event.token_ids),
-        logprobs=list(event.logprobs),
-        text=event.text,
-        finish_reason=finish_reason_to_pb(event.finish_reason),
+def take_queued(events: queue.SimpleQueue[RequestOutput], first: RequestOutput) -> list[RequestOutput]:
+    """The events already queued after `first` (none when the stream keeps up: no wait, so no
+    latency added), up to the request's last one; an error event, if one came, is the last taken."""
+    taken: list[RequestOutput] = []
+    if first.finish_reason is not None:
+        return taken
+    while not events.empty():  # only this stream takes from its queue: empty() is exact here
+        event = events.get_nowait()  # (and, unlike a get_nowait that raises Empty, costs nothing when empty)
+        taken.append(event)
+        if event.finish_reason is not None or event.error is not None:
+            break
+    return taken
+
+
+def merge_events(first: RequestOutput, later: list[RequestOutput]) -> RequestOutput:
+    """Consecutive events of one request as one: tokens, log-probabilities and text in order; the
+    finish reason and usage of the last. An error event among `later` is left out (raised after)."""
+    events = [first, *(e for e in later if e.error is None)]
+    last = events[-1]
+    return RequestOutput(
+        tuple([t for e in events for t in e.token_ids]),
+        tuple([lp for e in events for lp in e.logprobs]),
+        tuple([top for e in events for top in e.top_logprobs]),
+        "".join([e.text for e in events]),
+        last.finish_reason,
+        last.prompt_tokens,
+        last.cached_tokens,
+        last.completion_tokens,
     )
+
+
+def output_to_pb(request_id: str, event: RequestOutput) -> pb.GenerateResponse:
+    if event.finish_reason is None:  # a token on its way: no finish reason (unspecified), no usage
+        msg = pb.GenerateResponse(
+            request_id=request_id, token_ids=event.token_ids, logprobs=event.logprobs, text=event.text
+        )
+    else:
+        msg = pb.GenerateResponse(
+            request_id=request_id,
+            token_ids=event.token_ids,
+            logprobs=event.logprobs,
+            text=event.text,
+            finish_reason=finish_reason_to_pb(event.finish_reason),
+        )
     for top in event.top_logprobs:
         if top:
             msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])

@@ -175,7 +175,7 @@ class SchedulerClient:
         return False
 
     def plan(self, step: StepInput) -> StepPlan:
-        return convert.plan_from_pb(self.plan_pb(convert.step_to_pb(step)))
+        return convert.plan_from_pb(self.plan_pb(convert.step_to_pb_columns(step)))
 
     def plan_pb(self, request: pb.PlanStepRequest) -> pb.PlanStepResponse:
         response: pb.PlanStepResponse = self._call(self._stub.PlanStep, request)

@@ -3,6 +3,10 @@ wire allows but the domain does not (absent config, unknown enum values) and rai
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from typing import Any, TypeVar
+
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import scheduler_pb2 as pb
 from scheduler_svc.core import (
@@ -14,6 +18,14 @@ from scheduler_svc.core import (
     StepInput,
     StepPlan,
 )
+
+T = TypeVar("T", bound=tuple[Any, ...])
+
+
+def rows_from_columns(cls: type[T], columns: Iterable[Iterable[Any]]) -> tuple[T, ...]:
+    """NamedTuples of `cls` from columns in its field order. tuple.__new__ is a C call per row where
+    the NamedTuple's own constructor is a Python function: about half the time at 256 rows."""
+    return tuple(map(tuple.__new__, repeat(cls), zip(*columns, strict=True)))
 
 
 def config_from_pb(msg: pb.SchedulerConfig) -> SchedulerConfig:
@@ -76,13 +88,40 @@ def state_to_pb(state: RequestState) -> pb.RequestState:
     )
 
 
+def states_from_columns(msg: pb.RequestStateColumns, name: str) -> tuple[RequestState, ...]:
+    """The states of one queue sent as columns; every column must have one entry per request."""
+    columns: tuple[Sequence[Any], ...] = (
+        msg.request_id, msg.num_prompt_tokens, msg.num_computed_tokens, msg.num_output_tokens,
+        msg.max_tokens, msg.priority, msg.arrival_time,
+    )  # fmt: skip
+    if len({len(c) for c in columns}) > 1:
+        counts = ", ".join(f"{field} {len(c)}" for field, c in zip(RequestState._fields, columns, strict=True))
+        raise InvalidArgumentError(f"{name}: every column needs one entry per request; got {counts}")
+    return rows_from_columns(RequestState, columns)
+
+
+def is_columnar(msg: pb.PlanStepRequest) -> bool:
+    """Whether the request sent its states as columns (and wants its slices back as columns)."""
+    return msg.HasField("running_columns") or msg.HasField("waiting_columns")
+
+
 def step_from_pb(msg: pb.PlanStepRequest) -> StepInput:
     if not msg.HasField("config"):
         raise InvalidArgumentError("config is required: send the SchedulerConfig with every PlanStep")
+    if is_columnar(msg):
+        if msg.running or msg.waiting:
+            raise InvalidArgumentError(
+                "send the request states once: either running/waiting or running_columns/waiting_columns"
+            )
+        running = states_from_columns(msg.running_columns, "running_columns")
+        waiting = states_from_columns(msg.waiting_columns, "waiting_columns")
+    else:
+        running = tuple([state_from_pb(r) for r in msg.running])
+        waiting = tuple([state_from_pb(r) for r in msg.waiting])
     return StepInput(
         config=config_from_pb(msg.config),
-        running=tuple([state_from_pb(r) for r in msg.running]),
-        waiting=tuple([state_from_pb(r) for r in msg.waiting]),
+        running=running,
+        waiting=waiting,
         step_index=msg.step_index,
         num_free_kv_pages=msg.num_free_kv_pages,
     )
@@ -107,7 +146,35 @@ def step_to_pb(step: StepInput) -> pb.PlanStepRequest:
     return msg
 
 
-def plan_to_pb(plan: StepPlan) -> pb.PlanStepResponse:
+def _fill_columns(columns: pb.RequestStateColumns, states: tuple[RequestState, ...]) -> None:
+    if not states:
+        columns.SetInParent()  # present though empty: the request is in columns
+        return
+    ids, prompts, computed, outputs, max_tokens, priorities, arrivals = zip(*states, strict=True)
+    columns.request_id.extend(ids)
+    columns.num_prompt_tokens.extend(prompts)
+    columns.num_computed_tokens.extend(computed)
+    columns.num_output_tokens.extend(outputs)
+    columns.max_tokens.extend(max_tokens)
+    columns.priority.extend(priorities)
+    columns.arrival_time.extend(arrivals)
+
+
+def step_to_pb_columns(step: StepInput) -> pb.PlanStepRequest:
+    """The request as columns (RequestStateColumns): what the worker sends every step. A field's
+    values go in with one extend each instead of a message per request: about a tenth of the
+    Python work of step_to_pb at 256 requests, and the service's parse shrinks alike."""
+    msg = pb.PlanStepRequest(
+        config=config_to_pb(step.config), step_index=step.step_index, num_free_kv_pages=step.num_free_kv_pages
+    )
+    _fill_columns(msg.running_columns, step.running)
+    _fill_columns(msg.waiting_columns, step.waiting)
+    return msg
+
+
+def plan_to_pb(plan: StepPlan, columns: bool = False) -> pb.PlanStepResponse:
+    """The plan on the wire; with `columns` its slices as SliceColumns (the answer to a request
+    sent as columns)."""
     stats = plan.stats
     msg = pb.PlanStepResponse(
         preempted_request_ids=list(plan.preempted_request_ids),
@@ -122,6 +189,16 @@ def plan_to_pb(plan: StepPlan) -> pb.PlanStepResponse:
             num_kv_pages_allocated=stats.num_kv_pages_allocated,
         ),
     )
+    if columns:
+        out = msg.slice_columns
+        out.SetInParent()
+        if plan.slices:
+            ids, num_tokens, is_prefill, ends_on_checkpoint = zip(*plan.slices, strict=True)
+            out.request_id.extend(ids)
+            out.num_tokens.extend(num_tokens)
+            out.is_prefill.extend(is_prefill)
+            out.ends_on_checkpoint.extend(ends_on_checkpoint)
+        return msg
     add = msg.slices.add  # in place: building Slice messages first and copying them costs a third more
     for s in plan.slices:
         add(
@@ -133,11 +210,21 @@ def plan_to_pb(plan: StepPlan) -> pb.PlanStepResponse:
     return msg
 
 
+def slices_from_pb(msg: pb.PlanStepResponse) -> tuple[Slice, ...]:
+    if msg.HasField("slice_columns"):
+        c = msg.slice_columns
+        columns = (c.request_id, c.num_tokens, c.is_prefill, c.ends_on_checkpoint)
+        if len({len(column) for column in columns}) > 1:
+            raise InvalidArgumentError("slice_columns: every column needs one entry per slice")
+        return rows_from_columns(Slice, columns)
+    # Positional, in Slice's field order: one per slice of every step.
+    return tuple([Slice(s.request_id, s.num_tokens, s.is_prefill, s.ends_on_checkpoint) for s in msg.slices])
+
+
 def plan_from_pb(msg: pb.PlanStepResponse) -> StepPlan:
     stats = msg.stats
     return StepPlan(
-        # Positional, in Slice's field order: one per slice of every step.
-        slices=tuple([Slice(s.request_id, s.num_tokens, s.is_prefill, s.ends_on_checkpoint) for s in msg.slices]),
+        slices=slices_from_pb(msg),
         preempted_request_ids=tuple(msg.preempted_request_ids),
         quantum=msg.quantum,
         stats=PlanStats(

@@ -15,7 +15,7 @@ from scheduler_svc.core import plan_step
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     def PlanStep(self, request: pb.PlanStepRequest, context: grpc.ServicerContext) -> pb.PlanStepResponse:
-        return convert.plan_to_pb(plan_step(convert.step_from_pb(request)))
+        return convert.plan_to_pb(plan_step(convert.step_from_pb(request)), convert.is_columnar(request))
 
     def ValidateConfig(self, request: pb.SchedulerConfig, context: grpc.ServicerContext) -> pb.ValidateConfigResponse:
         config = convert.config_from_pb(request).validate()

@@ -5,7 +5,16 @@ The shared tier (the cache service, Redis, any transport between) is untrusted s
 write there could otherwise serve one prefix's state under another prefix's hash, or a tensor of the
 wrong shape. So a checkpoint names its block and carries a MAC that only workers can make:
 
-    MAGIC (8 bytes) | HMAC-SHA256(key, MAGIC | body) (32 bytes) | body
+    MAGIC (8 bytes) | salt (16 random bytes) | tag (16 bytes) | body
+
+    tag = GMAC(subkey, body): AES-256-GCM over no plaintext with the body as associated data
+    subkey = HMAC-SHA256(key, FORMAT_VERSION | salt)
+
+Each seal draws a fresh salt, so every subkey tags exactly one body and GMAC's one-time-key bound
+holds (no nonce to track, no limit on checkpoints per key); the salt itself is covered because it
+picks the subkey. GMAC runs at tens of GB/s where the CPU has carry-less multiply (PCLMULQDQ),
+against about 2 GB/s for HMAC-SHA256 over the whole body: verifying a fetched block costs a small
+part of reading it from Redis.
 
 body is safetensors: tensors `kv` (and `conv` with `ssm` at a state boundary) plus metadata naming the
 block (format version, block hash, parent hash, block size, model fingerprint). The safetensors header
@@ -22,20 +31,25 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import struct
 import warnings
 from dataclasses import dataclass
 from hashlib import sha256
 
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from safetensors.torch import save as st_save
 
 from gpu_worker.runner import ModelRunner
 from hybridserve.errors import InvalidArgumentError
 
-FORMAT_VERSION = "hybridserve-checkpoint/2"
-MAGIC = b"HSCKPT02"
-MAC_BYTES = 32
+FORMAT_VERSION = "hybridserve-checkpoint/3"
+MAGIC = b"HSCKPT03"
+SALT_BYTES = 16
+TAG_BYTES = 16
+HEAD_BYTES = len(MAGIC) + SALT_BYTES + TAG_BYTES  # the envelope before the safetensors body
+_NONCE = bytes(12)  # each subkey tags one body only, so a fixed nonce is safe
 MIN_KEY_BYTES = 16
 MAX_HEADER_BYTES = 1 << 20  # a safetensors header of a few tensors is far below this
 _DTYPE_NAMES = {
@@ -121,10 +135,16 @@ def check_key(key: bytes) -> bytes:
     return key
 
 
-def _mac(key: bytes, body: bytes | memoryview) -> bytes:
-    mac = hmac.new(key, MAGIC, sha256)
-    mac.update(body)  # no copy of a large body
-    return mac.digest()
+def tag_of(key: bytes, salt: bytes, body: bytes | memoryview) -> bytes:
+    """GMAC of the body under the salt's one-time subkey (no copy of a large body)."""
+    subkey = hmac.new(key, FORMAT_VERSION.encode() + salt, sha256).digest()
+    return AESGCM(subkey).encrypt(_NONCE, b"", body)
+
+
+def seal_body(body: bytes, key: bytes) -> bytes:
+    """A safetensors body in its sealed envelope: what only a holder of the workers' key can make."""
+    salt = os.urandom(SALT_BYTES)
+    return MAGIC + salt + tag_of(key, salt, body) + body
 
 
 def seal(block: BlockCheckpoint, identity: BlockIdentity, key: bytes) -> bytes:
@@ -132,17 +152,17 @@ def seal(block: BlockCheckpoint, identity: BlockIdentity, key: bytes) -> bytes:
     tensors = {"kv": block.kv.contiguous()}
     if block.conv is not None and block.ssm is not None:
         tensors |= {"conv": block.conv.contiguous(), "ssm": block.ssm.contiguous()}
-    body = st_save(tensors, metadata=identity.metadata())
-    return MAGIC + _mac(key, body) + body
+    return seal_body(st_save(tensors, metadata=identity.metadata()), key)
 
 
 def verify(data: bytes, identity: BlockIdentity, layout: CheckpointLayout, key: bytes) -> BlockCheckpoint | Rejection:
     """The checkpoint in `data` if it is genuine, of this block and fits these pools; else why not."""
-    head = len(MAGIC) + MAC_BYTES
-    if len(data) < head + 8 or not data.startswith(MAGIC):
+    if len(data) < HEAD_BYTES + 8 or not data.startswith(MAGIC):
         return Rejection("format", f"not a {FORMAT_VERSION} checkpoint")
-    body = memoryview(data)[head:]
-    if not hmac.compare_digest(data[len(MAGIC) : head], _mac(key, body)):
+    view = memoryview(data)
+    body = view[HEAD_BYTES:]
+    salt, tag = bytes(view[len(MAGIC) : len(MAGIC) + SALT_BYTES]), bytes(view[HEAD_BYTES - TAG_BYTES : HEAD_BYTES])
+    if not hmac.compare_digest(tag, tag_of(key, salt, body)):
         return Rejection("mac", "MAC mismatch: not made by a worker holding this key, or altered")
     header = _header(body)
     if isinstance(header, Rejection):

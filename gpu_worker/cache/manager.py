@@ -76,18 +76,20 @@ class PrefixCacheManager(PrefixCache):
         if fetch.cancelled() or fetch.exception() is not None:
             return None
         result = fetch.result()
-        self._import_blocks(result.blocks)
-        if result.miss_reason is not None:
-            self._shared_misses[result.request_id] = result.miss_reason
+        miss_reason = result.miss_reason
+        if not self._import_blocks(result.blocks):
+            miss_reason = MissReason.FAILED_VERIFICATION  # the first block not imported is the miss
+        if miss_reason is not None:
+            self._shared_misses[result.request_id] = miss_reason
         if result.miss_reason is MissReason.FETCH_SLOWER:
             self.num_declined_tokens += result.num_offered_blocks * self.block_size
-        reason = result.miss_reason.value if result.miss_reason is not None else ""
+        reason = miss_reason.value if miss_reason is not None else ""
         return CacheLookup(
             "shared", bool(result.blocks), result.request_id, miss_reason=reason, decision=result.decision
         )
 
-    def _import_blocks(self, blocks: list[FetchedBlock]) -> None:
-        """Stops at the first block that does not fit."""
+    def _import_blocks(self, blocks: list[FetchedBlock]) -> bool:
+        """Stops at the first block that does not fit; False when a block failed its import."""
         pages_per_block = self.block_size // self.runner.kv_page_size_tokens
         for block in blocks:
             if self.local.has_checkpoint(block.block_hash) or (
@@ -101,13 +103,14 @@ class PrefixCacheManager(PrefixCache):
             ):
                 if checkpoint_id is not None:
                     self.runner.state_pool.free_checkpoint(checkpoint_id)
-                return
+                return True
             page_ids = self.runner.kv_pool.allocate(pages_per_block)
             if not self._import_one(block, page_ids, checkpoint_id):
-                return
+                return False
             self.local.insert(block.block_hash, block.parent_hash, page_ids, checkpoint_id)
             self.runner.kv_pool.free(page_ids)  # the cache now holds the only reference
             self.num_shared_hits += 1
+        return True
 
     def _import_one(self, block: FetchedBlock, page_ids: list[int], checkpoint_id: int | None) -> bool:
         """Writes one fetched block into its pages and slot. A block that does not fit this model

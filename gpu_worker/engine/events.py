@@ -40,15 +40,17 @@ def finished(ending: Ending, now: float) -> RequestFinished:
 
 def served(prepared: PreparedStep, yielded: bool) -> tuple[ServedSlice, ...]:
     """The rows of a step that ran; `yielded` is False when its forward failed."""
-    # Positional, in ServedSlice's field order: this runs for every row of every step.
+    # In ServedSlice's field order, through tuple.__new__ (its constructor without the Python call):
+    # this runs for every row of every step.
+    new = tuple.__new__
     return tuple([
-        ServedSlice(
+        new(ServedSlice, (
             (request := row.request).request_id,
             (planned := row.slice).num_tokens,
             planned.is_prefill,
             planned.ends_on_checkpoint,
             row.yields and yielded,
             len(request.output_token_ids),
-        )
+        ))
         for row in prepared.rows
     ])  # fmt: skip

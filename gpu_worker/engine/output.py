@@ -11,6 +11,7 @@ from gpu_worker.engine.request import Request, RequestOutput
 from hybridserve.errors import HybridServeError
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token_id, logprob), best first
+_new = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,8 @@ class OutputProcessor:
         is_eos = token_id in self._eos_ids and not params.ignore_eos
         text, hit_stop = request.stop_checker.push([] if is_eos else [token_id])
         if not (is_eos or hit_stop) and len(outputs) < params.max_tokens:  # the common case: it goes on
-            request.events.put(RequestOutput((token_id,), (logprob,), (top,), text))
+            # RequestOutput((token_id,), (logprob,), (top,), text) without its Python constructor
+            request.events.put(_new(RequestOutput, ((token_id,), (logprob,), (top,), text, None, 0, 0, 0, None)))
             return None
         reason = finish_reason(is_eos, hit_stop, len(outputs) >= params.max_tokens)
         assert reason is not None

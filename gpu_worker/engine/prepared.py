@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gpu_worker.batch import Batch, SequenceChunk
@@ -29,27 +29,30 @@ class Row(NamedTuple):
 class PreparedStep:
     rows: tuple[Row, ...]  # in batch order
     preempted_request_ids: tuple[str, ...]  # by the plan, then those that found no pages
+    # Derived once from rows (sample, apply, the next snapshot and the step record all read them):
+    yielding_rows: list[int] = field(init=False)  # batch rows that get a new token, in order
+    yielding: list[Request] = field(init=False)  # their requests
+
+    def __post_init__(self) -> None:
+        rows = self.rows
+        indices = [i for i, r in enumerate(rows) if r.yields]
+        object.__setattr__(self, "yielding_rows", indices)
+        object.__setattr__(self, "yielding", [rows[i].request for i in indices])
 
     @property
     def batch(self) -> Batch | None:
-        return Batch(tuple(r.chunk for r in self.rows)) if self.rows else None
-
-    @property
-    def yielding(self) -> list[Request]:
-        """Requests that get a new token from this step, in row order."""
-        return [r.request for r in self.rows if r.yields]
+        return Batch(tuple([r.chunk for r in self.rows])) if self.rows else None
 
     @property
     def yielding_ids(self) -> set[str]:
-        return {r.request.request_id for r in self.rows if r.yields}
-
-    @property
-    def yielding_rows(self) -> list[int]:
-        return [i for i, r in enumerate(self.rows) if r.yields]
+        return {r.request_id for r in self.yielding}
 
     @property
     def checkpoints(self) -> list[PendingCheckpoint]:
-        return [c for r in self.rows for c in r.checkpoints]
+        return [c for r in self.rows if r.checkpoints for c in r.checkpoints]
+
+
+_new = tuple.__new__
 
 
 def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoint]) -> Row:
@@ -64,12 +67,13 @@ def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoi
     if checkpoints:
         at_end = next((c.checkpoint_id for c in checkpoints if c.position == end), None)
         inside = tuple((c.position, c.checkpoint_id) for c in checkpoints if c.position != end)
-    chunk = SequenceChunk(
+    # tuple.__new__(cls, fields) is cls(*fields) without the NamedTuple's Python constructor.
+    chunk = _new(SequenceChunk, (
         request.tokens(start, end),
         start,
         tuple(request.page_ids),
         slot if slot is not None else -1,
         at_end,
         inside,
-    )
-    return Row(request, planned, chunk, end == request.num_tokens, tuple(checkpoints))
+    ))  # fmt: skip
+    return _new(Row, (request, planned, chunk, end == request.num_tokens, tuple(checkpoints)))

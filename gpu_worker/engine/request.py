@@ -95,9 +95,10 @@ class Request:
 
     def sched_state(self, num_new_outputs: int = 0) -> RequestState:
         """The scheduler's view; `num_new_outputs` tokens the step in flight will add (prediction)."""
-        # Positional, in RequestState's field order: this runs for every request of every step.
+        # In RequestState's field order, through tuple.__new__ (its constructor without the Python
+        # call): this runs for every request of every step.
         base, params = self.sched_output_base, self.params
-        return RequestState(
+        return tuple.__new__(RequestState, (
             self.request_id,
             self.sched_prompt_len,
             self.num_computed_tokens,
@@ -105,7 +106,7 @@ class Request:
             params.max_tokens - base,
             params.priority,
             self.arrival_time,
-        )
+        ))  # fmt: skip
 
     def fold_for_recompute(self) -> None:
         """After a preemption: every known token becomes prompt for the recompute."""

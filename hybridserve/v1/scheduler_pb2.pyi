@@ -54,19 +54,41 @@ class RequestState(_message.Message):
     arrival_time: float
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ...) -> None: ...
 
+class RequestStateColumns(_message.Message):
+    __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "max_tokens", "priority", "arrival_time")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    request_id: _containers.RepeatedScalarFieldContainer[str]
+    num_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_output_tokens: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: _containers.RepeatedScalarFieldContainer[int]
+    priority: _containers.RepeatedScalarFieldContainer[int]
+    arrival_time: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class PlanStepRequest(_message.Message):
-    __slots__ = ("config", "running", "waiting", "step_index", "num_free_kv_pages")
+    __slots__ = ("config", "running", "waiting", "step_index", "num_free_kv_pages", "running_columns", "waiting_columns")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     config: SchedulerConfig
     running: _containers.RepeatedCompositeFieldContainer[RequestState]
     waiting: _containers.RepeatedCompositeFieldContainer[RequestState]
     step_index: int
     num_free_kv_pages: int
-    def __init__(self, config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., running: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., step_index: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ...) -> None: ...
+    running_columns: RequestStateColumns
+    waiting_columns: RequestStateColumns
+    def __init__(self, config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., running: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., step_index: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., running_columns: _Optional[_Union[RequestStateColumns, _Mapping]] = ..., waiting_columns: _Optional[_Union[RequestStateColumns, _Mapping]] = ...) -> None: ...
 
 class Slice(_message.Message):
     __slots__ = ("request_id", "num_tokens", "is_prefill", "ends_on_checkpoint")
@@ -79,6 +101,18 @@ class Slice(_message.Message):
     is_prefill: bool
     ends_on_checkpoint: bool
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., ends_on_checkpoint: _Optional[bool] = ...) -> None: ...
+
+class SliceColumns(_message.Message):
+    __slots__ = ("request_id", "num_tokens", "is_prefill", "ends_on_checkpoint")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IS_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    ENDS_ON_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    request_id: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    is_prefill: _containers.RepeatedScalarFieldContainer[bool]
+    ends_on_checkpoint: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., is_prefill: _Optional[_Iterable[bool]] = ..., ends_on_checkpoint: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PlanStats(_message.Message):
     __slots__ = ("num_decode_tokens", "num_prefill_tokens", "prefill_budget_tokens", "num_pending_prefills", "stalled", "micro_sliced", "num_kv_pages_allocated")
@@ -99,16 +133,18 @@ class PlanStats(_message.Message):
     def __init__(self, num_decode_tokens: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., prefill_budget_tokens: _Optional[int] = ..., num_pending_prefills: _Optional[int] = ..., stalled: _Optional[bool] = ..., micro_sliced: _Optional[bool] = ..., num_kv_pages_allocated: _Optional[int] = ...) -> None: ...
 
 class PlanStepResponse(_message.Message):
-    __slots__ = ("slices", "preempted_request_ids", "quantum", "stats")
+    __slots__ = ("slices", "preempted_request_ids", "quantum", "stats", "slice_columns")
     SLICES_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     QUANTUM_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    SLICE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     slices: _containers.RepeatedCompositeFieldContainer[Slice]
     preempted_request_ids: _containers.RepeatedScalarFieldContainer[str]
     quantum: int
     stats: PlanStats
-    def __init__(self, slices: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., quantum: _Optional[int] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ...) -> None: ...
+    slice_columns: SliceColumns
+    def __init__(self, slices: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., quantum: _Optional[int] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., slice_columns: _Optional[_Union[SliceColumns, _Mapping]] = ...) -> None: ...
 
 class ValidateConfigResponse(_message.Message):
     __slots__ = ("quantum", "sub_block_exception", "warnings")

@@ -12,14 +12,14 @@ import torch
 from cache_svc import keys
 from gpu_worker.cache.blocks import chain_hashes
 from gpu_worker.cache.checkpoint_io import (
-    MAC_BYTES,
-    MAGIC,
+    HEAD_BYTES,
     BlockCheckpoint,
     BlockIdentity,
     CheckpointLayout,
     Rejection,
     TensorSpec,
     seal,
+    seal_body,
     verify,
 )
 from hybridserve.v1 import cache_pb2 as cpb
@@ -65,7 +65,10 @@ def test_a_sealed_checkpoint_verifies_to_the_same_tensors():
         (lambda d: seal(BlockCheckpoint(block().kv.double(), None, None), IDENTITY, KEY), "layout"),
         (lambda d: seal(BlockCheckpoint(block().kv, block().conv, block().ssm[:2]), IDENTITY, KEY), "layout"),
         (lambda d: b"not a checkpoint at all", "format"),
-        (lambda d: d[len(MAGIC) + MAC_BYTES :], "format"),  # the bare safetensors body, unsealed
+        (lambda d: d[HEAD_BYTES:], "format"),  # the bare safetensors body, unsealed
+        (lambda d: d[:10] + bytes([d[10] ^ 1]) + d[11:], "mac"),  # one bit of the salt
+        (lambda d: d[:30] + bytes([d[30] ^ 1]) + d[31:], "mac"),  # one bit of the tag
+        (lambda d: b"HSCKPT02" + d[8:], "format"),  # an earlier format version
     ],
 )
 def test_forged_or_foreign_checkpoints_are_rejected_with_a_reason(forge, reason):
@@ -74,29 +77,37 @@ def test_forged_or_foreign_checkpoints_are_rejected_with_a_reason(forge, reason)
     assert KEY.decode() not in str(verdict)
 
 
-def test_a_sealed_but_malformed_body_is_a_format_rejection():
-    import hmac
+def test_every_seal_draws_its_own_salt():
+    one = block()
+    first, second = seal(one, IDENTITY, KEY), seal(one, IDENTITY, KEY)
+    assert first[8:24] != second[8:24]  # the salts
+    for data in (first, second):
+        assert not isinstance(verify(data, IDENTITY, LAYOUT, KEY), Rejection)
+    spliced = second[: HEAD_BYTES - 16] + first[HEAD_BYTES - 16 :]  # second's salt with first's tag
+    verdict = verify(spliced, IDENTITY, LAYOUT, KEY)
+    assert isinstance(verdict, Rejection) and verdict.reason == "mac"
 
+
+def test_a_sealed_but_malformed_body_is_a_format_rejection():
     body = (10**9).to_bytes(8, "little") + b"{}"  # a header length far past the bytes
-    data = MAGIC + hmac.new(KEY, MAGIC + body, hashlib.sha256).digest() + body
+    data = seal_body(body, KEY)
     verdict = verify(data, IDENTITY, LAYOUT, KEY)
     assert isinstance(verdict, Rejection) and verdict.reason == "format"
 
 
 def _resealed(mutate) -> bytes:
     """A checkpoint whose safetensors header was changed by `mutate` and then sealed with the key."""
-    import hmac
     import json
     import struct
 
-    body = seal(block(), IDENTITY, KEY)[len(MAGIC) + MAC_BYTES :]
+    body = seal(block(), IDENTITY, KEY)[HEAD_BYTES:]
     (length,) = struct.unpack("<Q", body[:8])
     header = json.loads(body[8 : 8 + length])
     mutate(header)
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
     new_body = struct.pack("<Q", len(encoded)) + encoded + body[8 + length :]
-    return MAGIC + hmac.new(KEY, MAGIC + new_body, hashlib.sha256).digest() + new_body
+    return seal_body(new_body, KEY)
 
 
 @pytest.mark.parametrize(

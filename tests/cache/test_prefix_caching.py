@@ -7,7 +7,7 @@ import pytest
 
 from cache_svc import keys
 from cache_svc.embedded_redis import RedisProcess
-from gpu_worker.cache.checkpoint_io import MAC_BYTES, MAGIC, BlockCheckpoint, BlockIdentity, seal
+from gpu_worker.cache.checkpoint_io import HEAD_BYTES, BlockCheckpoint, BlockIdentity, seal
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.records import CacheLookup
 from hybridserve.v1 import generation_pb2 as pb
@@ -96,7 +96,7 @@ def damage(redis_client, how: str) -> int:
             import json
             import struct
 
-            body = data[len(MAGIC) + MAC_BYTES :]
+            body = data[HEAD_BYTES:]
             meta = json.loads(body[8 : 8 + struct.unpack("<Q", body[:8])[0]])["__metadata__"]
             identity = BlockIdentity(
                 bytes.fromhex(meta["block_hash"]), bytes.fromhex(meta["parent_hash"]), int(meta["block_size"]),

@@ -176,6 +176,11 @@ def test_an_import_that_raises_is_a_miss_and_frees_what_it_took(start_worker):
     assert tokens == collect(cold.stub.Generate(greedy_request(prompt, 6), timeout=30))[0]
     after = worker.info()
     assert after.num_kv_pages_free + worker.engine.prefix.local.reclaimable_pages() == before.num_kv_pages_free
+    reasons = dict(after.prefix_cache_miss_reasons)
+    assert (
+        reasons.get("failed_verification", 0)
+        == dict(before.prefix_cache_miss_reasons).get("failed_verification", 0) + 1
+    )
     assert engine_alive(worker.engine)
 
 
