@@ -70,9 +70,9 @@ def instrument(runner: ModelRunner, clock: Clock) -> None:
     runner.model.compute_logits = clock.wrap("logits", runner.model.compute_logits)  # type: ignore[method-assign]
 
 
-def run_batch(
-    runner: ModelRunner, clock: Clock, b: int, steps: int, g: torch.Generator, scattered: bool
-) -> dict[str, float]:
+def run_batch(runner: ModelRunner, clock: Clock, b: int, steps: int, scattered: bool) -> dict[str, float]:
+    """Decode `steps` steps of b sequences (the same prompts for every call with this b)."""
+    g = torch.Generator().manual_seed(b)
     kv, states = runner.kv_pool, runner.state_pool
     lens = torch.randint(16, 257, (b,), generator=g).tolist()
     prompts = [torch.randint(3, 512, (k,), generator=g).tolist() for k in lens]
@@ -154,7 +154,6 @@ def main() -> None:
         print(f"threads {torch.get_num_threads()}; ms per decode step (best of {args.repeats} x {args.steps} steps)")
         clock = Clock()
         instrument(runner, clock)
-        g = torch.Generator().manual_seed(0)
         cols = ("step", "inputs", "forward", "mamba", "attention", "mlp", "logits", "sample")
         modes = ("eager", "compiled") if args.compile else ("eager",)
         print(f"{'batch':>6}{'mode':>10}" + "".join(f"{c:>10}" for c in cols) + f"{'tok/s':>9}")
@@ -164,7 +163,7 @@ def main() -> None:
                 for mode in modes:
                     if args.compile:
                         set_compiled(runner, mode == "compiled")
-                    runs[mode].append(run_batch(runner, clock, b, args.steps, g, args.scattered))
+                    runs[mode].append(run_batch(runner, clock, b, args.steps, args.scattered))
             for mode in modes:
                 best = min(runs[mode], key=lambda r: r["step"])
                 row = "".join(f"{best.get(c, 0.0):>10.2f}" for c in cols)
