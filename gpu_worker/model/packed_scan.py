@@ -1,54 +1,53 @@
-"""The packed SSD scan in factored form: every matmul one batched GEMM over all heads of a group.
+"""The packed SSD scan of every prefill span at once, laid out for CPU GEMMs (the model's prefill scan).
 
-`packed_prefill.packed_ssd_scan` builds, per head and scan chunk, the [Q x Q] decay matrix
-exp(a_cum[l] - a_cum[s]) from segment sums and multiplies it into C.B before a per-head [Q x Q] @ [Q x P]
-product: H x (elementwise passes + small GEMMs + einsum permutes). The decay factors, though:
+Same contract as `packed_prefill.packed_ssd_scan` (the einsum formulation, kept as the reference): x
+[Tp, H, P], dt [Tp, H] (softplus'd, clamped), A [H], B/C [Tp, G, N], D [H], initial [S, H, P, N] ->
+`PackedScan`. Layouts stay [chunk, token, head, channel], so the state parts are one GEMM per chunk
+for all heads of a group, with no permuted copies:
 
-    exp(a_cum[l] - a_cum[s]) = exp(a_cum[l] - r) * exp(r - a_cum[s])        (any reference r per chunk, head)
+    own end state    S_c   = (exp(a_last - a_cum) * dt * x)^T @ B                [heads x P, Q] @ [Q, N]
+    from start       y_l  += exp(a_cum_l) * (C @ S_start^T)_l                    [Q, N] @ [N, heads x P]
 
-so the within-chunk output is y[l] = w_out[l] * sum_{s<=l} (C_l . B_s) (w_in[s] * dt_s * x_s) with
-w_out = exp(a_cum - r), w_in = exp(r - a_cum): the masked C.B matrix is shared by every head of a group,
-and one [Q x Q] @ [Q x (heads x P)] GEMM per chunk does all heads. The chunk's own end state is
-(w_in * dt * x)^T B times exp(a_last - r), and the contribution of the chunk's start state is
-w_out[l] * exp(r) * C_l . S_start. Layouts stay [chunk, token, head, channel] throughout, so no
-operand is permuted.
+The within-chunk part y_l = sum_{s<=l} (C_l . B_s) exp(a_cum_l - a_cum_s) dt_s x_s takes one of two forms:
 
-r = a_last / 2 (half the chunk's total log-decay, a_cum being non-increasing) keeps every factor in
-[exp(a_last / 2), exp(-a_last / 2)]. The products are then as exact as the segment-sum form (each term
-is scaled by positive factors, no differences of large numbers), provided the factors stay normal
-float32 numbers: when a chunk decays by more than `MAX_CHUNK_LOG_DECAY` (e^-120, in practice only with
-dt * |A| far beyond trained values) the scan takes the segment-sum form instead.
+- factored (when every chunk's log-decay -a_last <= MAX_CHUNK_LOG_DECAY): with a reference r per chunk
+  and head, exp(a_cum_l - a_cum_s) = exp(a_cum_l - r) exp(r - a_cum_s), so the masked C.B matrix is
+  shared by every head of a group and one [Q x Q] @ [Q x (heads x P)] GEMM per chunk does them all.
+  r = a_last / 2 keeps each factor within exp(+-60), normal float32 numbers; each term is scaled by
+  positive factors (no differences of large numbers), so the result is as exact as the segment sums.
+- decay matrices (otherwise, e.g. random checkpoints with dt * |A| of several per token): the per-head
+  [Q x Q] matrices exp(segment sums), exact cumulative sums as in `ssd.ssd_scan`, then one batched
+  [Q x Q] @ [Q x P] GEMM per head and chunk.
 
-Measured on one core (this project's CI machine, 4 sequences of 2,000 tokens, 8 heads of 64, d_state 64,
-Q = 64): see bench/bench_prefill.py."""
+Every exponent is clamped at LOG_FLOOR (-60) first: exp() of values below float32's normal range
+(about -87) runs ~14x slower on CPU (subnormal results), and a weight of e^-60 ~ 1e-26 instead of a
+smaller one changes nothing float32 can represent next to the weight-1 terms of the same output.
+
+Measured on one core (this project's CI machine, 8 heads of 64, d_state 64, Q = 64, CPU ms per layer):
+4 x 2,000 tokens: einsum form 70.5, decay matrices 49.0; with trained-size decays einsum 61.2, factored
+36.0. 1 x 3,000 tokens: 28.3 -> 18.0."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from gpu_worker.model.packed_prefill import PackedPrefillIndex, PackedScan, carry_states, packed_ssd_scan
+from gpu_worker.model.packed_prefill import PackedPrefillIndex, PackedScan, carry_states
 
 # Largest total log-decay -sum(dt * A) of one scan chunk for the factored form: its factors reach
 # exp(+-60) ~ 1e+-26, well inside float32's normal range (1e+-38), with room for the values they scale.
 MAX_CHUNK_LOG_DECAY = 120.0
+LOG_FLOOR = -60.0  # exponents are clamped here before exp() (see the module docstring)
+ScanForm = Literal["auto", "factored", "decay_matrices"]
 
 
 def packed_scan(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-    initial: torch.Tensor, index: PackedPrefillIndex,
+    initial: torch.Tensor, index: PackedPrefillIndex, form: ScanForm = "auto",
 ) -> PackedScan:  # fmt: skip
-    """`packed_ssd_scan`'s result (same arguments and shapes), in the factored form when every chunk's
-    decay allows it."""
-    return factored_ssd_scan(x, dt, A, B, C, D, initial, index) or packed_ssd_scan(x, dt, A, B, C, D, initial, index)
-
-
-def factored_ssd_scan(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-    initial: torch.Tensor, index: PackedPrefillIndex,
-) -> PackedScan | None:  # fmt: skip
-    """The scan in factored form (module docstring), or None when a chunk decays too much for it.
-
-    x [Tp, H, P], dt [Tp, H] (softplus'd, clamped), A [H], B/C [Tp, G, N], D [H], initial [S, H, P, N]."""
+    """The scan (module docstring). `form` "auto" picks the factored form when every chunk allows it;
+    forcing "factored" on chunks that decay more than MAX_CHUNK_LOG_DECAY raises ValueError."""
     num_heads, head_dim = x.shape[1], x.shape[2]
     groups, state_size = B.shape[1], B.shape[2]
     width = num_heads // groups * head_dim  # channels of one group: its heads x P
@@ -59,33 +58,65 @@ def factored_ssd_scan(
         out = t.new_zeros((n_chunks * q, *t.shape[1:]))
         return out.index_copy_(0, index.unscan_rows, t).view(n_chunks, q, *t.shape[1:])
 
-    a_cum = torch.cumsum(to_scan(dt * A.float()[None, :]), dim=1)  # [c, q, h], non-increasing along q
-    a_last = a_cum[:, -1]  # [c, h]
-    if bool((a_last < -MAX_CHUNK_LOG_DECAY).any()):
-        return None
-    ref = a_last * 0.5  # [c, h]
-    w_in = torch.exp(ref[:, None, :] - a_cum)  # [c, q, h]
-    w_out = torch.exp(a_cum - ref[:, None, :])
-    xs = to_scan(x.float()) * (to_scan(dt) * w_in)[..., None]  # [c, q, h, p]: dt x, scaled to the reference
-
     def by_group(t: torch.Tensor, cols: int) -> torch.Tensor:  # [c, q, g * cols] -> [c * g, q, cols]
         return t.view(n_chunks, q, groups, cols).transpose(1, 2).reshape(n_chunks * groups, q, cols)
 
+    a = to_scan(dt * A.float()[None, :])  # [c, q, h]: log-decay of each token
+    a_cum = torch.cumsum(a, dim=1)  # non-increasing along q
+    a_last = a_cum[:, -1]  # [c, h]
+    fits = bool((a_last >= -MAX_CHUNK_LOG_DECAY).all())
+    if form == "factored" and not fits:
+        raise ValueError(f"a scan chunk decays by more than {MAX_CHUNK_LOG_DECAY} (log): no factored form")
+    factored = fits if form == "auto" else form == "factored"
+    xdt = to_scan(x.float()).mul_(to_scan(dt)[..., None])  # [c, q, h, p]
     Bg = by_group(to_scan(B.float()).view(n_chunks, q, -1), state_size)  # [c*g, q, n]
     Cg = by_group(to_scan(C.float()).view(n_chunks, q, -1), state_size)
-    xg = by_group(xs.view(n_chunks, q, -1), width)  # [c*g, q, k*p]; views when g == 1
+    cb = torch.bmm(Cg, Bg.transpose(1, 2))  # [c*g, l, s]: C_l . B_s
 
-    # each chunk's own end state from zero: exp(a_last - r) (xs^T B), with a_last - r = r
+    if factored:  # every factor relative to r = a_last / 2, so exp(a_last - r) = exp(r) = r_scale
+        ref = a_last * 0.5
+        r_scale = torch.exp(ref)[:, :, None, None]  # [c, h, 1, 1]
+        weighted = xdt.mul_(torch.exp(ref[:, None, :] - a_cum)[..., None])  # dt x w_in, in place
+    else:
+        weighted = xdt * torch.exp((a_last[:, None, :] - a_cum).clamp_(min=LOG_FLOOR))[..., None]
+    xg = by_group(weighted.view(n_chunks, q, -1), width)  # [c*g, q, k*p]; views when g == 1
+
     own = torch.bmm(xg.transpose(1, 2), Bg).view(n_chunks, num_heads, head_dim, state_size)
-    own.mul_(torch.exp(ref)[:, :, None, None])
-    starts, finals = carry_states(own, torch.exp(a_last), initial.float(), index)
+    if factored:
+        own.mul_(r_scale)
+    starts, finals = carry_states(own, torch.exp(a_last.clamp(min=LOG_FLOOR)), initial.float(), index)
+    from_start = starts * r_scale if factored else starts
+    from_start = from_start.view(n_chunks * groups, width, state_size).transpose(1, 2)  # [c*g, n, k*p]
 
-    # outputs before w_out: tril(C B^T) @ xs + C @ (exp(r) S_start)^T, one GEMM pair per chunk and group
-    cb = torch.bmm(Cg, Bg.transpose(1, 2)).tril_()  # [c*g, l, s]
-    from_start = (starts * torch.exp(ref)[:, :, None, None]).view(n_chunks * groups, width, state_size)
-    y = torch.baddbmm(torch.bmm(cb, xg), Cg, from_start.transpose(1, 2))  # [c*g, q, k*p]
-    y = y.view(n_chunks, groups, q, width).transpose(1, 2).reshape(n_chunks * q, num_heads, head_dim)
-    rows = index.unscan_rows
-    w = w_out.view(n_chunks * q, num_heads).index_select(0, rows)[..., None]  # [Tp, h, 1]
-    out = torch.addcmul(x.float() * D.float()[None, :, None], y.index_select(0, rows), w)
+    if factored:
+        y = torch.baddbmm(torch.bmm(cb.tril_(), xg), Cg, from_start)  # [c*g, q, k*p], still over w_out
+        y = _groups_to_heads(y, n_chunks, groups, q, num_heads, head_dim)
+        y.mul_(torch.exp(a_cum - ref[:, None, :])[..., None])  # w_out
+    else:
+        y = _groups_to_heads(torch.bmm(Cg, from_start), n_chunks, groups, q, num_heads, head_dim)
+        y.mul_(torch.exp(a_cum.clamp(min=LOG_FLOOR))[..., None])
+        decay = _decay_matrices(a.permute(2, 0, 1))  # [h, c, l, s]
+        decay.view(groups, -1, n_chunks, q, q).mul_(cb.view(n_chunks, groups, q, q).transpose(0, 1)[:, None])
+        xdt_by_head = xdt.permute(2, 0, 1, 3).reshape(num_heads * n_chunks, q, head_dim)
+        within = torch.bmm(decay.view(num_heads * n_chunks, q, q), xdt_by_head)  # [h*c, q, p]
+        y.add_(within.view(num_heads, n_chunks, q, head_dim).permute(1, 2, 0, 3))
+    y_rows = y.reshape(n_chunks * q, num_heads, head_dim).index_select(0, index.unscan_rows)
+    out = torch.addcmul(y_rows, x.float(), D.float()[None, :, None])
     return PackedScan(y=out, chunk_start_states=starts, final_states=finals)
+
+
+def _groups_to_heads(
+    t: torch.Tensor, n_chunks: int, groups: int, q: int, num_heads: int, head_dim: int
+) -> torch.Tensor:
+    """[c*g, q, k*p] -> [c, q, h, p] (a view when g == 1)."""
+    return t.view(n_chunks, groups, q, -1).transpose(1, 2).reshape(n_chunks, q, num_heads, head_dim)
+
+
+def _decay_matrices(a: torch.Tensor) -> torch.Tensor:
+    """a [..., Q] -> out[..., l, s] = exp(sum(a[..., s+1 : l+1])) for l >= s, 0 above the diagonal.
+
+    Sums are masked cumulative sums (exact for long chunks, as ssd._segment_sum), clamped at LOG_FLOOR."""
+    q = a.shape[-1]
+    strict_lower = torch.ones(q, q, dtype=torch.bool, device=a.device).tril_(-1)
+    sums = torch.cumsum(a[..., :, None].expand(*a.shape, q).masked_fill(~strict_lower, 0.0), dim=-2)
+    return sums.clamp_(min=LOG_FLOOR).exp_().tril_()

@@ -1,16 +1,18 @@
-"""The factored SSD scan (gpu_worker.model.packed_scan) against the per-sequence scan (`ssd.ssd_scan`)
-and the segment-sum packed scan: outputs, final states and the state at every scan-chunk boundary;
-chunks that decay beyond the factored form's range take the segment-sum form and stay exact."""
+"""The model's packed SSD scan (gpu_worker.model.packed_scan), in both its forms, against the per-sequence
+scan (`ssd.ssd_scan`) and the einsum packed scan: outputs, final states and the state at every
+scan-chunk boundary; chunks that decay beyond the factored form's range take the decay-matrix form and
+stay exact."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_worker.model.context import PrefillSpan
 from gpu_worker.model.packed_prefill import PackedScan, build_packed_index, packed_ssd_scan
-from gpu_worker.model.packed_scan import MAX_CHUNK_LOG_DECAY, factored_ssd_scan, packed_scan
+from gpu_worker.model.packed_scan import MAX_CHUNK_LOG_DECAY, packed_scan
 from gpu_worker.model.ssd import ssd_scan
 
 REL_TOL = 2e-6  # float32 rounding of another summation order, relative to the largest value
@@ -52,10 +54,11 @@ def _check_against_one_scan_per_sequence(
 @settings(max_examples=30, deadline=None)
 @given(
     lengths=st.lists(st.integers(2, 70), min_size=1, max_size=5),
-    geometry=st.sampled_from([(4, 1, 8), (4, 2, 16), (6, 3, 4), (2, 1, 64)]),  # heads, groups, scan chunk
+    geometry=st.sampled_from([(4, 1, 8), (4, 2, 16), (6, 3, 4), (2, 1, 64), (1, 1, 8)]),  # heads, groups, chunk
+    form=st.sampled_from(["factored", "decay_matrices"]),
     seed=st.integers(0, 1000),
 )
-def test_factored_scan_matches_one_scan_per_sequence(lengths, geometry, seed) -> None:
+def test_both_forms_match_one_scan_per_sequence(lengths, geometry, form, seed) -> None:
     heads, groups, chunk = geometry
     spans, at = [], 0
     for i, length in enumerate(lengths):
@@ -64,17 +67,17 @@ def test_factored_scan_matches_one_scan_per_sequence(lengths, geometry, seed) ->
     index = build_packed_index(tuple(spans), chunk, 3, torch.device("cpu"))
     # dt * |A| <= 0.1 * 8.5 per token: at most 55 per 64-token chunk, inside the factored range
     inputs = _inputs(lengths, heads, groups, 0.1, seed)
-    scan = factored_ssd_scan(*inputs, index)
-    assert scan is not None
+    scan = packed_scan(*inputs, index, form=form)
     _check_against_one_scan_per_sequence(scan, lengths, inputs, chunk, index.chunk_start)
-    segment_sums = packed_ssd_scan(*inputs, index)
-    _close(scan.y, segment_sums.y)
-    _close(scan.chunk_start_states, segment_sums.chunk_start_states)
+    einsum_form = packed_ssd_scan(*inputs, index)
+    _close(scan.y, einsum_form.y)
+    _close(scan.chunk_start_states, einsum_form.chunk_start_states)
 
 
-def test_chunks_that_decay_too_much_take_the_segment_sum_form() -> None:
+def test_chunks_that_decay_too_much_take_the_decay_matrix_form() -> None:
     """A chunk whose log-decay passes MAX_CHUNK_LOG_DECAY would overflow the factored form's scale
-    factors; the scan then runs as segment sums, with the same result as one scan per sequence."""
+    factors; the scan then uses per-head decay matrices, with the same result as one scan per sequence
+    (decays below e^-60 clamped there change nothing float32 shows)."""
     lengths, chunk = [40, 17], 16
     spans = (PrefillSpan(0, 40, 0, 0, torch.zeros(0, dtype=torch.int64)),
              PrefillSpan(40, 17, 0, 1, torch.zeros(0, dtype=torch.int64)))  # fmt: skip
@@ -82,7 +85,8 @@ def test_chunks_that_decay_too_much_take_the_segment_sum_form() -> None:
     inputs = _inputs(lengths, 4, 2, 4.0, 7)
     x, dt, A, *_ = inputs
     assert (dt[:chunk] * A).sum(dim=0).min().item() < -MAX_CHUNK_LOG_DECAY  # the first chunk decays too much
-    assert factored_ssd_scan(*inputs, index) is None
+    with pytest.raises(ValueError, match="no factored form"):
+        packed_scan(*inputs, index, form="factored")
     scan = packed_scan(*inputs, index)
     assert torch.isfinite(scan.y).all()
     _check_against_one_scan_per_sequence(scan, lengths, inputs, chunk, index.chunk_start)
