@@ -53,11 +53,12 @@ def onednn_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
         last = min(length, first + QUERY_BLOCK)
         rows = last - first
         seen = -(-(start + last) // KEY_GRID) * KEY_GRID  # keys the block's last query sees, padded
-        hidden = key_pos[None, :seen] > torch.arange(start + first, start + last, device=q.device)[:, None]
+        edge = start + first  # every query of the block sees keys [0, edge): only [edge, seen) needs a mask
+        hidden = key_pos[None, edge:seen] > torch.arange(edge, start + last, device=q.device)[:, None]
         for j in range(num_kv_heads):
             block = queries[j, :, first:last].reshape(group * rows, head_dim)
             scores = linear(block, keys[j, :seen], None, "none", [], "")  # [g * rows, seen]
-            scores.view(group, rows, seen).masked_fill_(hidden, float("-inf"))
+            scores.view(group, rows, seen)[:, :, edge:].masked_fill_(hidden, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             weight = values_t[j, :, :seen].contiguous()  # [d, seen]
             out[first:last, j] = linear(probs, weight, None, "none", [], "").view(group, rows, head_dim).transpose(0, 1)
