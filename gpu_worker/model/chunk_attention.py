@@ -12,11 +12,14 @@ two flash calls whose results merge by their log-sum-exps:
     out = (out_p * exp(lse_p - m) + out_c * exp(lse_c - m)) / (exp(lse_p - m) + exp(lse_c - m))
 
 `aten::_scaled_dot_product_flash_attention_for_cpu` is the kernel SDPA itself dispatches to on CPU;
-it is the one entry point that also returns the log-sum-exp."""
+it is the one entry point that also returns the log-sum-exp. Chunks of at least 256 float32 queries
+take `onednn_attention` instead (its GEMMs are faster than the flash kernel's on AMD CPUs)."""
 
 from __future__ import annotations
 
 import torch
+
+from gpu_worker.model.onednn_attention import onednn_chunk_attention, use_onednn_attention
 
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -35,7 +38,10 @@ def _flash(
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """q [L, H, d] at positions [start, start + L); k/v [start + L, kv_heads, d] (the whole context).
-    Returns [L, H, d] in q's dtype. GQA: head h reads KV head h // (H / kv_heads)."""
+    Returns [L, H, d] in q's dtype. GQA: head h reads KV head h // (H / kv_heads). Long float32
+    chunks go to oneDNN's GEMMs instead (gpu_worker.model.onednn_attention)."""
+    if use_onednn_attention(q):
+        return onednn_chunk_attention(q, k, v, start, scale)
     group = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1)[None]  # [1, H, L, d]
     kh = k.transpose(0, 1).repeat_interleave(group, dim=0)[None]  # [1, H, S, d]

@@ -17,7 +17,8 @@ from gpu_worker.model.boundary_states import save_boundary_states
 from gpu_worker.model.config import BambaConfig
 from gpu_worker.model.context import BoundaryState, ForwardContext, PrefillSpan
 from gpu_worker.model.layers import GatedRMSNorm
-from gpu_worker.model.packed_prefill import packed_causal_conv, packed_index_for, packed_ssd_scan
+from gpu_worker.model.packed_prefill import packed_causal_conv, packed_index_for
+from gpu_worker.model.packed_scan import packed_scan
 from gpu_worker.model.ssd import ssd_scan, ssm_step_
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ class Mamba2Mixer(nn.Module):
         conv = packed_causal_conv(xbc[rows], self.conv1d.weight, self.conv1d.bias, conv_state, index)
         x, B, C = self._split_xbc(F.silu(conv))
         initial = ssm_state.index_select(0, index.state_slots)
-        scan = packed_ssd_scan(x, dt[rows], A, B, C, self.D, initial, index)
+        scan = packed_scan(x, dt[rows], A, B, C, self.D, initial, index)
         ssm_state.index_copy_(0, index.state_slots, scan.final_states.to(ssm_state.dtype))
         for i, points in wanted:  # states at block boundaries inside span i, from the scan's chunk states
             t0 = ctx.prefills[i].token_start - first

@@ -53,6 +53,18 @@ def test_random_chunk_schedules(family_checkpoint, data) -> None:
     assert diff <= TOL, f"schedule {schedule}, page {page_size}: max abs diff {diff}"
 
 
+def test_long_chunks_match_reference(family_checkpoint) -> None:
+    """Chunks long enough for the CPU fast paths (oneDNN projections and query-blocked attention, the
+    packed scan over many scan chunks), whole and continuing on a cached prefix."""
+    hf, path = family_checkpoint
+    runner = make_runner(path, page_size=16)
+    ids = _prompt(hf.config.vocab_size, 600, 8)
+    ref = hf_logits(hf, ids)
+    for schedule in ([600], [300, 300], [344, 256]):
+        diff = (run_schedule(runner, ids, schedule) - ref).abs().max().item()
+        assert diff <= TOL, f"schedule {schedule}: max abs diff {diff}"
+
+
 def test_packed_batch_gives_each_request_its_own_logits(checkpoint) -> None:
     """Four requests at different phases in one forward: mid-prefill chunk, decode, fresh prefill, decode."""
     hf, path = checkpoint

@@ -1,0 +1,49 @@
+"""Projections through oneDNN on CPU (gpu_worker.model.cpu_linear): the same results as `F.linear` up to
+float32 rounding, for few and many rows, with and without bias; the switch keeps parameters, tied
+weights and the state dict; autograd takes `F.linear`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.model.cpu_linear import ONEDNN_MIN_ROWS, OneDnnLinear, onednn_available, use_onednn_linears
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 700])
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    layer = nn.Linear(96, 40, bias=bias)
+    reference = F.linear(x := torch.randn(rows, 96), layer.weight, layer.bias)
+    use_onednn_linears(layer)
+    assert isinstance(layer, OneDnnLinear)
+    with torch.inference_mode():
+        got = layer(x)
+        batched = layer(x.view(1, rows, 96))  # leading dims are kept
+    assert got.shape == reference.shape and batched.shape == (1, rows, 40)
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batched[0], reference, rtol=1e-5, atol=1e-5)
+
+
+def test_switch_keeps_parameters_tied_weights_and_state_dict() -> None:
+    model = nn.Sequential(nn.Embedding(10, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 10, bias=False))
+    model[3].weight = model[0].weight  # tied like an LM head
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert use_onednn_linears(model) == 2
+    assert [type(m).__name__ for m in model] == ["Embedding", "OneDnnLinear", "ReLU", "OneDnnLinear"]
+    assert model[3].weight is model[0].weight
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_autograd_takes_f_linear() -> None:
+    layer = nn.Linear(8, 4)
+    use_onednn_linears(layer)
+    x = torch.randn(ONEDNN_MIN_ROWS * 2, 8, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
