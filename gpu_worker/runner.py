@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.batch import Batch, ForwardOutput
-from gpu_worker.cpu_alloc import set_cpu_threads
+from gpu_worker.cpu_alloc import StepThreads, set_cpu_threads
 from gpu_worker.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from gpu_worker.input_builder import build_inputs
 from gpu_worker.kv_pool import KVPagePool
@@ -52,6 +52,9 @@ class RunnerConfig:
     cuda_graph_max_batch: int = 256  # decode steps up to this many sequences replay CUDA graphs; 0 = off
     cuda_graph_max_context_tokens: int = 32768  # longer contexts decode eagerly (sizes the graphs' page table)
     cpu_threads: int = 0  # torch intra-op threads when running on CPU; 0 = auto (cpu_alloc.default_cpu_threads)
+    # threads for CPU steps of at least cpu_prefill_min_tokens tokens; 0 = cpu_threads throughout (off)
+    cpu_prefill_threads: int = 0
+    cpu_prefill_min_tokens: int = 1024
     # torch.compile the Mamba decode step on CPU, in the background at start-up (eager until it is ready):
     # auto = when a C++ compiler is found | on | off (gpu_worker.model.compiled_decode)
     decode_compile: str = "off"
@@ -62,8 +65,11 @@ class RunnerConfig:
                 raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
         if self.checkpoint_memory_bytes < 0:
             raise InvalidArgumentError(f"checkpoint_memory_bytes must be >= 0, got {self.checkpoint_memory_bytes}")
-        if self.cpu_threads < 0:
-            raise InvalidArgumentError(f"cpu_threads must be >= 0 (0 = auto), got {self.cpu_threads}")
+        for name in ("cpu_threads", "cpu_prefill_threads"):
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
+        if self.cpu_prefill_min_tokens <= 0:
+            raise InvalidArgumentError(f"cpu_prefill_min_tokens must be positive, got {self.cpu_prefill_min_tokens}")
         if self.num_checkpoint_slots < 0:
             raise InvalidArgumentError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
         if self.decode_compile not in DECODE_COMPILE_MODES:
@@ -81,8 +87,12 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
+        self.step_threads: StepThreads | None = None
         if self.device.type == "cpu":
-            set_cpu_threads(config.cpu_threads)
+            self.step_threads = StepThreads(
+                few := set_cpu_threads(config.cpu_threads), config.cpu_prefill_threads or few,
+                config.cpu_prefill_min_tokens,
+            )  # fmt: skip
             for module in self.model.modules():
                 if isinstance(module, Mamba2Mixer):
                     module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)
@@ -176,6 +186,8 @@ class ModelRunner:
         packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
         if packed.fresh_slots is not None:
             self.state_pool.zero_slots(packed.fresh_slots)
+        if self.step_threads is not None:
+            self.step_threads.for_step(len(packed.input_ids))
         hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]
         logits_of = self.model.compute_logits
         self._save_checkpoints(batch)

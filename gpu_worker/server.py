@@ -81,6 +81,11 @@ FLAGS = {
     "device": Flag("auto | cpu | cuda[:i]"),
     "dtype": Flag("auto | float32 | bfloat16"),
     "cpu_threads": Flag("torch intra-op threads on CPU; 0 = one per core but one (for the server threads)"),
+    "cpu_prefill_threads": Flag(
+        "torch intra-op threads on CPU for steps of at least --cpu-prefill-min-tokens tokens (prefill-sized"
+        " GEMMs split well; e.g. every core for long-prompt workloads); 0 = --cpu-threads throughout"
+    ),
+    "cpu_prefill_min_tokens": Flag("tokens in a step from which it runs on --cpu-prefill-threads"),
     "decode_compile": Flag(
         "torch.compile the Mamba decode step on CPU in the background at start-up, decoding eagerly until it"
         " is ready: auto (when a C++ compiler is found) | on | off"
@@ -108,7 +113,7 @@ ENGINE_FIELDS = (
 )  # fmt: skip
 RUNNER_FIELDS = (
     "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
-    "decode_compile",
+    "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile",
 )  # fmt: skip  # the rest follow the config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
