@@ -54,6 +54,7 @@ FAMILIES = {  # label -> (init-model arch, MoE)
 }
 SERVED_NAME = "bench"  # the model name both OpenAI servers answer to
 START_TIMEOUT_S = 300.0
+SERVER_CACHE_MB = 2048  # both servers' cache memory: vLLM's KV space (GiB), our worker's budget (KV + states)
 COMPILED_LINE = "compiled the Mamba decode step"  # gpu_worker.model.compiled_decode logs it when ready
 VLLM_TIMEOUT_S = 1800.0
 
@@ -180,6 +181,7 @@ def start_ours(model: Path, scheduler: str, max_seqs: int, decode_compile: str) 
         children.append(Child("worker", hybridserve_command(
             "worker", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--no-prefix-caching",
             "--max-num-seqs", str(max_seqs), "--decode-compile", decode_compile,
+            "--memory-budget-mb", str(SERVER_CACHE_MB),
         ), keep_lines=400))  # fmt: skip
         address = children[0].wait_listening(START_TIMEOUT_S)
         print(f"hybridserve decode compile: {wait_decode_compile(children[0], START_TIMEOUT_S)}", flush=True)
@@ -205,7 +207,7 @@ def start_vllm_server(python: Path, model: Path, max_len: int, max_seqs: int) ->
                "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager",
                "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs), "--no-enable-prefix-caching",
                "--served-model-name", SERVED_NAME, "--seed", "0"]  # fmt: skip
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(SERVER_CACHE_MB // 1024), "TOKENIZERS_PARALLELISM": "false"}
     server = Child("vllm-server", command, env=env, keep_lines=400)
     url = f"http://127.0.0.1:{port}"
     if not wait_http_ready(url, VLLM_TIMEOUT_S):
