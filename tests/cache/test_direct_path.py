@@ -5,7 +5,6 @@ version are misses; without the direct path, Publish and Fetch through the servi
 from __future__ import annotations
 
 import hashlib
-import random
 
 import grpc
 import pytest
@@ -17,22 +16,11 @@ from cache_svc.store import StoreConfig
 from hybridserve.grpc_auth import with_bearer
 from hybridserve.v1 import cache_pb2 as pb
 from hybridserve.v1 import cache_pb2_grpc
-from scheduler_svc.core import MambaCacheMode, SchedulerConfig
 from tests.cache.served import serve
+from tests.cache.test_miss_reasons import BLOCK, CONFIG, tokens
 from tests.worker.conftest import SHARED_ACCESS
 
 __all__ = ["serve"]
-
-BLOCK = 16
-CONFIG = SchedulerConfig(
-    max_num_batched_tokens=128, max_num_seqs=4, block_size=BLOCK, mamba_block_size=8, kv_page_size=4,
-    mamba_cache_mode=MambaCacheMode.NONE,
-)  # fmt: skip
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 120) for _ in range(n)]
 
 
 def test_the_workers_redis_user_reads_block_keys_and_nothing_else(cache_service):
