@@ -73,12 +73,7 @@ class Mamba2Mixer(nn.Module):
             nd = ctx.num_decode
             if nd:
                 ys.append(self._decode(xbc[:nd], dt[:nd], A, ctx, conv_state, ssm_state))
-            if ctx.prefills and self.packed_prefill:
-                ys.append(self._prefill_packed(xbc, dt, A, ctx, conv_state, ssm_state))
-            else:
-                for i, span in enumerate(ctx.prefills):
-                    sl = slice(span.token_start, span.token_start + span.num_tokens)
-                    ys.append(self._prefill(xbc[sl], dt[sl], A, span, conv_state, ssm_state, ctx.boundaries_of(i)))
+            ys += self._prefill_rows(xbc, dt, A, ctx, conv_state, ssm_state)
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)  # [T, d_inner] float32
         out: torch.Tensor = self.out_proj(self.norm(y, z).to(hidden.dtype))
         return out
@@ -100,15 +95,35 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         dt = torch.clamp(F.softplus(dt.float() + self.dt_bias.float()), self.dt_min, self.dt_max)
         A = -torch.exp(self.A_log.float())
-        if self.packed_prefill:
-            y = self._prefill_packed(xbc, dt, A, ctx, conv_state, ssm_state)
-        else:
-            ys = []
-            for i, span in enumerate(ctx.prefills):
-                sl = slice(span.token_start, span.token_start + span.num_tokens)
-                ys.append(self._prefill(xbc[sl], dt[sl], A, span, conv_state, ssm_state, ctx.boundaries_of(i)))
-            y = torch.cat(ys)
+        y = torch.cat(self._prefill_rows(xbc, dt, A, ctx, conv_state, ssm_state))
         return torch.cat([normed, self.norm(y, z[nd:]).to(zxbcdt.dtype)])
+
+    def _prefill_rows(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        ctx: ForwardContext,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """The prefill chunks' SSD outputs, in order: one packed scan, or one scan per chunk."""
+        if not ctx.prefills:
+            return []
+        if self.packed_prefill:
+            return [self._prefill_packed(xbc, dt, A, ctx, conv_state, ssm_state)]
+        return [
+            self._prefill(
+                xbc[span.token_start : span.token_start + span.num_tokens],
+                dt[span.token_start : span.token_start + span.num_tokens],
+                A,
+                span,
+                conv_state,
+                ssm_state,
+                ctx.boundaries_of(i),
+            )  # fmt: skip
+            for i, span in enumerate(ctx.prefills)
+        ]
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gn = self.num_groups * self.state_size
