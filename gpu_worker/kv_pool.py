@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.shared_memory import Allocator
 from hybridserve.errors import InvalidArgumentError, ResourceExhaustedError
 
 
@@ -28,7 +29,10 @@ class KVPagePool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        alloc: Allocator | None = None,
     ) -> None:
+        """`alloc` makes the storage (zeros; default torch.zeros on `device`): a shared arena when another
+        process runs the model over the same pages (gpu_worker.model_process)."""
         if num_pages <= 0 or page_size_tokens <= 0:
             raise InvalidArgumentError(
                 f"KV pool needs positive pages and page size, got {num_pages}, {page_size_tokens}"
@@ -36,9 +40,8 @@ class KVPagePool:
         self.num_pages = num_pages
         self.page_size_tokens = page_size_tokens
         # [layer, k|v, slot, kv_head, head_dim]
-        self._storage = torch.zeros(
-            num_layers, 2, num_pages * page_size_tokens, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
+        shape = (num_layers, 2, num_pages * page_size_tokens, num_kv_heads, head_dim)
+        self._storage = alloc(shape, dtype) if alloc else torch.zeros(shape, dtype=dtype, device=device)
         self._ref_counts = [0] * num_pages
         self._free_ids = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
 

@@ -26,6 +26,7 @@ from gpu_worker.model.cpu_linear import use_onednn_linears
 from gpu_worker.model.kernels import kernel_backend
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
+from gpu_worker.shared_memory import Allocator
 from gpu_worker.state_pool import MambaStatePool
 from hybridserve.errors import InvalidArgumentError
 
@@ -58,6 +59,9 @@ class RunnerConfig:
     # torch.compile the Mamba decode step on CPU, in the background at start-up (eager until it is ready):
     # auto = when a C++ compiler is found | on | off (gpu_worker.model.compiled_decode)
     decode_compile: str = "off"
+    # run the forward in a child process beside the worker (gpu_worker.model_process): auto = on CPU
+    # (Linux), never on CUDA | on | off
+    model_process: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens"):
@@ -76,14 +80,57 @@ class RunnerConfig:
             raise InvalidArgumentError(
                 f"decode_compile must be one of {', '.join(DECODE_COMPILE_MODES)}, got {self.decode_compile!r}"
             )
+        if self.model_process not in DECODE_COMPILE_MODES:
+            raise InvalidArgumentError(
+                f"model_process must be one of {', '.join(DECODE_COMPILE_MODES)}, got {self.model_process!r}"
+            )
         if self.cuda_graph_max_batch < 0:
             raise InvalidArgumentError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    """The pools' sizes for a model and a config (the worker and its model process compute the same)."""
+
+    loaded: LoadedModel
+    config: RunnerConfig  # with num_checkpoint_slots resolved from checkpoint_memory_bytes
+    kv_bytes_per_token: int
+    state_bytes_per_request: int
+    num_pages: int
+
+    @classmethod
+    def of(cls, loaded: LoadedModel, config: RunnerConfig) -> PoolPlan:
+        c = loaded.config
+        kv_bytes = KVPagePool.bytes_per_token(c.num_attention_layers, c.num_key_value_heads, c.head_dim, loaded.dtype)
+        state_bytes = MambaStatePool.bytes_per_slot(c.num_mamba_layers, *_state_shapes(c), loaded.dtype)
+        if config.checkpoint_memory_bytes > 0 and state_bytes > 0:  # an MB budget, LRU within it
+            config = replace(config, num_checkpoint_slots=config.checkpoint_memory_bytes // state_bytes)
+        return cls(loaded, config, kv_bytes, state_bytes, _num_kv_pages(config, kv_bytes, state_bytes))
+
+    def build(self, alloc: Allocator | None = None) -> tuple[KVPagePool, MambaStatePool]:
+        c, cfg, loaded = self.loaded.config, self.config, self.loaded
+        kv_pool = KVPagePool(
+            self.num_pages, cfg.kv_page_size_tokens, c.num_attention_layers, c.num_key_value_heads, c.head_dim,
+            loaded.dtype, loaded.device, alloc,
+        )  # fmt: skip
+        state_pool = MambaStatePool(
+            cfg.max_num_seqs, cfg.num_checkpoint_slots, c.num_mamba_layers, *_state_shapes(c), loaded.dtype,
+            loaded.device, alloc,
+        )  # fmt: skip
+        return kv_pool, state_pool
+
+
+def _state_shapes(c: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """(conv, ssm) state shapes of one Mamba layer for one slot."""
+    return (c.conv_dim, c.mamba_d_conv - 1), (c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
 
 
 class ModelRunner:
     """Runs packed batches. Not thread-safe: one engine thread calls it."""
 
-    def __init__(self, loaded: LoadedModel, config: RunnerConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: RunnerConfig, alloc: Allocator | None = None) -> None:
+        """`alloc` makes the pools' storage (default torch.zeros): the model process builds its pools over
+        the worker's shared tensors (gpu_worker.model_process)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -97,29 +144,11 @@ class ModelRunner:
                 if isinstance(module, Mamba2Mixer):
                     module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)
             use_onednn_linears(self.model)  # prefill-sized projections: oneDNN, ~2.2x MKL on AMD
-        c = self.config
-        conv_shape = (c.conv_dim, c.mamba_d_conv - 1)
-        ssm_shape = (c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
-        self.kv_bytes_per_token = KVPagePool.bytes_per_token(
-            c.num_attention_layers, c.num_key_value_heads, c.head_dim, loaded.dtype
-        )
-        self.state_bytes_per_request = MambaStatePool.bytes_per_slot(
-            c.num_mamba_layers, conv_shape, ssm_shape, loaded.dtype
-        )
-        if config.checkpoint_memory_bytes > 0 and self.state_bytes_per_request > 0:  # an MB budget, LRU within it
-            config = replace(
-                config, num_checkpoint_slots=config.checkpoint_memory_bytes // self.state_bytes_per_request
-            )
-        self.runner_config = config
-        num_pages = _num_kv_pages(config, self.kv_bytes_per_token, self.state_bytes_per_request)
-        self.kv_pool = KVPagePool(
-            num_pages, config.kv_page_size_tokens, c.num_attention_layers, c.num_key_value_heads,
-            c.head_dim, loaded.dtype, self.device,
-        )  # fmt: skip
-        self.state_pool = MambaStatePool(
-            config.max_num_seqs, config.num_checkpoint_slots, c.num_mamba_layers, conv_shape, ssm_shape,
-            loaded.dtype, self.device,
-        )  # fmt: skip
+        pools = PoolPlan.of(loaded, config)
+        self.runner_config = pools.config
+        self.kv_bytes_per_token = pools.kv_bytes_per_token
+        self.state_bytes_per_request = pools.state_bytes_per_request
+        self.kv_pool, self.state_pool = pools.build(alloc)
         self._kv_caches = self.kv_pool.layer_caches()
         self._states = self.state_pool.layer_states()
         self.decode_graphs = self._capture_decode_graphs()

@@ -16,6 +16,7 @@ from gpu_worker.cpu_alloc import keep_freed_memory
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.gc_tuning import freeze_startup_objects
+from gpu_worker.model_process import build_runner
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.service import GenerationServicer, add_to_server, server_threads
@@ -90,6 +91,10 @@ FLAGS = {
         "torch.compile the Mamba decode step on CPU in the background at start-up, decoding eagerly until it"
         " is ready: auto (when a C++ compiler is found) | on | off"
     ),
+    "model_process": Flag(
+        "run the model in a process of its own beside the worker, the pools in memory both map (the forward"
+        " then never waits for the worker's threads): auto (on CPU) | on | off"
+    ),
     "metrics_port": Flag(METRICS_PORT_HELP),
     "record_steps": Flag(
         "append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
@@ -113,7 +118,7 @@ ENGINE_FIELDS = (
 )  # fmt: skip
 RUNNER_FIELDS = (
     "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
-    "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile",
+    "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "model_process",
 )  # fmt: skip  # the rest follow the config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
@@ -131,8 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group = parser.add_argument_group("model runner")
     add_settings_arguments(
-        group, RunnerConfig, SERVICE, flags=FLAGS, only=RUNNER_FIELDS, defaults={"decode_compile": "auto"}
-    )  # a served worker compiles when it can; a runner built in-process (tests, benches) does not
+        group,
+        RunnerConfig,
+        SERVICE,
+        flags=FLAGS,
+        only=RUNNER_FIELDS,
+        defaults={"decode_compile": "auto", "model_process": "auto"},
+    )  # a served worker compiles, and runs its model apart, when it can; a runner built in-process does not
     group = parser.add_argument_group("observability (tracing: the standard OTEL_* variables)")
     add_settings_arguments(group, WorkerServerSettings, SERVICE, flags=FLAGS, only=OBSERVABILITY_FIELDS)
     group = parser.add_argument_group("security (secrets: files or variables, never flags)")
@@ -216,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     keep_freed_memory()  # glibc: reuse freed activation memory instead of page-faulting it back each step
     stop_telemetry = start_service_telemetry("hybridserve-worker", server_settings.metrics_port, server_settings.host)
     observers = observers_from_settings(observer_settings(server_settings), model_name=Path(server_settings.model).name)
-    runner = ModelRunner.from_model_dir(server_settings.model, settings.runner)
+    runner = build_runner(server_settings.model, settings.runner)
     log.info("model %s loaded: %s", server_settings.model, runner.describe())
     client = SchedulerClient(
         settings.scheduler_addresses,
@@ -243,5 +253,7 @@ def run(args: argparse.Namespace) -> int:
     watch.stop()  # before the scheduler channel closes: no probe in flight
     client.close()
     observers.close()
+    if hasattr(runner, "close"):
+        runner.close()  # the model process
     stop_telemetry()
     return 0

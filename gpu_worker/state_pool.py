@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.shared_memory import Allocator
 from hybridserve.errors import InvalidArgumentError, ResourceExhaustedError
 
 
@@ -28,13 +29,16 @@ class MambaStatePool:
         ssm_shape: tuple[int, int, int],
         conv_dtype: torch.dtype,
         device: torch.device,
+        alloc: Allocator | None = None,
     ) -> None:
+        """`alloc` makes the storage (zeros; default torch.zeros on `device`), as for KVPagePool."""
         if num_slots <= 0 or num_checkpoint_slots < 0:
             raise InvalidArgumentError(f"state pool needs >= 1 slot, got {num_slots} (+{num_checkpoint_slots})")
         self.num_slots, self.num_checkpoint_slots = num_slots, num_checkpoint_slots
         rows = num_slots + num_checkpoint_slots
-        self._conv = torch.zeros(num_layers, rows, *conv_shape, dtype=conv_dtype, device=device)
-        self._ssm = torch.zeros(num_layers, rows, *ssm_shape, dtype=torch.float32, device=device)
+        zeros = alloc or (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
+        self._conv = zeros((num_layers, rows, *conv_shape), conv_dtype)
+        self._ssm = zeros((num_layers, rows, *ssm_shape), torch.float32)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._free_checkpoints = list(range(num_checkpoint_slots - 1, -1, -1))
 

@@ -121,8 +121,8 @@ class Engine:
         return self.door.abort(request_id, reason)
 
     def is_alive(self) -> bool:
-        """Liveness: the engine thread runs its loop."""
-        return self._thread.is_alive() and self.door.closed_with is None
+        """Liveness: the engine thread runs its loop (and the model process, when there is one, lives)."""
+        return self._thread.is_alive() and self.door.closed_with is None and getattr(self.runner, "alive", True)
 
     @property
     def num_live(self) -> int:

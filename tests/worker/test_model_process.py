@@ -1,0 +1,175 @@
+"""The model in its own process (gpu_worker.model_process): the same logits and pool contents as the
+in-process runner, the pools shared both ways, bad batches refused without losing the process, and a
+dead model process reported rather than waited for."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.batch import Batch, SequenceChunk
+from gpu_worker.model_process import ModelProcessError, ProcessRunner, build_runner, wants_model_process
+from gpu_worker.runner import ModelRunner, RunnerConfig
+from hybridserve.errors import InvalidArgumentError
+
+CONFIG = RunnerConfig(
+    memory_budget_bytes=16 << 20, kv_page_size_tokens=4, max_num_seqs=8, num_checkpoint_slots=4, device="cpu",
+    dtype="float32", cpu_threads=1,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runners(checkpoint: Path) -> Iterator[tuple[ModelRunner, ProcessRunner]]:
+    here = build_runner(checkpoint, CONFIG)
+    apart = build_runner(checkpoint, replace(CONFIG, model_process="on"))
+    assert isinstance(here, ModelRunner) and isinstance(apart, ProcessRunner)
+    yield here, apart
+    apart.close()
+
+
+class Seq:
+    """One request's pages and slot in a runner's pools."""
+
+    def __init__(self, runner: ModelRunner | ProcessRunner, tokens: list[int]) -> None:
+        self.runner, self.tokens, self.done = runner, tokens, 0
+        self.slot = runner.state_pool.allocate_slot()
+        self.pages: list[int] = []
+
+    def chunk(self, n: int, checkpoint: int | None = None) -> SequenceChunk:
+        end = self.done + n
+        need = self.runner.kv_pool.pages_for_tokens(end) - len(self.pages)
+        if need > 0:
+            self.pages += self.runner.kv_pool.allocate(need)
+        chunk = SequenceChunk(tuple(self.tokens[self.done : end]), self.done, tuple(self.pages), self.slot, checkpoint)
+        self.done = end
+        return chunk
+
+    def release(self) -> None:
+        self.runner.kv_pool.free(self.pages)
+        self.runner.state_pool.free_slot(self.slot)
+
+
+def run_steps(runner: ModelRunner | ProcessRunner) -> tuple[list[torch.Tensor], Seq, Seq]:
+    """Two requests: prefill chunks (one with every position's logits), then decode steps together."""
+    g = torch.Generator().manual_seed(3)
+    a = Seq(runner, torch.randint(3, 120, (23,), generator=g).tolist())
+    b = Seq(runner, torch.randint(3, 120, (9,), generator=g).tolist())
+    out = runner.forward(Batch((a.chunk(12), b.chunk(9)), return_all_logits=True))
+    assert out.all_logits is not None
+    logits = [out.logits, *out.all_logits]
+    logits.append(runner.forward(Batch((a.chunk(11, checkpoint=0),))).logits)
+    for step in range(4):
+        a.tokens.append(5 + step)
+        b.tokens.append(7 + step)
+        logits.append(runner.forward(Batch((a.chunk(1), b.chunk(1)))).logits)
+    return logits, a, b
+
+
+def test_same_logits_and_pool_contents_as_in_process(runners: tuple[ModelRunner, ProcessRunner]) -> None:
+    here, apart = runners
+    ours, a1, b1 = run_steps(here)
+    theirs, a2, b2 = run_steps(apart)
+    assert len(ours) == len(theirs)
+    for x, y in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-6)
+    # what the child wrote is what the worker reads: the live slots, the checkpoint, the KV pages
+    for (conv1, ssm1), (conv2, ssm2) in zip(
+        here.state_pool.layer_states(), apart.state_pool.layer_states(), strict=True
+    ):
+        for s1, s2 in ((a1.slot, a2.slot), (b1.slot, b2.slot)):
+            torch.testing.assert_close(conv2[s2], conv1[s1], rtol=0, atol=1e-6)
+            torch.testing.assert_close(ssm2[s2], ssm1[s1], rtol=0, atol=1e-6)
+        row = apart.state_pool.num_slots  # checkpoint 0
+        assert ssm2[row].abs().sum() > 0
+        torch.testing.assert_close(ssm2[row], ssm1[here.state_pool.num_slots], rtol=0, atol=1e-6)
+    for (k1, v1), (k2, v2) in zip(here.kv_pool.layer_caches(), apart.kv_pool.layer_caches(), strict=True):
+        for s1, s2 in ((a1, a2), (b1, b2)):
+            rows1 = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in s1.pages])[: s1.done]
+            rows2 = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in s2.pages])[: s2.done]
+            torch.testing.assert_close(k2[rows2], k1[rows1], rtol=0, atol=1e-6)
+            torch.testing.assert_close(v2[rows2], v1[rows1], rtol=0, atol=1e-6)
+    for s in (a1, b1, a2, b2):
+        s.release()
+
+
+def test_state_written_by_the_worker_is_what_the_child_continues_from(
+    runners: tuple[ModelRunner, ProcessRunner],
+) -> None:
+    """The prefix cache restores a checkpoint into a live slot on the worker's side; the child's next
+    step must continue from it (and a wrong state would change the logits)."""
+    here, apart = runners
+    logits = []
+    for runner in (here, apart):
+        first = Seq(runner, list(range(3, 19)))
+        runner.forward(Batch((first.chunk(16, checkpoint=1),)))
+        second = Seq(runner, list(range(3, 19)) + [40])
+        second.pages = list(first.pages)  # the prefix's pages, as the prefix cache shares them
+        runner.kv_pool.share(second.pages)
+        runner.state_pool.restore_checkpoint(1, second.slot)  # on this (the worker's) side
+        second.done = 16
+        logits.append(runner.forward(Batch((second.chunk(1),))).logits)
+        runner.state_pool.zero_slots(torch.tensor([second.slot]))  # a wrong state: different logits
+        second.done = 16
+        wrong = runner.forward(Batch((second.chunk(1),))).logits
+        assert not torch.allclose(wrong, logits[-1], atol=1e-4)
+        first.release()
+        second.release()
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-6)
+
+
+def test_bad_batch_is_refused_and_the_process_stays(runners: tuple[ModelRunner, ProcessRunner]) -> None:
+    _, apart = runners
+    seq = Seq(apart, [5, 6, 7])
+    chunk = seq.chunk(3)
+    with pytest.raises(InvalidArgumentError, match="slot"):
+        apart.forward(Batch((chunk, chunk._replace(page_ids=chunk.page_ids))))  # one slot twice
+    assert apart.alive
+    assert apart.forward(Batch((chunk,))).logits.shape == (1, apart.config.vocab_size)
+    seq.release()
+
+
+def test_describe_names_the_process(runners: tuple[ModelRunner, ProcessRunner]) -> None:
+    _, apart = runners
+    described = apart.describe()
+    assert described["model_process"] == apart.pid and apart.pid != os.getpid()
+    assert described["num_kv_pages"] == apart.kv_pool.num_pages
+    assert described["decode_compile"] == "off"
+
+
+def test_a_dead_model_process_fails_forwards_at_once(checkpoint: Path) -> None:
+    runner = build_runner(checkpoint, replace(CONFIG, model_process="on"))
+    assert isinstance(runner, ProcessRunner) and runner.pid is not None
+    os.kill(runner.pid, signal.SIGKILL)
+    seq = Seq(runner, [5, 6, 7])
+    with pytest.raises(ModelProcessError, match="restart the worker"):
+        runner.forward(Batch((seq.chunk(3),)))
+    assert not runner.alive
+    with pytest.raises(ModelProcessError):
+        runner.forward(Batch((seq.chunk(0),)))
+    runner.close()
+
+
+def test_close_stops_the_child(checkpoint: Path) -> None:
+    runner = build_runner(checkpoint, replace(CONFIG, model_process="on"))
+    assert isinstance(runner, ProcessRunner) and runner.pid is not None
+    pid = runner.pid
+    runner.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_where_the_model_runs() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert wants_model_process(replace(CONFIG, model_process="on"), cpu)
+    assert not wants_model_process(replace(CONFIG, model_process="off"), cpu)
+    assert not wants_model_process(replace(CONFIG, model_process="auto"), cuda)  # CUDA keeps it in process
+    with pytest.raises(InvalidArgumentError, match="CPU only"):
+        wants_model_process(replace(CONFIG, model_process="on"), cuda)
+    with pytest.raises(InvalidArgumentError, match="model_process"):
+        RunnerConfig(model_process="sometimes")
