@@ -170,31 +170,51 @@ def wait_decode_compile(worker: Any, timeout_s: float) -> str:
     return "still compiling"
 
 
-def start_ours(model: Path, scheduler: str, max_seqs: int, decode_compile: str) -> tuple[list[Any], str, str]:
-    """(children, worker gRPC address, gateway HTTP URL): a worker and a gateway in front of it."""
+def start_ours(
+    model: Path, scheduler: str, max_seqs: int, decode_compile: str, workers: int = 1
+) -> tuple[list[Any], str, str]:
+    """(children, gRPC address to drive offline, gateway HTTP URL): `workers` workers (the cache memory split
+    between them) and a gateway in front of them. With one worker the offline load goes to it directly,
+    with several through the gateway's gRPC port (the gateway routes, as it does HTTP)."""
     from http_load import wait_http_ready
 
     from hybridserve.children import Child, hybridserve_command, stop_all
 
     children: list[Child] = []
     try:
-        children.append(Child("worker", hybridserve_command(
-            "worker", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--no-prefix-caching",
-            "--max-num-seqs", str(max_seqs), "--decode-compile", decode_compile,
-            "--memory-budget-mb", str(SERVER_CACHE_MB),
-        ), keep_lines=400))  # fmt: skip
-        address = children[0].wait_listening(START_TIMEOUT_S)
-        print(f"hybridserve decode compile: {wait_decode_compile(children[0], START_TIMEOUT_S)}", flush=True)
-        children.insert(0, Child("gateway", hybridserve_command(
-            "gateway", "--workers", address, "--port", "0", "--grpc-port", "0", "--served-model-name", SERVED_NAME,
-        )))  # fmt: skip
-        url = "http://" + children[0].wait_listening(START_TIMEOUT_S)
+        addresses = []
+        for i in range(workers):
+            children.append(Child(f"worker{i}", hybridserve_command(
+                "worker", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--no-prefix-caching",
+                "--max-num-seqs", str(max_seqs), "--decode-compile", decode_compile,
+                "--memory-budget-mb", str(SERVER_CACHE_MB // workers),
+            ), keep_lines=400))  # fmt: skip
+        for child in children:
+            addresses.append(child.wait_listening(START_TIMEOUT_S))
+        for child in children:
+            print(
+                f"hybridserve decode compile ({child.name}): {wait_decode_compile(child, START_TIMEOUT_S)}", flush=True
+            )
+        gateway = Child("gateway", hybridserve_command(
+            "gateway", "--workers", ",".join(addresses), "--port", "0", "--grpc-port", "0",
+            "--served-model-name", SERVED_NAME,
+        ))  # fmt: skip
+        children.insert(0, gateway)
+        url = "http://" + gateway.wait_listening(START_TIMEOUT_S)
         if not wait_http_ready(url, START_TIMEOUT_S):
             raise RuntimeError("the gateway did not become ready")
+        offline = addresses[0]
+        if workers > 1:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not (grpc := [ln for ln in list(gateway.lines) if ln.startswith("grpc listening on ")]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the gateway did not print its gRPC address")
+                time.sleep(0.1)
+            offline = "127.0.0.1:" + grpc[0].rsplit(":", 1)[1]
     except BaseException:
         stop_all(children)
         raise
-    return children, address, url
+    return children, offline, url
 
 
 def start_vllm_server(python: Path, model: Path, max_len: int, max_seqs: int) -> tuple[Any, str]:
@@ -299,7 +319,9 @@ def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: st
     print(f"\n== {label}: blocks {letters} (M Mamba2, * attention, - MLP, E MoE), hidden {args.hidden_size}, "
           f"vocab {args.vocab_size} ==", flush=True)  # fmt: skip
     max_seqs = max(int(c) for c in args.clients.split(","))
-    children, worker, gateway = start_ours(model, scheduler, max(max_seqs, args.requests), args.decode_compile)
+    children, worker, gateway = start_ours(
+        model, scheduler, max(max_seqs, args.requests), args.decode_compile, args.workers
+    )
     try:
         offline_and_tokens(label, args, vllm, model, worker, tmp)
         if not http:
@@ -326,6 +348,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-http", action="store_true", help="only the token comparison and the offline run")
     parser.add_argument("--decode-compile", default="auto", choices=("auto", "on", "off"),
                         help="the worker's --decode-compile (timed runs start once its compile ended)")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=1, help="our side: workers behind the gateway (cache split)")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=512)
