@@ -69,7 +69,9 @@ class NullRunner:
         self._logits = torch.zeros(max_num_seqs, VOCAB)
         self._logits[:, 65] = 1.0
 
-    def forward(self, batch: Batch) -> ForwardOutput:
+    def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
+        if while_waiting is not None:
+            while_waiting()
         return ForwardOutput(logits=self._logits[: len(batch.sequences)])
 
 

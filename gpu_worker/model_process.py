@@ -31,6 +31,7 @@ import os
 import pickle
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
@@ -130,13 +131,16 @@ class ProcessRunner:
     def pid(self) -> int | None:
         return self._process.pid
 
-    def forward(self, batch: Batch) -> ForwardOutput:
-        """ModelRunner.forward in the child: the same logits, the same pool updates."""
+    def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
+        """ModelRunner.forward in the child: the same logits, the same pool updates. `while_waiting` runs
+        here once the child has the batch (work that need not wait for the logits)."""
         with self._lock:
             if not self.alive:
                 raise ModelProcessError("the model process is gone; restart the worker")
             try:
                 self._conn.send_bytes(pickle.dumps(("forward", batch), protocol=pickle.HIGHEST_PROTOCOL))
+                if while_waiting is not None:
+                    while_waiting()
                 reply = self._receive(None)
             except (OSError, EOFError, ModelProcessError) as exc:
                 self.alive = False

@@ -9,6 +9,7 @@ rest of `memory_budget_bytes` becomes KV pages."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -199,12 +200,16 @@ class ModelRunner:
         return self.runner_config.kv_page_size_tokens
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> ForwardOutput:
+    def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
         """Run every sequence's chunk; update KV pages and state slots; save requested checkpoints
         (at a chunk's end, and at the block boundaries inside prefill chunks).
 
         Each sequence gets exactly the logits it would get alone. Raises InvalidArgumentError for a
-        malformed batch (empty chunk, page table too short, duplicate or out-of-range state slot)."""
+        malformed batch (empty chunk, page table too short, duplicate or out-of-range state slot).
+        `while_waiting` runs while the forward does where it runs elsewhere (gpu_worker.model_process);
+        here, first."""
+        if while_waiting is not None:
+            while_waiting()
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self._forward_graphed(batch)
         if self.decode_compiler is not None:  # between steps: switch to the compiled decode once built

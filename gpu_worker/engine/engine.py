@@ -84,6 +84,7 @@ class Engine:
         self.table = RequestTable()
         self.allocator = Allocator(runner.kv_pool, runner.state_pool, self.prefix)
         self.outputs = OutputProcessor(runner.eos_token_ids)
+        self._forwarded = False  # this iteration's step handed the outbox over during its forward
         self._plan = plan
         self.door = Door(settings.max_queue_len)
         self._stopping = threading.Event()
@@ -154,6 +155,7 @@ class Engine:
         except BaseException as exc:  # logged there; the thread ends
             error = failures.engine_stopped(exc)
         finally:
+            self.outputs.flush()  # what the last steps produced, before the live requests' errors
             self.door.close(error)  # every live request (and every later one) gets `error`
 
     def _iterate(self, pending: Future[Planned] | None) -> Future[Planned] | None:
@@ -165,8 +167,13 @@ class Engine:
         if not self.table.has_plannable_work():
             self._idle()
             return None
-        with self.observer.step(self.step_index):
-            return self._step(pending)
+        self._forwarded = False
+        try:
+            with self.observer.step(self.step_index):
+                return self._step(pending)
+        finally:
+            if not self._forwarded:  # else the step's forward handed them over while it ran
+                self.outputs.flush()
 
     def _step(self, pending: Future[Planned] | None) -> Future[Planned] | None:
         """One step; returns the plan request of the next step when scheduling asynchronously."""
@@ -305,9 +312,11 @@ class Engine:
         batch = prepared.batch
         if batch is None:
             return None
+        self._forwarded = True
         try:
-            output = self.runner.forward(batch)
+            output = self.runner.forward(batch, while_waiting=self.outputs.flush)  # the last step's events
         except Exception as exc:
+            self.outputs.flush()  # if the forward failed before it could
             self.prefix.discard(prepared.checkpoints)
             log.exception("forward failed; failing the step's requests")
             return AbortedError(f"model forward failed: {type(exc).__name__}: {exc}; send the request again")
@@ -398,6 +407,7 @@ class Engine:
         return bool(late)
 
     def _idle(self) -> None:
+        self.outputs.flush()
         self.door.wait(self.settings.idle_wait_s)
 
     # ---- request lifecycle -----------------------------------------------------------------------

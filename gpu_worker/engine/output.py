@@ -1,9 +1,14 @@
 """The output processor: a sampled token's effect on its request. Appends it, detokenises it,
 checks EOS, stop strings and max_tokens, and streams it; a request that ends gets an `Ending`,
-whose last event is delivered once the step's observers have seen the step."""
+whose last event is delivered once the step's observers have seen the step.
+
+Events wait in the `outbox` until the engine calls `flush`: it does so once the next forward is under
+way (or when no forward follows), so that the stream threads the events wake run while the model
+computes rather than between two steps. Each request's events keep their order."""
 
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass
 
 from gpu_worker.engine.finish import FinishReason
@@ -27,6 +32,13 @@ class Ending:
 class OutputProcessor:
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self._eos_ids = frozenset(eos_token_ids)
+        self.outbox: list[tuple[queue.SimpleQueue[RequestOutput], RequestOutput]] = []  # (request's queue, event)
+
+    def flush(self) -> None:
+        """Hands every waiting event to its stream, in order."""
+        outbox, self.outbox = self.outbox, []
+        for events, event in outbox:
+            events.put(event)
 
     def append(self, request: Request, token_id: int, logprob: float, top: TopLogprobs) -> Ending | None:
         """Appends one sampled token: streams it now, or returns the request's ending (the token
@@ -37,7 +49,9 @@ class OutputProcessor:
         text, hit_stop = request.stop_checker.push([] if is_eos else [token_id])
         if not (is_eos or hit_stop) and len(outputs) < params.max_tokens:  # the common case: it goes on
             # RequestOutput((token_id,), (logprob,), (top,), text) without its Python constructor
-            request.events.put(_new(RequestOutput, ((token_id,), (logprob,), (top,), text, None, 0, 0, 0, None)))
+            self.outbox.append(
+                (request.events, _new(RequestOutput, ((token_id,), (logprob,), (top,), text, None, 0, 0, 0, None)))
+            )
             return None
         reason = finish_reason(is_eos, hit_stop, len(outputs) >= params.max_tokens)
         assert reason is not None
@@ -56,9 +70,8 @@ class OutputProcessor:
         """Ended by an error: the stream raises it."""
         return Ending(request, FinishReason.ERROR, RequestOutput(error=error), error)
 
-    @staticmethod
-    def deliver(ending: Ending) -> None:
-        ending.request.events.put(ending.last)
+    def deliver(self, ending: Ending) -> None:
+        self.outbox.append((ending.request.events, ending.last))
 
 
 def finish_reason(is_eos: bool, hit_stop: bool, reached_max_tokens: bool) -> FinishReason | None:

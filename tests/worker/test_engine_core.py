@@ -66,7 +66,9 @@ class FakeRunner:
         self.num_calls = 0
         self._slot_positions: dict[int, int] = {}
 
-    def forward(self, batch: Batch) -> ForwardOutput:
+    def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
+        if while_waiting is not None:
+            while_waiting()
         self.num_calls += 1
         if self.num_calls == self.fail_on_call:
             raise RuntimeError("device lost")
