@@ -311,3 +311,40 @@ def test_a_planner_stuck_on_empty_plans_never_spins_the_engine(start_engine, asy
     assert len(empty) == 2 and empty[0].preempted_request_ids == ("r",), "preempted, then failed"
     assert log.finished["r"].reason is FinishReason.ERROR
     assert_drained(log, runner)
+
+
+class OutboxWatcher(FakeRunner):
+    """A runner that looks at one request's event queue at each forward, before and after the engine's
+    `while_waiting` (which a model process runs while it computes)."""
+
+    def __init__(self, watched: Request) -> None:
+        super().__init__(num_pages=256)
+        self.watched = watched
+        self.seen: list[tuple[int, int]] = []  # (events queued before while_waiting, after)
+
+    def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
+        before = self.watched.events.qsize()
+        if while_waiting is not None:
+            while_waiting()
+        self.seen.append((before, self.watched.events.qsize()))
+        return super().forward(batch)
+
+
+def test_a_steps_events_go_out_while_the_next_forward_runs(start_engine):
+    """Each decode step's token reaches the stream during the next step's forward (not before it, so
+    that stream threads run beside the model), and the last events go out with no forward to wait for."""
+    watched = request("w", 5, 6)
+    runner = OutboxWatcher(watched)
+    engine, _, log = start_engine(runner)
+    engine.submit(watched)
+    deadline = time.monotonic() + 20
+    while watched.events.qsize() < 6 and time.monotonic() < deadline:  # 5 tokens + the last event
+        time.sleep(0.01)
+    events = stream(watched)
+    assert tokens_of(events) == expected_tokens(6)
+    assert events[-1].finish_reason is FinishReason.LENGTH
+    # forward 1 prefills (nothing queued yet); forward k > 1 hands over the token of step k - 1
+    assert runner.seen[0] == (0, 0)
+    for k, (before, after) in enumerate(runner.seen[1:], start=1):
+        assert (before, after) == (k - 1, k), runner.seen
+    assert len(runner.seen) == 6  # the 6th token (and the last event) went out with no 7th forward
