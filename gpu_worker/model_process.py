@@ -25,10 +25,13 @@ errors, `alive` turns false (the worker's health reports NOT_SERVING) and the wo
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -54,6 +57,7 @@ log = logging.getLogger("hybridserve.worker.model_process")
 START_TIMEOUT_S = 600.0  # loading and (on a cold cache) nothing else: the decode compile runs in the background
 STOP_TIMEOUT_S = 10.0
 MODEL_PROCESS_MODES = ("auto", "on", "off")
+PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies
 
 
 class ModelProcessError(RuntimeError):
@@ -209,6 +213,7 @@ def serve(
     from gpu_worker.runner import ModelRunner
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    _follow_the_worker()
     fds = [recv_handle(conn) for _ in shapes]
     keep_freed_memory()
     try:
@@ -227,7 +232,22 @@ def serve(
             return  # the worker is gone
         if kind == "stop":
             return
-        conn.send_bytes(pickle.dumps(_forward(runner, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        reply = pickle.dumps(_forward(runner, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            conn.send_bytes(reply)
+        except OSError:
+            return  # the worker is gone
+
+
+def _follow_the_worker() -> None:
+    """The worker decides when this process ends: Ctrl-C or SIGTERM sent to the process group drain the
+    worker, which then says "stop"; and should the worker die without a word, so does this process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _forward(runner: Any, batch: Batch) -> tuple[Any, ...]:

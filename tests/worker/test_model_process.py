@@ -5,18 +5,26 @@ dead model process reported rather than waited for."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2
 
 from gpu_worker.batch import Batch, SequenceChunk
 from gpu_worker.model_process import ModelProcessError, ProcessRunner, build_runner, wants_model_process
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from hybridserve.errors import InvalidArgumentError
+from hybridserve.v1 import generation_pb2 as pb
+from hybridserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.faults.stack import health_check_s, serves, write_model
+from tests.procs import ServerProcess
 
 CONFIG = RunnerConfig(
     memory_budget_bytes=16 << 20, kv_page_size_tokens=4, max_num_seqs=8, num_checkpoint_slots=4, device="cpu",
@@ -173,3 +181,34 @@ def test_where_the_model_runs() -> None:
         wants_model_process(replace(CONFIG, model_process="on"), cuda)
     with pytest.raises(InvalidArgumentError, match="model_process"):
         RunnerConfig(model_process="sometimes")
+
+
+def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> None:
+    """Real processes: `hybridserve worker --model-process on` serves the same greedy tokens as with the
+    model in process; once its model process is killed, a request ends with a clear error at once and
+    the worker's liveness turns NOT_SERVING (so an orchestrator restarts it); SIGTERM still stops it."""
+    model = write_model(tmp_path)
+    prompt = list(range(5, 40))
+    with ServerProcess(["scheduler", "--port", "0"]) as scheduler:
+        common = ["worker", "--model", str(model), "--scheduler", scheduler.address, "--port", "0"]
+        with ServerProcess([*common, "--model-process", "off"]) as here:
+            expected = serves(here.address, prompt, 8, timeout_s=30)
+        with ServerProcess([*common, "--model-process", "on"]) as worker:
+            assert expected is not None and serves(worker.address, prompt, 8, timeout_s=30) == expected
+            found = re.search(r"model process (\d+) ready", worker.output)
+            assert found, worker.output
+            os.kill(int(found.group(1)), signal.SIGKILL)
+            started = time.monotonic()
+            with grpc.insecure_channel(worker.address) as channel:
+                request = pb.GenerateRequest(
+                    prompt_token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=8)
+                )
+                with pytest.raises(grpc.RpcError) as failed:
+                    list(pb_grpc.GenerationStub(channel).Generate(request, timeout=30))
+            assert "model process is gone" in (failed.value.details() or ""), failed.value
+            assert time.monotonic() - started < 10
+            deadline = time.monotonic() + 10
+            while health_check_s(worker.address, "liveness")[1] != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "liveness did not turn NOT_SERVING"
+                time.sleep(0.1)
+            assert worker.stop() == 0
