@@ -80,6 +80,8 @@ class ProcessRunner:
     """The ModelRunner surface the engine and the prefix cache use; the forward runs in a child process.
     Not thread-safe: one engine thread calls `forward`."""
 
+    forward_elsewhere = True  # `forward`'s while_waiting runs while the model computes (the engine plans there)
+
     def __init__(self, loaded: LoadedModel, config: RunnerConfig) -> None:
         self.loaded = loaded
         self.device = loaded.device

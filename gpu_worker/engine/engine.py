@@ -85,6 +85,7 @@ class Engine:
         self.allocator = Allocator(runner.kv_pool, runner.state_pool, self.prefix)
         self.outputs = OutputProcessor(runner.eos_token_ids)
         self._forwarded = False  # this iteration's step handed the outbox over during its forward
+        self._plan_inline: tuple[Future[Planned], StepInput] | None = None  # made during the forward
         self._plan = plan
         self.door = Door(settings.max_queue_len)
         self._stopping = threading.Event()
@@ -220,10 +221,30 @@ class Engine:
         return None
 
     def _plan_ahead(self, prepared: PreparedStep) -> Future[Planned] | None:
+        """Step N+1's plan, requested now from the state step N will leave. A runner whose forward runs
+        elsewhere (`forward_elsewhere`: the model process) has this thread wait for it anyway, so the
+        plan is made here during that wait (`_while_forwarding`); else on the planner thread."""
         if not (self.settings.async_scheduling and self.table.has_plannable_work()):
             return None
+        step_input = self._snapshot(prepared)
+        if getattr(self.runner, "forward_elsewhere", False) and prepared.batch is not None:
+            planned: Future[Planned] = Future()
+            self._plan_inline = (planned, step_input)
+            return planned
         context = contextvars.copy_context()  # the step's trace context, for the PlanStep span
-        return self._planner_pool.submit(context.run, self._plan_timed, self._snapshot(prepared))
+        return self._planner_pool.submit(context.run, self._plan_timed, step_input)
+
+    def _while_forwarding(self) -> None:
+        """What this thread does while the model process computes: hand the last step's events to the
+        streams, then plan the next step."""
+        self.outputs.flush()
+        inline, self._plan_inline = self._plan_inline, None
+        if inline is not None:
+            planned, step_input = inline
+            try:
+                planned.set_result(self._plan_timed(step_input))
+            except Exception as exc:  # raised to the next step by Future.result, as from the planner thread
+                planned.set_exception(exc)
 
     def _plan_timed(self, step_input: StepInput) -> Planned:
         started = time.monotonic()
@@ -314,9 +335,9 @@ class Engine:
             return None
         self._forwarded = True
         try:
-            output = self.runner.forward(batch, while_waiting=self.outputs.flush)  # the last step's events
+            output = self.runner.forward(batch, while_waiting=self._while_forwarding)
         except Exception as exc:
-            self.outputs.flush()  # if the forward failed before it could
+            self._while_forwarding()  # if the forward failed before it could
             self.prefix.discard(prepared.checkpoints)
             log.exception("forward failed; failing the step's requests")
             return AbortedError(f"model forward failed: {type(exc).__name__}: {exc}; send the request again")

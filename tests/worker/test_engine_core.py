@@ -348,3 +348,29 @@ def test_a_steps_events_go_out_while_the_next_forward_runs(start_engine):
     for k, (before, after) in enumerate(runner.seen[1:], start=1):
         assert (before, after) == (k - 1, k), runner.seen
     assert len(runner.seen) == 6  # the 6th token (and the last event) went out with no 7th forward
+
+
+class ElsewhereRunner(FakeRunner):
+    """A runner whose forward runs elsewhere (as the model process's does): the engine plans the next
+    step in `while_waiting`, on its own thread."""
+
+    forward_elsewhere = True
+
+
+def test_with_the_forward_elsewhere_the_engine_thread_plans_during_it(start_engine):
+    threads: list[str] = []
+
+    def plan(step: StepInput) -> StepPlan:
+        threads.append(threading.current_thread().name)
+        return plan_step(step)
+
+    engine, runner, log = start_engine(ElsewhereRunner(num_pages=256), plan=plan)
+    requests = [request(f"r{i}", 5 + 4 * i, 6) for i in range(3)]
+    for r in requests:
+        engine.submit(r)
+    for r in requests:
+        assert tokens_of(stream(r)) == expected_tokens(6)
+    assert threads[0] == "engine"  # the first plan: nothing ran yet, planned before any forward
+    assert set(threads) == {"engine"}, threads  # every later one during a forward, never on the planner thread
+    assert len(threads) >= len(log.steps)
+    assert_drained(log, runner)
