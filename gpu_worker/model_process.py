@@ -48,7 +48,7 @@ from gpu_worker.batch import Batch, ForwardOutput
 from gpu_worker.kv_pool import KVPagePool
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.loader import LoadedModel, load_model
-from gpu_worker.runner import PoolPlan, RunnerConfig
+from gpu_worker.runner import ModelRunner, PoolPlan, RunnerConfig
 from gpu_worker.shared_memory import AttachedArena, SharedArena
 from gpu_worker.state_pool import MambaStatePool
 from hybridserve.errors import InvalidArgumentError
@@ -79,8 +79,6 @@ def wants_model_process(config: RunnerConfig, device: torch.device) -> bool:
 class ProcessRunner:
     """The ModelRunner surface the engine and the prefix cache use; the forward runs in a child process.
     Not thread-safe: one engine thread calls `forward`."""
-
-    forward_elsewhere = True  # `forward`'s while_waiting runs while the model computes (the engine plans there)
 
     def __init__(self, loaded: LoadedModel, config: RunnerConfig) -> None:
         self.loaded = loaded
@@ -114,12 +112,25 @@ class ProcessRunner:
             self.close()
             raise ModelProcessError(f"the model process did not start: {reply[1]}")
         self._describe: dict[str, Any] = reply[1]
-        self.alive = True
+        self._alive = True
+        self.steps_here = 0  # steps run in this process (fewer rows than min_rows)
+        self.steps_there = 0  # steps run in the model process
         # What torch work stays here (sampling a step's rows, the prefix cache's copies) is small: one
         # thread, so that no OpenMP thread of this process spins on the core the model runs on.
         torch.set_num_threads(1)
-        _strip_weights(loaded.model)  # the child computes with its own copy
+        self.min_rows = config.model_process_min_rows
+        self._local: ModelRunner | None = None
+        if self.min_rows > 0:  # small steps here, eagerly, on one thread, over the same pools
+            local_config = replace(config, cpu_threads=1, cpu_prefill_threads=0, decode_compile="off")
+            self._local = ModelRunner(loaded, local_config, pools=(self.kv_pool, self.state_pool))
+        else:
+            _strip_weights(loaded.model)  # the child computes with its own copy
         log.info("model process %d ready", self._process.pid)
+
+    @property
+    def alive(self) -> bool:
+        """The model process runs (checked each step and by the worker's liveness probe)."""
+        return self._alive and self._process.is_alive()
 
     @property
     def config(self) -> ModelConfig:
@@ -137,19 +148,29 @@ class ProcessRunner:
     def pid(self) -> int | None:
         return self._process.pid
 
+    def runs_elsewhere(self, batch: Batch) -> bool:
+        """Whether `batch` goes to the model process (then `forward`'s while_waiting runs while it computes,
+        and the engine plans there)."""
+        return self._local is None or len(batch.sequences) >= self.min_rows
+
     def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
         """ModelRunner.forward in the child: the same logits, the same pool updates. `while_waiting` runs
-        here once the child has the batch (work that need not wait for the logits)."""
+        here once the child has the batch (work that need not wait for the logits). A step of fewer than
+        `min_rows` rows runs here instead: too small for the hand-off to pay."""
         with self._lock:
             if not self.alive:
                 raise ModelProcessError("the model process is gone; restart the worker")
+            if self._local is not None and not self.runs_elsewhere(batch):
+                self.steps_here += 1
+                return self._local.forward(batch, while_waiting)
+            self.steps_there += 1
             try:
                 self._conn.send_bytes(pickle.dumps(("forward", batch), protocol=pickle.HIGHEST_PROTOCOL))
                 if while_waiting is not None:
                     while_waiting()
                 reply = self._receive(None)
             except (OSError, EOFError, ModelProcessError) as exc:
-                self.alive = False
+                self._alive = False
                 code = self._process.exitcode if not self._process.is_alive() else None
                 raise ModelProcessError(f"the model process is gone (exit code {code}); restart the worker") from exc
         kind = reply[0]
@@ -176,7 +197,7 @@ class ProcessRunner:
 
     def close(self) -> None:
         """Stops the child (at shutdown); idempotent."""
-        self.alive = False
+        self._alive = False
         if self._process.pid is None:
             return
         with contextlib.suppress(OSError, ValueError):  # already gone, or the pipe closed
@@ -197,8 +218,6 @@ def _strip_weights(model: torch.nn.Module) -> None:
 def build_runner(model_dir: str | Path, config: RunnerConfig) -> Any:
     """The worker's runner: a ProcessRunner when `config.model_process` asks for one (see
     wants_model_process), else the in-process ModelRunner."""
-    from gpu_worker.runner import ModelRunner
-
     loaded = load_model(model_dir, device=config.device, dtype=config.dtype)
     if wants_model_process(config, loaded.device):
         return ProcessRunner(loaded, config)
@@ -212,7 +231,6 @@ def serve(
 ) -> None:  # fmt: skip
     """The model process's loop: forward each batch it receives until "stop" or the worker goes away."""
     from gpu_worker.cpu_alloc import keep_freed_memory
-    from gpu_worker.runner import ModelRunner
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     _follow_the_worker()

@@ -63,6 +63,9 @@ class RunnerConfig:
     # run the forward in a child process beside the worker (gpu_worker.model_process): auto = on CPU
     # (Linux), never on CUDA | on | off
     model_process: str = "off"
+    # with a model process: steps of fewer rows than this run in the worker's own process (no hand-off
+    # between processes; the worker then keeps a copy of the weights); 0 = every step in the model process
+    model_process_min_rows: int = 4
 
     def __post_init__(self) -> None:
         for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens"):
@@ -70,7 +73,7 @@ class RunnerConfig:
                 raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
         if self.checkpoint_memory_bytes < 0:
             raise InvalidArgumentError(f"checkpoint_memory_bytes must be >= 0, got {self.checkpoint_memory_bytes}")
-        for name in ("cpu_threads", "cpu_prefill_threads"):
+        for name in ("cpu_threads", "cpu_prefill_threads", "model_process_min_rows"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
         if self.cpu_prefill_min_tokens <= 0:
@@ -129,9 +132,16 @@ def _state_shapes(c: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]
 class ModelRunner:
     """Runs packed batches. Not thread-safe: one engine thread calls it."""
 
-    def __init__(self, loaded: LoadedModel, config: RunnerConfig, alloc: Allocator | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: RunnerConfig,
+        alloc: Allocator | None = None,
+        pools: tuple[KVPagePool, MambaStatePool] | None = None,
+    ) -> None:
         """`alloc` makes the pools' storage (default torch.zeros): the model process builds its pools over
-        the worker's shared tensors (gpu_worker.model_process)."""
+        the worker's shared tensors (gpu_worker.model_process); `pools` runs over existing pools instead
+        (the worker's own runner for small steps beside its model process)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -145,11 +155,11 @@ class ModelRunner:
                 if isinstance(module, Mamba2Mixer):
                     module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)
             use_onednn_linears(self.model)  # prefill-sized projections: oneDNN, ~2.2x MKL on AMD
-        pools = PoolPlan.of(loaded, config)
-        self.runner_config = pools.config
-        self.kv_bytes_per_token = pools.kv_bytes_per_token
-        self.state_bytes_per_request = pools.state_bytes_per_request
-        self.kv_pool, self.state_pool = pools.build(alloc)
+        plan = PoolPlan.of(loaded, config)
+        self.runner_config = plan.config
+        self.kv_bytes_per_token = plan.kv_bytes_per_token
+        self.state_bytes_per_request = plan.state_bytes_per_request
+        self.kv_pool, self.state_pool = pools if pools is not None else plan.build(alloc)
         self._kv_caches = self.kv_pool.layer_caches()
         self._states = self.state_pool.layer_states()
         self.decode_graphs = self._capture_decode_graphs()

@@ -95,6 +95,10 @@ FLAGS = {
         "run the model in a process of its own beside the worker, the pools in memory both map (the forward"
         " then never waits for the worker's threads): auto (on CPU) | on | off"
     ),
+    "model_process_min_rows": Flag(
+        "with a model process, steps of fewer rows than this run in the worker's own process (too small for"
+        " the hand-off to pay; the worker then keeps a copy of the weights); 0 = every step in the model process"
+    ),
     "metrics_port": Flag(METRICS_PORT_HELP),
     "record_steps": Flag(
         "append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
@@ -119,6 +123,7 @@ ENGINE_FIELDS = (
 RUNNER_FIELDS = (
     "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
     "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "model_process",
+    "model_process_min_rows",
 )  # fmt: skip  # the rest follow the config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"

@@ -222,12 +222,13 @@ class Engine:
 
     def _plan_ahead(self, prepared: PreparedStep) -> Future[Planned] | None:
         """Step N+1's plan, requested now from the state step N will leave. A runner whose forward runs
-        elsewhere (`forward_elsewhere`: the model process) has this thread wait for it anyway, so the
-        plan is made here during that wait (`_while_forwarding`); else on the planner thread."""
+        elsewhere (`runs_elsewhere(batch)`: the model process) has this thread wait for it anyway, so
+        the plan is made here during that wait (`_while_forwarding`); else on the planner thread."""
         if not (self.settings.async_scheduling and self.table.has_plannable_work()):
             return None
         step_input = self._snapshot(prepared)
-        if getattr(self.runner, "forward_elsewhere", False) and prepared.batch is not None:
+        runs_elsewhere = getattr(self.runner, "runs_elsewhere", None)
+        if prepared.batch is not None and runs_elsewhere is not None and runs_elsewhere(prepared.batch):
             planned: Future[Planned] = Future()
             self._plan_inline = (planned, step_input)
             return planned

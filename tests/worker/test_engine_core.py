@@ -354,7 +354,8 @@ class ElsewhereRunner(FakeRunner):
     """A runner whose forward runs elsewhere (as the model process's does): the engine plans the next
     step in `while_waiting`, on its own thread."""
 
-    forward_elsewhere = True
+    def runs_elsewhere(self, batch: Batch) -> bool:
+        return True
 
 
 def test_with_the_forward_elsewhere_the_engine_thread_plans_during_it(start_engine):

@@ -35,7 +35,7 @@ CONFIG = RunnerConfig(
 @pytest.fixture(scope="module")
 def runners(checkpoint: Path) -> Iterator[tuple[ModelRunner, ProcessRunner]]:
     here = build_runner(checkpoint, CONFIG)
-    apart = build_runner(checkpoint, replace(CONFIG, model_process="on"))
+    apart = build_runner(checkpoint, replace(CONFIG, model_process="on", model_process_min_rows=0))
     assert isinstance(here, ModelRunner) and isinstance(apart, ProcessRunner)
     yield here, apart
     apart.close()
@@ -151,9 +151,13 @@ def test_describe_names_the_process(runners: tuple[ModelRunner, ProcessRunner]) 
 
 
 def test_a_dead_model_process_fails_forwards_at_once(checkpoint: Path) -> None:
-    runner = build_runner(checkpoint, replace(CONFIG, model_process="on"))
+    runner = build_runner(checkpoint, replace(CONFIG, model_process="on"))  # small steps would run here: not now
     assert isinstance(runner, ProcessRunner) and runner.pid is not None
     os.kill(runner.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while runner.alive:  # what the worker's liveness probe reads
+        assert time.monotonic() < deadline, "the dead model process still counts as alive"
+        time.sleep(0.01)
     seq = Seq(runner, [5, 6, 7])
     with pytest.raises(ModelProcessError, match="restart the worker"):
         runner.forward(Batch((seq.chunk(3),)))
@@ -161,6 +165,36 @@ def test_a_dead_model_process_fails_forwards_at_once(checkpoint: Path) -> None:
     with pytest.raises(ModelProcessError):
         runner.forward(Batch((seq.chunk(0),)))
     runner.close()
+
+
+def test_small_steps_run_here_over_the_same_pools(checkpoint: Path) -> None:
+    """Below min_rows rows a step runs in the worker's own process; either way the pools hold the same
+    states, so a request moves between the two with each step's size."""
+    mixed = build_runner(checkpoint, replace(CONFIG, model_process="on", model_process_min_rows=2))
+    here = build_runner(checkpoint, CONFIG)
+    assert isinstance(mixed, ProcessRunner) and isinstance(here, ModelRunner)
+    try:
+        logits = []
+        for runner in (here, mixed):
+            a, b = Seq(runner, list(range(3, 20))), Seq(runner, list(range(30, 41)))
+            out = [runner.forward(Batch((a.chunk(17), b.chunk(11)))).logits]  # 2 rows: the model process
+            for step in range(3):
+                a.tokens.append(5 + step)
+                out.append(runner.forward(Batch((a.chunk(1),))).logits)  # 1 row: here
+                b.tokens.append(9 + step)
+                out.append(runner.forward(Batch((b.chunk(1),))).logits)  # 1 row: here
+                a.tokens.append(6 + step)
+                b.tokens.append(7 + step)
+                out.append(runner.forward(Batch((a.chunk(1), b.chunk(1)))).logits)  # 2 rows: there
+            logits.append(out)
+            a.release()
+            b.release()
+        for x, y in zip(logits[0], logits[1], strict=True):
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+        assert (mixed.steps_here, mixed.steps_there) == (6, 4)
+        assert mixed.runs_elsewhere(Batch((Seq(mixed, [1, 2]).chunk(2),) * 2))
+    finally:
+        mixed.close()
 
 
 def test_close_stops_the_child(checkpoint: Path) -> None:
@@ -185,8 +219,8 @@ def test_where_the_model_runs() -> None:
 
 def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> None:
     """Real processes: `hybridserve worker --model-process on` serves the same greedy tokens as with the
-    model in process; once its model process is killed, a request ends with a clear error at once and
-    the worker's liveness turns NOT_SERVING (so an orchestrator restarts it); SIGTERM still stops it."""
+    model in process; once its model process is killed, the worker's liveness turns NOT_SERVING (so an
+    orchestrator restarts it) and a request ends with a clear error at once; SIGTERM still stops it."""
     model = write_model(tmp_path)
     prompt = list(range(5, 40))
     with ServerProcess(["scheduler", "--port", "0"]) as scheduler:
@@ -198,6 +232,10 @@ def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> Non
             found = re.search(r"model process (\d+) ready", worker.output)
             assert found, worker.output
             os.kill(int(found.group(1)), signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while health_check_s(worker.address, "liveness")[1] != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "liveness did not turn NOT_SERVING"
+                time.sleep(0.1)
             started = time.monotonic()
             with grpc.insecure_channel(worker.address) as channel:
                 request = pb.GenerateRequest(
@@ -207,8 +245,4 @@ def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> Non
                     list(pb_grpc.GenerationStub(channel).Generate(request, timeout=30))
             assert "model process is gone" in (failed.value.details() or ""), failed.value
             assert time.monotonic() - started < 10
-            deadline = time.monotonic() + 10
-            while health_check_s(worker.address, "liveness")[1] != health_pb2.HealthCheckResponse.NOT_SERVING:
-                assert time.monotonic() < deadline, "liveness did not turn NOT_SERVING"
-                time.sleep(0.1)
             assert worker.stop() == 0
