@@ -5,6 +5,7 @@ every scan-chunk boundary, for random mixes of span lengths, warm states and dec
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -113,3 +114,44 @@ def test_the_scan_returns_the_state_at_every_chunk_boundary(lengths, chunk, seed
             else:
                 _, expected = ssd_scan(x[cut], dt[cut], A, B[cut], C[cut], D, initial[s], chunk)
             assert (scan.chunk_start_states[index.chunk_start[s] + k] - expected).abs().max().item() <= TOL
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=6),
+    d_conv=st.integers(2, 4),
+    row_block=st.sampled_from([1, 5, 512]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_packed_conv_is_one_conv1d_per_sequence_bit_for_bit(lengths, d_conv, row_block, with_bias, seed) -> None:
+    """The packed causal conv (shifted multiply-adds over the whole batch, span heads redone from
+    their states, rows in blocks) gives exactly F.conv1d over each sequence's [state, tokens] window,
+    and leaves each sequence's last d_conv - 1 inputs as its conv state."""
+    import gpu_worker.model.packed_prefill as packed_prefill
+
+    g = torch.Generator().manual_seed(seed)
+    channels, keep = 6, d_conv - 1
+    spans, at = [], 0
+    for i, n in enumerate(lengths):
+        spans.append(PrefillSpan(at, n, 3, 2 * i + 1, torch.zeros(0, dtype=torch.int64)))  # scattered slots
+        at += n
+    xbc = torch.randn(at, channels + 3, generator=g)[:, 1 : channels + 1]  # a strided view, as in the mixer
+    weight = torch.randn(channels, 1, d_conv, generator=g)
+    bias = torch.randn(channels, generator=g) if with_bias else None
+    conv_state = torch.randn(2 * len(lengths) + 1, channels, keep, generator=g)
+    expected_state = conv_state.clone()
+    expected = []
+    for span in spans:
+        window = torch.cat([conv_state[span.state_slot], xbc[span.token_start : span.token_start + span.num_tokens].t()], 1)
+        expected.append(F.conv1d(window[None], weight, bias, groups=channels)[0].t())
+        expected_state[span.state_slot] = window[:, window.shape[1] - keep :]
+    index = build_packed_index(tuple(spans), 8, keep, torch.device("cpu"))
+    saved = packed_prefill.CONV_ROW_BLOCK
+    packed_prefill.CONV_ROW_BLOCK = row_block
+    try:
+        out = packed_prefill.packed_causal_conv(xbc, weight, bias, conv_state, index)
+    finally:
+        packed_prefill.CONV_ROW_BLOCK = saved
+    assert torch.equal(out, torch.cat(expected))
+    assert torch.equal(conv_state, expected_state)
