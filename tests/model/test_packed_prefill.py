@@ -143,7 +143,8 @@ def test_packed_conv_is_one_conv1d_per_sequence_bit_for_bit(lengths, d_conv, row
     expected_state = conv_state.clone()
     expected = []
     for span in spans:
-        window = torch.cat([conv_state[span.state_slot], xbc[span.token_start : span.token_start + span.num_tokens].t()], 1)
+        tokens = xbc[span.token_start : span.token_start + span.num_tokens]
+        window = torch.cat([conv_state[span.state_slot], tokens.t()], 1)
         expected.append(F.conv1d(window[None], weight, bias, groups=channels)[0].t())
         expected_state[span.state_slot] = window[:, window.shape[1] - keep :]
     index = build_packed_index(tuple(spans), 8, keep, torch.device("cpu"))
