@@ -213,7 +213,7 @@ class Mamba2Mixer(nn.Module):
         wanted = [(i, points) for i, points in wanted if points]
         conv_before = {i: conv_state[ctx.prefills[i].state_slot].clone() for i, _ in wanted}  # the conv updates it
         conv = packed_causal_conv(xbc[rows], self.conv1d.weight, self.conv1d.bias, conv_state, index)
-        x, B, C = self._split_xbc(F.silu(conv, inplace=True))
+        x, B, C = self._split_xbc(F.silu(conv))
         initial = ssm_state.index_select(0, index.state_slots)
         scan = packed_scan(x, dt[rows], A, B, C, self.D, initial, index)
         ssm_state.index_copy_(0, index.state_slots, scan.final_states.to(ssm_state.dtype))

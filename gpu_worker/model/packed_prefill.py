@@ -7,8 +7,7 @@ oracle (tests/model/test_packed_prefill.py compares the two).
 
 Layouts (S sequences, sequence s has L_s tokens, Q = scan chunk length, K = conv width):
     prefill rows  [Tp]           the packed tokens of every span, in span order (contiguous in the batch)
-    conv edge     [S*(K-1) + E]  each sequence's K-1 state rows, then the first and the last min(K-1, L_s)
-                                 prefill rows of each sequence (the rows whose conv windows cross a state)
+    conv windows  [sum(K-1+L_s)] per sequence: its K-1 state columns, then its L_s tokens
     scan rows     [N * Q]        per sequence: its tokens padded to whole scan chunks (pad rows: dt = 0)
     scan chunks   [N]            sequence-major: chunks [chunk_start[s], chunk_start[s] + c_s) are s's
 
@@ -26,10 +25,6 @@ import torch
 
 from gpu_worker.model.context import ForwardContext, PrefillSpan
 
-# Rows of the causal conv computed together: its K passes over a block stay in a core's cache
-# (512 rows x 640 channels: 1.3 MB in, 1.3 MB out; 128 and 256 measured no faster).
-CONV_ROW_BLOCK = 512
-
 
 @dataclass(frozen=True, slots=True)
 class PackedPrefillIndex:
@@ -38,11 +33,9 @@ class PackedPrefillIndex:
     num_seqs: int
     num_prefill_tokens: int  # Tp
     state_slots: torch.Tensor  # [S] int64: state pool rows, in span order
-    conv_edge_rows: torch.Tensor  # [E] int64: prefill rows gathered after the state rows into the conv edge
-    conv_head_window: torch.Tensor  # [S * 2(K-1)] int64 into the edge: state rows, then the first K-1 tokens
-    conv_head_rows: torch.Tensor  # [sum(min(K-1, L_s))] int64: prefill rows whose window crosses the state
-    conv_head_pick: torch.Tensor  # same length, int64 into the head outputs [S * (K-1)]
-    conv_keep_rows: torch.Tensor  # [S * (K-1)] int64 into the edge: rows that become each conv state
+    conv_window_rows: torch.Tensor  # [sum(K-1+L_s)] int64 into cat([state rows S*(K-1), prefill rows Tp])
+    conv_out_cols: torch.Tensor  # [Tp] int64: conv output column of each prefill row
+    conv_keep_rows: torch.Tensor  # [S * (K-1)] int64: window rows that become each sequence's conv state
     scan_rows: torch.Tensor  # [N * Q] int64 into prefill rows, Tp = the zero pad row
     unscan_rows: torch.Tensor  # [Tp] int64: scan row of each prefill row
     chunk_start: tuple[int, ...]  # [S] first scan chunk of each sequence
@@ -55,10 +48,8 @@ def build_packed_index(
     spans: tuple[PrefillSpan, ...], chunk_size: int, conv_keep: int, device: torch.device
 ) -> PackedPrefillIndex:
     """The index maps of `spans` (see module docstring); pure integer bookkeeping on the host."""
-    edge_rows: list[int] = []
-    head_window: list[int] = []
-    head_rows: list[int] = []
-    head_pick: list[int] = []
+    window_rows: list[int] = []
+    out_cols: list[int] = []
     keep_rows: list[int] = []
     scan_rows: list[int] = []
     unscan: list[int] = []
@@ -66,22 +57,16 @@ def build_packed_index(
     chunk_count: list[int] = []
     num_states = len(spans) * conv_keep
     row = 0  # prefill row of the current span's first token
+    window_at = 0  # window offset of the current span
     num_chunks = 0
     total = sum(s.num_tokens for s in spans)
     for i, span in enumerate(spans):
         n = span.num_tokens
-        m = min(conv_keep, n)
-        head_at = num_states + len(edge_rows)  # edge position of the span's first token
-        edge_rows.extend(range(row, row + m))
-        tail_at = num_states + len(edge_rows) - (n - m)  # edge position of token t >= n - m: tail_at + t
-        edge_rows.extend(range(row + n - m, row + n))
-        # window [state (K-1), tokens 0..K-2]; tokens past the span read the edge's first row (unused outputs)
-        head_window.extend(range(i * conv_keep, (i + 1) * conv_keep))
-        head_window.extend(head_at + t if t < n else 0 for t in range(conv_keep))
-        head_rows.extend(range(row, row + m))
-        head_pick.extend(range(i * conv_keep, i * conv_keep + m))
-        for w in range(n, n + conv_keep):  # window positions [n, n + K-1) of [state, tokens] become the state
-            keep_rows.append(i * conv_keep + w if w < conv_keep else tail_at + w - conv_keep)
+        window_rows.extend(range(i * conv_keep, (i + 1) * conv_keep))
+        window_rows.extend(range(num_states + row, num_states + row + n))
+        out_cols.extend(range(window_at, window_at + n))  # output j reads window [j, j + K)
+        keep_rows.extend(range(window_at + n, window_at + n + conv_keep))
+        window_at += n + conv_keep
         c = -(-n // chunk_size)
         base = num_chunks * chunk_size
         unscan.extend(range(base, base + n))
@@ -97,8 +82,7 @@ def build_packed_index(
 
     return PackedPrefillIndex(
         num_seqs=len(spans), num_prefill_tokens=total, state_slots=tensor([s.state_slot for s in spans]),
-        conv_edge_rows=tensor(edge_rows), conv_head_window=tensor(head_window), conv_head_rows=tensor(head_rows),
-        conv_head_pick=tensor(head_pick), conv_keep_rows=tensor(keep_rows),
+        conv_window_rows=tensor(window_rows), conv_out_cols=tensor(out_cols), conv_keep_rows=tensor(keep_rows),
         scan_rows=tensor(scan_rows), unscan_rows=tensor(unscan), chunk_start=tuple(chunk_start),
         chunk_count=tuple(chunk_count), num_chunks=num_chunks, chunk_size=chunk_size,
     )  # fmt: skip
@@ -122,43 +106,22 @@ def packed_causal_conv(
     """Causal depthwise conv of every span, each continuing from its conv state row; updates the rows.
 
     xbc [Tp, conv_dim] (pre-conv), weight [conv_dim, 1, K], conv_state [rows, conv_dim, K-1].
-    Returns the conv output [Tp, conv_dim] (before the activation). It runs as K shifted multiply-adds
-    over the rows (tokens) of the whole batch, as if it were one sequence; the first K-1 rows of each
-    span, whose windows reach into the span's conv state, are computed again from a small window of
-    state and token rows (`conv_head_window`) and replace them. No copy of the batch's rows is made
-    (the state rows are never laid in front of the tokens), and the passes run CONV_ROW_BLOCK rows at
-    a time. Bias first, then the taps in order: the same sums as `F.conv1d`, bit for bit."""
+    Returns the conv output [Tp, conv_dim] (before the activation). One conv runs over all windows
+    laid end to end; the K-1 outputs that straddle two windows are never read. It runs as K shifted
+    multiply-adds over the rows (tokens) rather than `F.conv1d` on the transposed layout, which copies
+    the windows to channel-major and back: 2.4x less time for 8,000 tokens of 640 channels on one core."""
     conv_dim = xbc.shape[1]
     keep = conv_state.shape[-1]
-    x = xbc.to(conv_state.dtype)
     states = conv_state.index_select(0, index.state_slots).transpose(1, 2).reshape(-1, conv_dim)  # [S*(K-1), C]
-    edge = torch.cat([states, x.index_select(0, index.conv_edge_rows)])
-    new_state = edge.index_select(0, index.conv_keep_rows).view(index.num_seqs, keep, conv_dim)
+    windows = torch.cat([states, xbc.to(states.dtype)], dim=0).index_select(0, index.conv_window_rows)
+    new_state = windows.index_select(0, index.conv_keep_rows).view(index.num_seqs, keep, conv_dim)
     conv_state.index_copy_(0, index.state_slots, new_state.transpose(1, 2))
+    num_out = windows.shape[0] - keep  # output row t reads window rows [t, t + K)
     taps = weight[:, 0, :].t()  # [K, C]
-    num_rows = x.shape[0]
-    out = x.new_empty(num_rows, conv_dim)
-    for first in range(keep, num_rows, CONV_ROW_BLOCK):  # row t reads rows [t - K + 1, t]
-        count = min(CONV_ROW_BLOCK, num_rows - first)  # rows before K-1 are heads, redone below
-        _shifted_taps(x[first - keep : first + count], taps, bias, out[first : first + count], count)
-    window = edge.index_select(0, index.conv_head_window).view(index.num_seqs, 2 * keep, conv_dim)
-    heads = window.new_empty(index.num_seqs, keep, conv_dim)
-    _shifted_taps(window, taps, bias, heads, keep, dim=1)
-    out.index_copy_(0, index.conv_head_rows, heads.view(-1, conv_dim).index_select(0, index.conv_head_pick))
-    return out
-
-
-def _shifted_taps(
-    x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, num_out: int, dim: int = 0
-) -> None:
-    """out[t] = bias + sum_j taps[j] * x[t + j] along `dim` for t < num_out, summed in that order."""
-    first = x.narrow(dim, 0, num_out)
-    if bias is None:
-        torch.mul(first, taps[0], out=out)
-    else:
-        torch.addcmul(bias, first, taps[0], out=out)
-    for j in range(1, taps.shape[0]):
-        out.addcmul_(x.narrow(dim, j, num_out), taps[j])
+    out = windows.new_zeros(num_out, conv_dim) if bias is None else bias.expand(num_out, conv_dim).clone()
+    for j in range(keep + 1):  # bias first, then taps in order: the same sums as F.conv1d, bit for bit
+        out.addcmul_(windows[j : j + num_out], taps[j])
+    return out.index_select(0, index.conv_out_cols)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from gpu_worker.init_model import ModelSpec
 from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.families import family_named
 from gpu_worker.model.mamba2 import Mamba2Mixer
-from gpu_worker.model.packed_prefill import build_packed_index, packed_ssd_scan
+from gpu_worker.model.packed_prefill import build_packed_index, packed_causal_conv, packed_ssd_scan
 from gpu_worker.model.ssd import ssd_scan
 
 TOL = 1e-5
@@ -120,16 +120,13 @@ def test_the_scan_returns_the_state_at_every_chunk_boundary(lengths, chunk, seed
 @given(
     lengths=st.lists(st.integers(2, 40), min_size=1, max_size=6),
     d_conv=st.integers(2, 4),
-    row_block=st.sampled_from([1, 5, 512]),
     with_bias=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_packed_conv_is_one_conv1d_per_sequence_bit_for_bit(lengths, d_conv, row_block, with_bias, seed) -> None:
-    """The packed causal conv (shifted multiply-adds over the whole batch, span heads redone from
-    their states, rows in blocks) gives exactly F.conv1d over each sequence's [state, tokens] window,
-    and leaves each sequence's last d_conv - 1 inputs as its conv state."""
-    import gpu_worker.model.packed_prefill as packed_prefill
-
+def test_packed_conv_is_one_conv1d_per_sequence_bit_for_bit(lengths, d_conv, with_bias, seed) -> None:
+    """The packed causal conv (shifted multiply-adds over every span's window laid end to end) gives
+    exactly F.conv1d over each sequence's [state, tokens] window, and leaves each sequence's last
+    d_conv - 1 inputs as its conv state."""
     g = torch.Generator().manual_seed(seed)
     channels, keep = 6, d_conv - 1
     spans, at = [], 0
@@ -148,11 +145,6 @@ def test_packed_conv_is_one_conv1d_per_sequence_bit_for_bit(lengths, d_conv, row
         expected.append(F.conv1d(window[None], weight, bias, groups=channels)[0].t())
         expected_state[span.state_slot] = window[:, window.shape[1] - keep :]
     index = build_packed_index(tuple(spans), 8, keep, torch.device("cpu"))
-    saved = packed_prefill.CONV_ROW_BLOCK
-    packed_prefill.CONV_ROW_BLOCK = row_block
-    try:
-        out = packed_prefill.packed_causal_conv(xbc, weight, bias, conv_state, index)
-    finally:
-        packed_prefill.CONV_ROW_BLOCK = saved
+    out = packed_causal_conv(xbc, weight, bias, conv_state, index)
     assert torch.equal(out, torch.cat(expected))
     assert torch.equal(conv_state, expected_state)
