@@ -9,6 +9,9 @@ float32 on CPU, with the worker's default thread count (one thread on a 2-core m
     2048+952      the second chunk of a 3,000-token prompt served in 2,048-token steps (952 tokens
                   on top of 2,048 cached ones)
     8x256         eight fresh 256-token prompts in one step
+    32x16..256    32 fresh prompts of 16..256 tokens (seeded uniform; the serving benchmark's short mix)
+    512+32dec     a mixed step as serving runs it: one fresh 512-token prefill chunk beside 32 decoding
+                  sequences (one token each on top of 160 cached ones)
 
 For each case: the best CPU and wall time of a whole step (`ModelRunner.forward`, no instrumentation), then
 the median split (CPU time) over the timed runs with every part wrapped in a timer (input building, embeddings, norms,
@@ -23,6 +26,7 @@ anything.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
 import time
@@ -58,6 +62,8 @@ CASES = {  # name -> ([(prompt tokens, cached tokens before the chunk)], ...)
     "1x3000": [(3000, 0)],
     "2048+952": [(952, 2048)],
     "8x256": [(256, 0)] * 8,
+    "32x16..256": [(n, 0) for n in random.Random(0).choices(range(16, 257), k=32)],
+    "512+32dec": [(1, 160)] * 32 + [(512, 0)],
 }
 
 
@@ -188,7 +194,7 @@ def main() -> None:
     keep_freed_memory()
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_checkpoint(Path(tmp) / "model", SPEC, seed=0, with_tokenizer=False)
-        config = RunnerConfig(memory_budget_bytes=256 << 20, max_num_seqs=16, num_checkpoint_slots=0,
+        config = RunnerConfig(memory_budget_bytes=256 << 20, max_num_seqs=64, num_checkpoint_slots=0,
                               cpu_threads=args.threads)  # fmt: skip
         plain = ModelRunner.from_model_dir(path, config)
         profiled = ModelRunner.from_model_dir(path, config)

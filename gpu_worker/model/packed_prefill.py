@@ -148,26 +148,35 @@ def carry_states(
     S_start[first chunk of s] = initial[s]. chunk_states [N, H, P, n], chunk_decay [N, H], initial
     [S, H, P, n]. Returns (state before each chunk [N, H, P, n], final state per sequence [S, H, P, n]).
 
-    One iteration per chunk position k (at most the longest span's chunk count), each batched over
-    the sequences that have a k-th chunk."""
-    if max(index.chunk_count) == 1:  # one chunk per sequence (short prompts): no gathers at all
-        return initial, chunk_decay[:, :, None, None] * initial + chunk_states
+    One step per chunk position k (at most the longest span's chunk count), each batched over the
+    sequences that have a k-th chunk: strided views when every sequence has as many chunks (no
+    gathers), else the chunks gathered by index."""
+    counts = index.chunk_count
+    decay = chunk_decay[:, :, None, None]
+    if max(counts) == 1:  # one chunk per sequence (short prompts): no gathers at all
+        return initial, torch.addcmul(chunk_states, decay, initial)
     starts = torch.empty_like(chunk_states)
-    current = initial.clone()
+    if min(counts) == max(counts):
+        shape = (index.num_seqs, counts[0], *chunk_states.shape[1:])
+        by_seq, own, dec = starts.view(shape), chunk_states.view(shape), decay.view(*shape[:2], -1, 1, 1)
+        by_seq[:, 0] = initial
+        for k in range(1, counts[0]):
+            torch.addcmul(own[:, k - 1], dec[:, k - 1], by_seq[:, k - 1], out=by_seq[:, k])
+        return starts, torch.addcmul(own[:, -1], dec[:, -1], by_seq[:, -1])
     device = chunk_states.device
-    for k in range(max(index.chunk_count)):
-        active = [s for s, c in enumerate(index.chunk_count) if c > k]
-        flat = torch.tensor([index.chunk_start[s] + k for s in active], dtype=torch.int64, device=device)
-        every = len(active) == index.num_seqs
-        seqs = None if every else torch.tensor(active, dtype=torch.int64, device=device)
-        state = current if seqs is None else current.index_select(0, seqs)
-        starts.index_copy_(0, flat, state)
-        state = chunk_decay.index_select(0, flat)[:, :, None, None] * state + chunk_states.index_select(0, flat)
-        if seqs is None:
-            current = state
-        else:
-            current.index_copy_(0, seqs, state)
-    return starts, current
+
+    def rows(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    starts.index_copy_(0, rows(list(index.chunk_start)), initial)
+    for k in range(1, max(counts)):
+        before = rows([index.chunk_start[s] + k - 1 for s, c in enumerate(counts) if c > k])  # chunk k-1
+        state = torch.addcmul(chunk_states.index_select(0, before), decay.index_select(0, before),
+                              starts.index_select(0, before))  # fmt: skip
+        starts.index_copy_(0, before + 1, state)
+    last = rows([first + c - 1 for first, c in zip(index.chunk_start, counts, strict=True)])
+    final = torch.addcmul(chunk_states.index_select(0, last), decay.index_select(0, last), starts.index_select(0, last))
+    return starts, final
 
 
 def packed_ssd_scan(

@@ -5,6 +5,7 @@ every scan-chunk boundary, for random mixes of span lengths, warm states and dec
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +13,7 @@ from gpu_worker.init_model import ModelSpec
 from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.families import family_named
 from gpu_worker.model.mamba2 import Mamba2Mixer
-from gpu_worker.model.packed_prefill import build_packed_index, packed_ssd_scan
+from gpu_worker.model.packed_prefill import build_packed_index, packed_causal_conv, packed_ssd_scan
 from gpu_worker.model.ssd import ssd_scan
 
 TOL = 1e-5
@@ -113,3 +114,37 @@ def test_the_scan_returns_the_state_at_every_chunk_boundary(lengths, chunk, seed
             else:
                 _, expected = ssd_scan(x[cut], dt[cut], A, B[cut], C[cut], D, initial[s], chunk)
             assert (scan.chunk_start_states[index.chunk_start[s] + k] - expected).abs().max().item() <= TOL
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=6),
+    d_conv=st.integers(2, 4),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_packed_conv_is_one_conv1d_per_sequence_bit_for_bit(lengths, d_conv, with_bias, seed) -> None:
+    """The packed causal conv (shifted multiply-adds over every span's window laid end to end) gives
+    exactly F.conv1d over each sequence's [state, tokens] window, and leaves each sequence's last
+    d_conv - 1 inputs as its conv state."""
+    g = torch.Generator().manual_seed(seed)
+    channels, keep = 6, d_conv - 1
+    spans, at = [], 0
+    for i, n in enumerate(lengths):
+        spans.append(PrefillSpan(at, n, 3, 2 * i + 1, torch.zeros(0, dtype=torch.int64)))  # scattered slots
+        at += n
+    xbc = torch.randn(at, channels + 3, generator=g)[:, 1 : channels + 1]  # a strided view, as in the mixer
+    weight = torch.randn(channels, 1, d_conv, generator=g)
+    bias = torch.randn(channels, generator=g) if with_bias else None
+    conv_state = torch.randn(2 * len(lengths) + 1, channels, keep, generator=g)
+    expected_state = conv_state.clone()
+    expected = []
+    for span in spans:
+        tokens = xbc[span.token_start : span.token_start + span.num_tokens]
+        window = torch.cat([conv_state[span.state_slot], tokens.t()], 1)
+        expected.append(F.conv1d(window[None], weight, bias, groups=channels)[0].t())
+        expected_state[span.state_slot] = window[:, window.shape[1] - keep :]
+    index = build_packed_index(tuple(spans), 8, keep, torch.device("cpu"))
+    out = packed_causal_conv(xbc, weight, bias, conv_state, index)
+    assert torch.equal(out, torch.cat(expected))
+    assert torch.equal(conv_state, expected_state)

@@ -1,7 +1,7 @@
-"""The model's packed SSD scan (gpu_worker.model.packed_scan), in both its forms, against the per-sequence
+"""The model's packed SSD scan (gpu_worker.model.packed_scan), in each of its forms, against the per-sequence
 scan (`ssd.ssd_scan`) and the einsum packed scan: outputs, final states and the state at every
-scan-chunk boundary; chunks that decay beyond the factored form's range take the decay-matrix form and
-stay exact."""
+scan-chunk boundary; chunks that decay beyond the factored form's range take the blocked form, and
+blocks that decay beyond it the decay-matrix form, and stay exact."""
 
 from __future__ import annotations
 
@@ -55,10 +55,10 @@ def _check_against_one_scan_per_sequence(
 @given(
     lengths=st.lists(st.integers(2, 70), min_size=1, max_size=5),
     geometry=st.sampled_from([(4, 1, 8), (4, 2, 16), (6, 3, 4), (2, 1, 64), (1, 1, 8)]),  # heads, groups, chunk
-    form=st.sampled_from(["factored", "decay_matrices"]),
+    form=st.sampled_from(["factored", "blocked", "decay_matrices"]),
     seed=st.integers(0, 1000),
 )
-def test_both_forms_match_one_scan_per_sequence(lengths, geometry, form, seed) -> None:
+def test_every_form_matches_one_scan_per_sequence(lengths, geometry, form, seed) -> None:
     heads, groups, chunk = geometry
     spans, at = [], 0
     for i, length in enumerate(lengths):
@@ -87,6 +87,31 @@ def test_chunks_that_decay_too_much_take_the_decay_matrix_form() -> None:
     assert (dt[:chunk] * A).sum(dim=0).min().item() < -MAX_CHUNK_LOG_DECAY  # the first chunk decays too much
     with pytest.raises(ValueError, match="no factored form"):
         packed_scan(*inputs, index, form="factored")
+    with pytest.raises(ValueError, match="no blocked form"):  # its 16-token blocks are the whole chunk
+        packed_scan(*inputs, index, form="blocked")
     scan = packed_scan(*inputs, index)
     assert torch.isfinite(scan.y).all()
     _check_against_one_scan_per_sequence(scan, lengths, inputs, chunk, index.chunk_start)
+
+
+def test_chunks_whose_blocks_fit_take_the_blocked_form() -> None:
+    """64-token chunks that decay by more than MAX_CHUNK_LOG_DECAY but whose 16-token blocks do not
+    (a random checkpoint's heads: dt * |A| of a few per token) run the blocked form under "auto",
+    exact against one scan per sequence and against the decay-matrix form."""
+    lengths, chunk = [150, 40, 64], 64
+    spans, at = [], 0
+    for i, length in enumerate(lengths):
+        spans.append(PrefillSpan(at, length, 1, i, torch.zeros(0, dtype=torch.int64)))
+        at += length
+    index = build_packed_index(tuple(spans), chunk, 3, torch.device("cpu"))
+    inputs = _inputs(lengths, 4, 2, 1.0, 3)
+    x, dt, A, *_ = inputs
+    log_decay = (dt[:chunk] * A).view(4, 16, 4).sum(dim=1)  # [block, head] of the first chunk
+    assert log_decay.sum(dim=0).min().item() < -MAX_CHUNK_LOG_DECAY < log_decay.min().item()
+    with pytest.raises(ValueError, match="no factored form"):
+        packed_scan(*inputs, index, form="factored")
+    scan = packed_scan(*inputs, index)
+    blocked = packed_scan(*inputs, index, form="blocked")
+    assert torch.equal(scan.y, blocked.y)
+    _check_against_one_scan_per_sequence(scan, lengths, inputs, chunk, index.chunk_start)
+    _close(scan.y, packed_scan(*inputs, index, form="decay_matrices").y)
