@@ -9,10 +9,14 @@ prefills prompts of 16..256 tokens, then times decode steps (greedy), split into
     sample   greedy sampling and the device -> list copy
 With --compile the same steps also run with the Mamba decode step compiled (gpu_worker.model.
 compiled_decode), interleaved with the eager runs; with --scattered the sequences hold every other
-state slot (not one contiguous run).
+state slot (not one contiguous run); --prompts 1000..3000 sets the prompt lengths (long contexts);
+--padded-attention also runs every mode with decode attention batched over pages padded to the longest
+context for every sequence (the form before gpu_worker.model.decode_attention's per-sequence calls),
+rows marked "/pad".
 Absolute times depend on the machine and its load; compare rows measured in one run.
 
     .venv/bin/python bench/bench_decode.py [--batches 8,32,64] [--steps 48] [--compile] [--scattered]
+        [--prompts 16..256] [--padded-attention]
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from gpu_worker.batch import Batch, SequenceChunk
 from gpu_worker.cpu_alloc import keep_freed_memory
 from gpu_worker.init_model import ModelSpec, write_random_checkpoint
 from gpu_worker.input_builder import build_inputs
+from gpu_worker.model.attention import PagedAttention
+from gpu_worker.model.decode_attention import LONG_CONTEXT_TOKENS
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.model.model import Block
 from gpu_worker.runner import ModelRunner, RunnerConfig
@@ -70,11 +76,13 @@ def instrument(runner: ModelRunner, clock: Clock) -> None:
     runner.model.compute_logits = clock.wrap("logits", runner.model.compute_logits)  # type: ignore[method-assign]
 
 
-def run_batch(runner: ModelRunner, clock: Clock, b: int, steps: int, scattered: bool) -> dict[str, float]:
+def run_batch(
+    runner: ModelRunner, clock: Clock, b: int, steps: int, scattered: bool, prompt_range: tuple[int, int]
+) -> dict[str, float]:
     """Decode `steps` steps of b sequences (the same prompts for every call with this b)."""
     g = torch.Generator().manual_seed(b)
     kv, states = runner.kv_pool, runner.state_pool
-    lens = torch.randint(16, 257, (b,), generator=g).tolist()
+    lens = torch.randint(prompt_range[0], prompt_range[1] + 1, (b,), generator=g).tolist()
     prompts = [torch.randint(3, 512, (k,), generator=g).tolist() for k in lens]
     slots = [states.allocate_slot() for _ in range(2 * b if scattered else b)]
     held, slots = slots, slots[1::2] if scattered else slots
@@ -121,6 +129,13 @@ def run_batch(runner: ModelRunner, clock: Clock, b: int, steps: int, scattered: 
     return ms
 
 
+def set_padded_attention(runner: ModelRunner, padded: bool) -> None:
+    """Decode attention batched over padded pages for every sequence, or long contexts one by one."""
+    for module in runner.model.modules():
+        if isinstance(module, PagedAttention):
+            module.decode_long_context_tokens = 1 << 62 if padded else LONG_CONTEXT_TOKENS
+
+
 def set_compiled(runner: ModelRunner, compiled: bool) -> None:
     """Route the Mamba decode rows through the compiled step (attached) or the eager code."""
     compiler = runner.decode_compiler
@@ -138,14 +153,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per batch size")
     parser.add_argument("--compile", action="store_true", help="also the compiled Mamba step, interleaved")
     parser.add_argument("--scattered", action="store_true", help="every other state slot (gathered state rows)")
+    parser.add_argument("--prompts", default="16..256", help="prompt lengths LO..HI (tokens)")
+    parser.add_argument("--padded-attention", action="store_true", help="also decode attention padded to the longest")
     args = parser.parse_args()
+    lo, hi = (int(x) for x in args.prompts.split(".."))
     keep_freed_memory()
     batches = [int(x) for x in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_checkpoint(Path(tmp) / "m", SPEC, seed=0, with_tokenizer=False)
+        kv_bytes = 2 * 2048 * max(batches) * (hi + args.steps + 64)  # the tiny model's K+V per token, with slack
         config = RunnerConfig(
-            max_num_seqs=2 * max(batches), num_checkpoint_slots=0, decode_compile="on" if args.compile else "off"
-        )
+            max_num_seqs=2 * max(batches), num_checkpoint_slots=0, decode_compile="on" if args.compile else "off",
+            memory_budget_bytes=max(256 << 20, kv_bytes + (128 << 20)),
+        )  # fmt: skip
         t0 = time.perf_counter()
         runner = ModelRunner.from_model_dir(path, config)
         if runner.decode_compiler is not None:
@@ -156,18 +176,22 @@ def main() -> None:
         instrument(runner, clock)
         cols = ("step", "inputs", "forward", "mamba", "attention", "mlp", "logits", "sample")
         modes = ("eager", "compiled") if args.compile else ("eager",)
-        print(f"{'batch':>6}{'mode':>10}" + "".join(f"{c:>10}" for c in cols) + f"{'tok/s':>9}")
+        if args.padded_attention:
+            modes = tuple(m for mode in modes for m in (mode, f"{mode}/pad"))
+        print(f"prompts {lo}..{hi} tokens")
+        print(f"{'batch':>6}{'mode':>14}" + "".join(f"{c:>10}" for c in cols) + f"{'tok/s':>9}")
         for b in batches:
             runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for _ in range(args.repeats):  # interleaved, so a load spike hits both alike
                 for mode in modes:
                     if args.compile:
-                        set_compiled(runner, mode == "compiled")
-                    runs[mode].append(run_batch(runner, clock, b, args.steps, args.scattered))
+                        set_compiled(runner, mode.startswith("compiled"))
+                    set_padded_attention(runner, mode.endswith("/pad"))
+                    runs[mode].append(run_batch(runner, clock, b, args.steps, args.scattered, (lo, hi)))
             for mode in modes:
                 best = min(runs[mode], key=lambda r: r["step"])
                 row = "".join(f"{best.get(c, 0.0):>10.2f}" for c in cols)
-                print(f"{b:>6}{mode:>10}{row}{1000 * b / best['step']:>9.0f}")
+                print(f"{b:>6}{mode:>14}{row}{1000 * b / best['step']:>9.0f}")
         print("forward includes inputs (built again inside it), mixers, norms and logits; mixers are timed by kind")
 
 

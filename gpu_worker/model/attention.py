@@ -16,6 +16,12 @@ from torch import nn
 from gpu_worker.model.chunk_attention import can_use_flash, chunk_attention
 from gpu_worker.model.config import BambaConfig
 from gpu_worker.model.context import ForwardContext, PrefillSpan
+from gpu_worker.model.decode_attention import (
+    LONG_CONTEXT_TOKENS,
+    batched_decode_attention,
+    plan_decode_attention,
+    split_decode_attention,
+)
 from gpu_worker.model.layers import apply_rope
 
 if TYPE_CHECKING:
@@ -27,6 +33,8 @@ class PagedAttention(nn.Module):
     embedding), softmax scale `attention_scale`."""
 
     ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.kernels)
+    # decode sequences with at least this many context tokens attend one by one, on their own pages
+    decode_long_context_tokens = LONG_CONTEXT_TOKENS
 
     def __init__(self, config: BambaConfig) -> None:
         super().__init__()
@@ -73,18 +81,16 @@ class PagedAttention(nn.Module):
     def _decode(
         self, q: torch.Tensor, ctx: ForwardContext, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        """q [b, heads, d] -> [b, heads * d]; each sequence attends over its own padded context."""
+        """q [b, heads, d] -> [b, heads * d]; short contexts batched over their pages padded to the
+        longest, long ones one by one on their own pages (gpu_worker.model.decode_attention)."""
         b = q.shape[0]
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)  # [b, kvh, g, d]
-        ps, table = ctx.kv_page_size_tokens, ctx.decode_page_table  # gather whole pages, not token rows
-        width = table.shape[1] * ps
-        # index_select over page rows: one contiguous copy per page (advanced indexing is ~5x slower on CPU)
-        pages = table.reshape(-1)
-        k = k_cache.view(-1, ps * self.num_kv_heads * self.head_dim).index_select(0, pages)
-        v = v_cache.view(-1, ps * self.num_kv_heads * self.head_dim).index_select(0, pages)
-        k, v = k.view(b, width, self.num_kv_heads, -1), v.view(b, width, self.num_kv_heads, -1)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, kvh, max_pages * ps, d]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=ctx.decode_kv_mask, scale=self.scale)  # [b, kvh, g, d]
+        plan = plan_decode_attention(ctx, self.decode_long_context_tokens)
+        if plan is None:
+            table, mask, ps = ctx.decode_page_table, ctx.decode_kv_mask, ctx.kv_page_size_tokens
+            out = batched_decode_attention(qg, table, mask, k_cache, v_cache, ps, self.scale)  # [b, kvh, g, d]
+        else:
+            out = split_decode_attention(qg, plan, ctx, k_cache, v_cache, self.scale)
         return out.reshape(b, self.num_heads * self.head_dim)
 
     def _prefill(

@@ -1,0 +1,99 @@
+"""Decode attention split by context length (gpu_worker.model.decode_attention): logits vs transformers at
+the parity tolerance with short and long contexts in one decode group, long ones on consecutive pages
+(cache views) and on scattered pages (gathered); the plan's split; the split form against the batched
+padded form on random caches."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.batch import Batch
+from gpu_worker.model.attention import PagedAttention
+from gpu_worker.model.context import ForwardContext
+from gpu_worker.model.decode_attention import (
+    batched_decode_attention,
+    plan_decode_attention,
+    split_decode_attention,
+)
+from tests.model.model_helpers import Request, hf_logits, make_runner
+
+TOL = 1e-4  # the parity tests' tolerance
+LONG = 16  # context tokens from which a test sequence attends on its own
+
+
+def _prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _decode_ctx(positions: list[int], table: list[list[int]], page_size: int) -> ForwardContext:
+    pos = torch.tensor(positions)
+    width = len(table[0]) * page_size
+    return ForwardContext(
+        positions=pos, kv_write_slots=pos, num_decode=len(positions), decode_state_slots=torch.arange(len(positions)),
+        decode_slot_start=0, kv_page_size_tokens=page_size, decode_page_table=torch.tensor(table),
+        decode_kv_mask=(torch.arange(width)[None, :] <= pos[:, None]).view(len(positions), 1, 1, width), prefills=(),
+    )  # fmt: skip
+
+
+def test_long_and_short_contexts_match_reference(family_checkpoint) -> None:
+    hf, path = family_checkpoint
+    vocab = hf.config.vocab_size
+    runner = make_runner(path, page_size=4)
+    for module in runner.model.modules():
+        if isinstance(module, PagedAttention):
+            module.decode_long_context_tokens = LONG
+    lengths = (30, 5, 22, 8, 26)  # 30 and 26 interleave their pages (scattered); 22 is consecutive
+    full = [_prompt(vocab, n + 6, seed=i) for i, n in enumerate(lengths)]
+    refs = [hf_logits(hf, ids) for ids in full]
+    reqs = [Request(runner, ids) for ids in full]
+    reqs[2].page_ids = runner.kv_pool.allocate(8)  # consecutive pages for all its 28 tokens
+    runner.forward(Batch((reqs[2].chunk(22), reqs[1].chunk(5), reqs[3].chunk(8))))
+    for n4 in (9, 9, 8):  # requests 0 and 4 allocate pages in turn: neither has consecutive pages
+        runner.forward(Batch((reqs[0].chunk(10), reqs[4].chunk(n4))))
+    assert [r.num_computed for r in reqs] == list(lengths)
+    for _ in range(6):
+        batch = Batch(tuple(r.chunk(1) for r in reqs))
+        out = runner.forward(batch)
+        for i, seq in enumerate(batch.sequences):
+            diff = (out.logits[i] - refs[i][seq.start_pos]).abs().max().item()
+            assert diff <= TOL, f"request {i} at position {seq.start_pos}: max abs diff {diff}"
+    # the last step's plan had both forms and both kinds of long rows
+    packed_ctx = _decode_ctx(
+        [r.num_computed - 1 for r in sorted(reqs, key=lambda r: r.slot)],
+        [r.page_ids[:9] + [0] * (9 - len(r.page_ids[:9])) for r in sorted(reqs, key=lambda r: r.slot)], 4,
+    )  # fmt: skip
+    plan = plan_decode_attention(packed_ctx, LONG)
+    assert plan is not None and plan.short_rows is not None and plan.short_rows.numel() == 2
+    assert sorted(first is None for _, _, first in plan.long_rows) == [False, True, True]
+
+
+def test_plan_splits_by_context_length() -> None:
+    ctx = _decode_ctx(
+        [3, 20, 9, 15], [[1, 0, 0, 0, 0, 0], [2, 3, 4, 5, 6, 7], [8, 9, 10, 0, 0, 0], [11, 13, 12, 14, 0, 0]], 4
+    )
+    assert plan_decode_attention(ctx, 32) is None  # every context short: one batched call
+    plan = plan_decode_attention(ctx, 11)
+    assert plan is not None and plan is plan_decode_attention(ctx, 11)  # made once per forward
+    assert plan.long_rows == ((1, 21, 8), (3, 16, None))  # row, tokens, first slot when consecutive
+    assert plan.short_rows is not None and plan.short_rows.tolist() == [0, 2]
+    assert plan.short_table is not None and plan.short_table.tolist() == [[1, 0, 0], [8, 9, 10]]
+    assert plan.short_mask is not None and plan.short_mask.shape == (2, 1, 1, 12)
+
+
+def test_split_form_equals_padded_form() -> None:
+    gen = torch.Generator().manual_seed(0)
+    page, kvh, group, d = 4, 2, 3, 8
+    k_cache, v_cache = (torch.randn(40 * page, kvh, d, generator=gen) for _ in range(2))
+    positions = [2, 17, 30, 9, 25]
+    table = [[5, 0, 0, 0, 0, 0, 0, 0], [10, 11, 12, 13, 14, 0, 0, 0], [20, 1, 22, 2, 24, 3, 26, 27],
+             [30, 31, 32, 0, 0, 0, 0, 0], [33, 34, 35, 36, 37, 38, 39, 0]]  # fmt: skip
+    ctx = _decode_ctx(positions, table, page)
+    qg = torch.randn(len(positions), kvh, group, d, generator=gen)
+    padded = batched_decode_attention(qg, ctx.decode_page_table, ctx.decode_kv_mask, k_cache, v_cache, page, 0.3)
+    plan = plan_decode_attention(ctx, 11)
+    assert plan is not None and len(plan.long_rows) == 3
+    split = split_decode_attention(qg, plan, ctx, k_cache, v_cache, 0.3)
+    assert (split - padded).abs().max().item() < 1e-5
+    v_cache[24 * page] += 1.0  # a key the 31-token context reads: only its row changes
+    changed = (split_decode_attention(qg, plan, ctx, k_cache, v_cache, 0.3) - split).abs().amax(dim=(1, 2, 3))
+    assert changed.nonzero()[:, 0].tolist() == [2]
