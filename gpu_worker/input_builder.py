@@ -84,6 +84,11 @@ def _decode_tables(
     return table, mask, pos, torch.tensor(write_slots, dtype=torch.int64)
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of `parts`, or the one part itself (a decode-only step): one torch call fewer."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def build_inputs(batch: Batch, page_size: int, num_slots: int, device: torch.device) -> PackedInputs:
     """Validate and pack `batch` (see module docstring). All index math runs on CPU, then moves once."""
     seqs = batch.sequences
@@ -128,22 +133,27 @@ def build_inputs(batch: Batch, page_size: int, num_slots: int, device: torch.dev
     fresh = [s.state_slot for s in seqs if s.start_pos == 0]
     decode_slots = [seqs[i].state_slot for i in decode_ids]
     is_run = nd > 0 and decode_slots[-1] - decode_slots[0] == nd - 1  # sorted and distinct: contiguous
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        """The index math ran on CPU; on a CPU device no `.to` call (each torch call gives up the GIL)."""
+        return t if device.type == "cpu" else t.to(device)
+
     ctx = ForwardContext(
-        positions=torch.cat(positions).to(device),
-        kv_write_slots=torch.cat(write_slots).to(device),
+        positions=on(_joined(positions)),
+        kv_write_slots=on(_joined(write_slots)),
         num_decode=nd,
-        decode_state_slots=torch.tensor(decode_slots, dtype=torch.int64).to(device),
+        decode_state_slots=on(torch.tensor(decode_slots, dtype=torch.int64)),
         decode_slot_start=decode_slots[0] if is_run else None,
         kv_page_size_tokens=page_size,
-        decode_page_table=table.to(device),
-        decode_kv_mask=decode_mask.to(device),
+        decode_page_table=on(table),
+        decode_kv_mask=on(decode_mask),
         prefills=tuple(spans),
         boundary_states=tuple(boundaries),
     )
     return PackedInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int64).to(device),
+        input_ids=on(torch.tensor(ids, dtype=torch.int64)),
         ctx=ctx,
-        last_index=last_index.to(device),
+        last_index=on(last_index),
         token_start=tuple(token_start),
-        fresh_slots=torch.tensor(fresh, dtype=torch.int64).to(device) if fresh else None,
+        fresh_slots=on(torch.tensor(fresh, dtype=torch.int64)) if fresh else None,
     )
