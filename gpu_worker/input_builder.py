@@ -7,6 +7,7 @@ the caller's order without a reshuffle."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -55,23 +56,37 @@ def _context_slots(page_ids: tuple[int, ...], num_positions: int, page_size: int
     return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:num_positions]
 
 
+@lru_cache(maxsize=64)
+def _key_positions(width: int) -> torch.Tensor:
+    """[1, 1, 1, width] int64 0..width-1: the decode mask's key positions, one tensor per width."""
+    return torch.arange(width, dtype=torch.int64).view(1, 1, 1, width)
+
+
 def _decode_tables(
     seqs: list[SequenceChunk], page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Page table [b, max_pages] (padded with page 0), mask [b, 1, 1, max_pages * page_size], positions [b]
-    and KV write slots [b] of the single-token sequences `seqs`."""
+    and KV write slots [b] of the single-token sequences `seqs`.
+
+    Index math in Python, five tensor calls in all: each torch call gives up the GIL, and taking it
+    back beside a serving worker's stream threads cost more than the call (about 1 ms a step at 32
+    decodes with the fourteen calls this took before)."""
     if not seqs:
         empty = torch.zeros(0, dtype=torch.int64)
         return torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, 1, 1, page_size, dtype=torch.bool), empty, empty
     starts = [s.start_pos for s in seqs]
-    max_pages = max(-(-(p + 1) // page_size) for p in starts)
+    max_pages = max(starts) // page_size + 1  # pages holding positions [0, start + 1)
     rows = [list(s.page_ids[:max_pages]) + [0] * max(0, max_pages - len(s.page_ids)) for s in seqs]
+    write_slots = [s.page_ids[p // page_size] * page_size + p % page_size for s, p in zip(seqs, starts, strict=True)]
     table = torch.tensor(rows, dtype=torch.int64)
     pos = torch.tensor(starts, dtype=torch.int64)
-    width = max_pages * page_size
-    mask = (torch.arange(width)[None, :] <= pos[:, None]).view(len(seqs), 1, 1, width)
-    slots = table.gather(1, (pos // page_size)[:, None])[:, 0] * page_size + pos % page_size
-    return table, mask, pos, slots
+    mask = _key_positions(max_pages * page_size) <= pos.view(len(seqs), 1, 1, 1)
+    return table, mask, pos, torch.tensor(write_slots, dtype=torch.int64)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of `parts`, or the one part itself (a decode-only step): one torch call fewer."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def build_inputs(batch: Batch, page_size: int, num_slots: int, device: torch.device) -> PackedInputs:
@@ -118,22 +133,27 @@ def build_inputs(batch: Batch, page_size: int, num_slots: int, device: torch.dev
     fresh = [s.state_slot for s in seqs if s.start_pos == 0]
     decode_slots = [seqs[i].state_slot for i in decode_ids]
     is_run = nd > 0 and decode_slots[-1] - decode_slots[0] == nd - 1  # sorted and distinct: contiguous
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        """The index math ran on CPU; on a CPU device no `.to` call (each torch call gives up the GIL)."""
+        return t if device.type == "cpu" else t.to(device)
+
     ctx = ForwardContext(
-        positions=torch.cat(positions).to(device),
-        kv_write_slots=torch.cat(write_slots).to(device),
+        positions=on(_joined(positions)),
+        kv_write_slots=on(_joined(write_slots)),
         num_decode=nd,
-        decode_state_slots=torch.tensor(decode_slots, dtype=torch.int64).to(device),
+        decode_state_slots=on(torch.tensor(decode_slots, dtype=torch.int64)),
         decode_slot_start=decode_slots[0] if is_run else None,
         kv_page_size_tokens=page_size,
-        decode_page_table=table.to(device),
-        decode_kv_mask=decode_mask.to(device),
+        decode_page_table=on(table),
+        decode_kv_mask=on(decode_mask),
         prefills=tuple(spans),
         boundary_states=tuple(boundaries),
     )
     return PackedInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int64).to(device),
+        input_ids=on(torch.tensor(ids, dtype=torch.int64)),
         ctx=ctx,
-        last_index=last_index.to(device),
+        last_index=on(last_index),
         token_start=tuple(token_start),
-        fresh_slots=torch.tensor(fresh, dtype=torch.int64).to(device) if fresh else None,
+        fresh_slots=on(torch.tensor(fresh, dtype=torch.int64)) if fresh else None,
     )

@@ -6,8 +6,10 @@
      "wall_s": float, "trace_id": hex, "request_events": [...]}   # optional, for the timeline
 
 Both messages are serialized deterministically, so a replay that re-plans the request can compare
-its plan with the recorded one byte for byte. Runs on the engine thread; each line is flushed so a
-crash loses at most the step in flight.
+its plan with the recorded one byte for byte. Lines are built on the engine thread and written by a
+writer thread, each flushed as written, so a crash loses at most the lines not written yet: a write
+(and its flush) gives up the GIL, and taking it back beside a worker's stream threads cost the engine
+thread about 0.8 ms per step at 32 running requests.
 
 The optional keys are what a timeline needs beyond the plan: how long the step ran (`wall_s`, so it
 started at `time_unix_s - wall_s`), the trace of its step span (`trace_id`, when tracing), and the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import json
+import queue
 import random
 import threading
 import time
@@ -38,7 +41,8 @@ if TYPE_CHECKING:
 
 
 def encode_step(step_input: StepInput) -> bytes:
-    return convert.step_to_pb(step_input).SerializeToString(deterministic=True)
+    """The request as the worker sends it (columns: a tenth of the per-request messages' work)."""
+    return convert.step_to_pb_columns(step_input).SerializeToString(deterministic=True)
 
 
 def encode_plan(plan: StepPlan) -> bytes:
@@ -111,6 +115,10 @@ class StepRecorder:
         self._trace_ids: dict[str, str] = {}  # request id -> trace id, from queueing to finish
         self._first_token: dict[str, float] = {}  # request id -> first token time (monotonic s)
         self.num_recorded = 0
+        self._closed = False
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: no more lines
+        self._writer = threading.Thread(target=self._write_lines, name="step-recorder", daemon=True)
+        self._writer.start()
 
     def should_record(self) -> bool:
         return self.sample_rate >= 1.0 or (self.sample_rate > 0.0 and self._rng.random() < self.sample_rate)
@@ -148,13 +156,14 @@ class StepRecorder:
     ) -> tuple[dict[str, Any], bytes]:
         """One step's line without its request events, and the serialized PlanStepRequest. Called
         inside the step's span, whose trace id goes on the line; `write` adds the events."""
+        now_unix_s = time.time()  # first: the step's end, not the end of encoding it
         request = encode_step(step_input)
         line: dict[str, Any] = {
             "step_index": step_index,
             "request": base64.b64encode(request).decode("ascii"),
             "plan": base64.b64encode(encode_plan(plan)).decode("ascii"),
             "plan_latency_s": round(plan_latency_s, 6),
-            "time_unix_s": round(time.time(), 6),
+            "time_unix_s": round(now_unix_s, 6),
         }
         if wall_s is not None:
             line["wall_s"] = round(wall_s, 6)
@@ -172,11 +181,32 @@ class StepRecorder:
             line = {**line, "request_events": [to_unix(event, offset_s) for event in pending]}
         text = json.dumps(line, separators=(",", ":"))
         with self._lock:
-            if not self._file.closed:
-                self._file.write(text + "\n")
-                self._file.flush()
+            if not self._closed:
+                self._lines.put(text)
                 self.num_recorded += 1
 
+    def _write_lines(self) -> None:
+        """The writer thread: the queued lines, in order, each batch flushed, until close()."""
+        while (text := self._lines.get()) is not None:
+            batch = [text]
+            while True:
+                try:
+                    more = self._lines.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._lines.put(None)  # seen after this batch
+                    break
+                batch.append(more)
+            self._file.write("\n".join(batch) + "\n")
+            self._file.flush()
+
     def close(self) -> None:
+        """Writes the queued lines and closes the file; later lines are dropped."""
         with self._lock:
-            self._file.close()
+            if self._closed:
+                return
+            self._closed = True
+            self._lines.put(None)
+        self._writer.join()
+        self._file.close()

@@ -18,6 +18,7 @@ from scheduler_svc.core import (
     StepInput,
     StepPlan,
 )
+from scheduler_svc.core.steady import StateColumns
 
 T = TypeVar("T", bound=tuple[Any, ...])
 
@@ -98,6 +99,15 @@ def states_from_columns(msg: pb.RequestStateColumns, name: str) -> tuple[Request
         counts = ", ".join(f"{field} {len(c)}" for field, c in zip(RequestState._fields, columns, strict=True))
         raise InvalidArgumentError(f"{name}: every column needs one entry per request; got {counts}")
     return rows_from_columns(RequestState, columns)
+
+
+def columns_from_pb(msg: pb.RequestStateColumns) -> StateColumns:
+    """One queue's columns as lists (the steady-decode path reads each several times); unequal
+    lengths are left to the planner's checks."""
+    return StateColumns(
+        list(msg.request_id), list(msg.num_prompt_tokens), list(msg.num_computed_tokens),
+        list(msg.num_output_tokens), list(msg.max_tokens), list(msg.priority), list(msg.arrival_time),
+    )  # fmt: skip
 
 
 def is_columnar(msg: pb.PlanStepRequest) -> bool:

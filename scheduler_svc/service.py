@@ -10,12 +10,29 @@ from hybridserve.v1 import scheduler_bench_pb2 as bench_pb
 from hybridserve.v1 import scheduler_pb2 as pb
 from hybridserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc import convert
-from scheduler_svc.core import plan_step
+from scheduler_svc.core import StepPlan, plan_step
+from scheduler_svc.core.steady import plan_steady_decodes
+
+
+def plan_request(request: pb.PlanStepRequest) -> StepPlan:
+    """The plan of one PlanStep request: a steady decode step sent as columns is planned from its
+    columns (core/steady.py); any other step, or one that path declines, by plan_step."""
+    if request.HasField("config") and request.HasField("running_columns") and not (request.running or request.waiting):
+        plan = plan_steady_decodes(
+            convert.config_from_pb(request.config),
+            convert.columns_from_pb(request.running_columns),
+            len(request.waiting_columns.request_id),
+            request.step_index,
+            request.num_free_kv_pages,
+        )
+        if plan is not None:
+            return plan
+    return plan_step(convert.step_from_pb(request))
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     def PlanStep(self, request: pb.PlanStepRequest, context: grpc.ServicerContext) -> pb.PlanStepResponse:
-        return convert.plan_to_pb(plan_step(convert.step_from_pb(request)), convert.is_columnar(request))
+        return convert.plan_to_pb(plan_request(request), convert.is_columnar(request))
 
     def ValidateConfig(self, request: pb.SchedulerConfig, context: grpc.ServicerContext) -> pb.ValidateConfigResponse:
         config = convert.config_from_pb(request).validate()

@@ -273,12 +273,16 @@ class Engine:
         requeue = [r for rid in plan.preempted_request_ids if (r := self._preempt(rid)) is not None]
         rows: list[Row] = []
         running, page_size = self.table.running, self.allocator.kv_pool.page_size_tokens
-        for planned in plan.slices:
+        block = self.settings.scheduler.block_size  # the prefix cache's checkpoint grid
+        checkpoints_for = self.allocator.checkpoints_for
+        for planned in plan.slices:  # every row of every step: attribute reads kept in locals
             request = running.get(planned.request_id) or self._admit(planned.request_id)
             if request is None:
                 continue
-            end = request.num_computed_tokens + planned.num_tokens
-            if end > request.num_tokens:
+            start = request.num_computed_tokens
+            end = start + planned.num_tokens
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            if end > num_tokens:
                 continue
             covered = end <= len(request.page_ids) * page_size  # most decodes: no new page, no call
             if not covered and not self.allocator.ensure_pages(request, end):
@@ -286,8 +290,10 @@ class Engine:
                 self._preempt(request.request_id)
                 requeue.append(request)
                 continue
-            checkpoints = self.allocator.checkpoints_for(request, request.num_computed_tokens, end)
-            rows.append(make_row(request, planned, checkpoints))
+            # Checkpoints sit on the block grid: a chunk that reaches no boundary in (start, end]
+            # (most decodes) has none to ask for.
+            checkpoints = checkpoints_for(request, start, end) if end // block > start // block else []
+            rows.append(make_row(request, planned, checkpoints, end == num_tokens))
             request.num_computed_tokens = end
         for request in requeue:
             self._enqueue(request)

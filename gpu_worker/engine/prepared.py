@@ -55,9 +55,10 @@ class PreparedStep:
 _new = tuple.__new__
 
 
-def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoint]) -> Row:
-    """The row of `planned` for a request whose pages already cover the chunk. A checkpoint at the
-    chunk's end is copied from the state slot after the forward; those inside it, by the mixers."""
+def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoint], yields: bool) -> Row:
+    """The row of `planned` for a request whose pages already cover the chunk; `yields`: the chunk
+    ends at the last known token. A checkpoint at the chunk's end is copied from the state slot
+    after the forward; those inside it, by the mixers."""
     # Positional construction: this runs for every row of every step.
     start = request.num_computed_tokens
     end = start + planned.num_tokens
@@ -71,9 +72,9 @@ def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoi
     chunk = _new(SequenceChunk, (
         request.tokens(start, end),
         start,
-        tuple(request.page_ids),
+        request.page_table(),
         slot if slot is not None else -1,
         at_end,
         inside,
     ))  # fmt: skip
-    return _new(Row, (request, planned, chunk, end == request.num_tokens, tuple(checkpoints)))
+    return _new(Row, (request, planned, chunk, yields, tuple(checkpoints) if checkpoints else ()))

@@ -75,6 +75,10 @@ class Request:
     first_token_time: float | None = None
     trace_context: object | None = None  # the request span's tracing context, from the observer
     events: queue.SimpleQueue[RequestOutput] = field(default_factory=queue.SimpleQueue)
+    # page_ids as a tuple (the batch row's page table), rebuilt only when page_ids grew or was replaced:
+    # a long request's table is hundreds of pages, and a decode step rebuilds every row.
+    _page_table: tuple[int, ...] = field(default=(), repr=False)
+    _page_table_of: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.sched_prompt_len = self.sched_prompt_len or len(self.prompt_token_ids)
@@ -83,6 +87,14 @@ class Request:
     def num_tokens(self) -> int:
         """Tokens known: prompt plus generated."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def page_table(self) -> tuple[int, ...]:
+        """page_ids as a tuple. page_ids only grows in place (allocation) or is replaced (release, a
+        prefix-cache hit), so its identity and length tell whether the cached tuple is current."""
+        pages = self.page_ids
+        if self._page_table_of is not pages or len(self._page_table) != len(pages):
+            self._page_table, self._page_table_of = tuple(pages), pages
+        return self._page_table
 
     def tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Token ids of positions [start, end)."""
