@@ -46,9 +46,8 @@ import torch
 
 from gpu_worker.batch import Batch, ForwardOutput
 from gpu_worker.kv_pool import KVPagePool
-from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.loader import LoadedModel, load_model
-from gpu_worker.runner import ModelRunner, PoolPlan, RunnerConfig
+from gpu_worker.runner import ModelRunner, PoolPlan, RunnerConfig, RunnerFacts
 from gpu_worker.shared_memory import AttachedArena, SharedArena
 from gpu_worker.state_pool import MambaStatePool
 from hybridserve.errors import InvalidArgumentError
@@ -76,7 +75,7 @@ def wants_model_process(config: RunnerConfig, device: torch.device) -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
 
-class ProcessRunner:
+class ProcessRunner(RunnerFacts):
     """The ModelRunner surface the engine and the prefix cache use; the forward runs in a child process.
     Not thread-safe: one engine thread calls `forward`."""
 
@@ -131,18 +130,6 @@ class ProcessRunner:
     def alive(self) -> bool:
         """The model process runs (checked each step and by the worker's liveness probe)."""
         return self._alive and self._process.is_alive()
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.loaded.config
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.loaded.eos_token_ids
-
-    @property
-    def kv_page_size_tokens(self) -> int:
-        return self.runner_config.kv_page_size_tokens
 
     @property
     def pid(self) -> int | None:

@@ -129,7 +129,27 @@ def _state_shapes(c: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]
     return (c.conv_dim, c.mamba_d_conv - 1), (c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
 
 
-class ModelRunner:
+class RunnerFacts:
+    """What the engine, the service and the prefix cache read of a runner, from its loaded model and
+    its config; shared by the in-process runner and the model process's (gpu_worker.model_process)."""
+
+    loaded: LoadedModel
+    runner_config: RunnerConfig
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.loaded.config
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.loaded.eos_token_ids
+
+    @property
+    def kv_page_size_tokens(self) -> int:
+        return self.runner_config.kv_page_size_tokens
+
+
+class ModelRunner(RunnerFacts):
     """Runs packed batches. Not thread-safe: one engine thread calls it."""
 
     def __init__(
@@ -196,18 +216,6 @@ class ModelRunner:
     def from_model_dir(cls, model_dir: str | Path, config: RunnerConfig | None = None) -> ModelRunner:
         config = config or RunnerConfig()
         return cls(load_model(model_dir, device=config.device, dtype=config.dtype), config)
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.loaded.config
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.loaded.eos_token_ids
-
-    @property
-    def kv_page_size_tokens(self) -> int:
-        return self.runner_config.kv_page_size_tokens
 
     @torch.inference_mode()
     def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:

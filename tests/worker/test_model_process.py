@@ -17,13 +17,14 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from gpu_worker.batch import Batch, SequenceChunk
+from gpu_worker.batch import Batch
 from gpu_worker.model_process import ModelProcessError, ProcessRunner, build_runner, wants_model_process
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.faults.stack import health_check_s, serves, write_model
+from tests.model.model_helpers import Request
 from tests.procs import ServerProcess
 
 CONFIG = RunnerConfig(
@@ -41,40 +42,18 @@ def runners(checkpoint: Path) -> Iterator[tuple[ModelRunner, ProcessRunner]]:
     apart.close()
 
 
-class Seq:
-    """One request's pages and slot in a runner's pools."""
-
-    def __init__(self, runner: ModelRunner | ProcessRunner, tokens: list[int]) -> None:
-        self.runner, self.tokens, self.done = runner, tokens, 0
-        self.slot = runner.state_pool.allocate_slot()
-        self.pages: list[int] = []
-
-    def chunk(self, n: int, checkpoint: int | None = None) -> SequenceChunk:
-        end = self.done + n
-        need = self.runner.kv_pool.pages_for_tokens(end) - len(self.pages)
-        if need > 0:
-            self.pages += self.runner.kv_pool.allocate(need)
-        chunk = SequenceChunk(tuple(self.tokens[self.done : end]), self.done, tuple(self.pages), self.slot, checkpoint)
-        self.done = end
-        return chunk
-
-    def release(self) -> None:
-        self.runner.kv_pool.free(self.pages)
-        self.runner.state_pool.free_slot(self.slot)
-
-
-def run_steps(runner: ModelRunner | ProcessRunner) -> tuple[list[torch.Tensor], Seq, Seq]:
+def run_steps(runner: ModelRunner | ProcessRunner) -> tuple[list[torch.Tensor], Request, Request]:
     """Two requests: prefill chunks (one with every position's logits), then decode steps together."""
     g = torch.Generator().manual_seed(3)
-    a = Seq(runner, torch.randint(3, 120, (23,), generator=g).tolist())
-    b = Seq(runner, torch.randint(3, 120, (9,), generator=g).tolist())
+    a = Request(runner, torch.randint(3, 120, (23,), generator=g).tolist())
+    b = Request(runner, torch.randint(3, 120, (9,), generator=g).tolist())
     out = runner.forward(Batch((a.chunk(12), b.chunk(9)), return_all_logits=True))
     assert out.all_logits is not None
     logits = [out.logits, *out.all_logits]
-    logits.append(runner.forward(Batch((a.chunk(11, checkpoint=0),))).logits)
+    logits.append(runner.forward(Batch((a.chunk(11, save_checkpoint_id=0),))).logits)
     for step in range(4):
-        a.tokens.append(5 + step)
-        b.tokens.append(7 + step)
+        a.token_ids.append(5 + step)
+        b.token_ids.append(7 + step)
         logits.append(runner.forward(Batch((a.chunk(1), b.chunk(1)))).logits)
     return logits, a, b
 
@@ -98,8 +77,8 @@ def test_same_logits_and_pool_contents_as_in_process(runners: tuple[ModelRunner,
         torch.testing.assert_close(ssm2[row], ssm1[here.state_pool.num_slots], rtol=0, atol=1e-6)
     for (k1, v1), (k2, v2) in zip(here.kv_pool.layer_caches(), apart.kv_pool.layer_caches(), strict=True):
         for s1, s2 in ((a1, a2), (b1, b2)):
-            rows1 = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in s1.pages])[: s1.done]
-            rows2 = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in s2.pages])[: s2.done]
+            rows1 = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in s1.page_ids])[: s1.num_computed]
+            rows2 = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in s2.page_ids])[: s2.num_computed]
             torch.testing.assert_close(k2[rows2], k1[rows1], rtol=0, atol=1e-6)
             torch.testing.assert_close(v2[rows2], v1[rows1], rtol=0, atol=1e-6)
     for s in (a1, b1, a2, b2):
@@ -114,16 +93,16 @@ def test_state_written_by_the_worker_is_what_the_child_continues_from(
     here, apart = runners
     logits = []
     for runner in (here, apart):
-        first = Seq(runner, list(range(3, 19)))
-        runner.forward(Batch((first.chunk(16, checkpoint=1),)))
-        second = Seq(runner, list(range(3, 19)) + [40])
-        second.pages = list(first.pages)  # the prefix's pages, as the prefix cache shares them
-        runner.kv_pool.share(second.pages)
+        first = Request(runner, list(range(3, 19)))
+        runner.forward(Batch((first.chunk(16, save_checkpoint_id=1),)))
+        second = Request(runner, list(range(3, 19)) + [40])
+        second.page_ids = list(first.page_ids)  # the prefix's pages, as the prefix cache shares them
+        runner.kv_pool.share(second.page_ids)
         runner.state_pool.restore_checkpoint(1, second.slot)  # on this (the worker's) side
-        second.done = 16
+        second.num_computed = 16
         logits.append(runner.forward(Batch((second.chunk(1),))).logits)
         runner.state_pool.zero_slots(torch.tensor([second.slot]))  # a wrong state: different logits
-        second.done = 16
+        second.num_computed = 16
         wrong = runner.forward(Batch((second.chunk(1),))).logits
         assert not torch.allclose(wrong, logits[-1], atol=1e-4)
         first.release()
@@ -133,7 +112,7 @@ def test_state_written_by_the_worker_is_what_the_child_continues_from(
 
 def test_bad_batch_is_refused_and_the_process_stays(runners: tuple[ModelRunner, ProcessRunner]) -> None:
     _, apart = runners
-    seq = Seq(apart, [5, 6, 7])
+    seq = Request(apart, [5, 6, 7])
     chunk = seq.chunk(3)
     with pytest.raises(InvalidArgumentError, match="slot"):
         apart.forward(Batch((chunk, chunk._replace(page_ids=chunk.page_ids))))  # one slot twice
@@ -158,7 +137,7 @@ def test_a_dead_model_process_fails_forwards_at_once(checkpoint: Path) -> None:
     while runner.alive:  # what the worker's liveness probe reads
         assert time.monotonic() < deadline, "the dead model process still counts as alive"
         time.sleep(0.01)
-    seq = Seq(runner, [5, 6, 7])
+    seq = Request(runner, [5, 6, 7])
     with pytest.raises(ModelProcessError, match="restart the worker"):
         runner.forward(Batch((seq.chunk(3),)))
     assert not runner.alive
@@ -176,15 +155,15 @@ def test_small_steps_run_here_over_the_same_pools(checkpoint: Path) -> None:
     try:
         logits = []
         for runner in (here, mixed):
-            a, b = Seq(runner, list(range(3, 20))), Seq(runner, list(range(30, 41)))
+            a, b = Request(runner, list(range(3, 20))), Request(runner, list(range(30, 41)))
             out = [runner.forward(Batch((a.chunk(17), b.chunk(11)))).logits]  # 2 rows: the model process
             for step in range(3):
-                a.tokens.append(5 + step)
+                a.token_ids.append(5 + step)
                 out.append(runner.forward(Batch((a.chunk(1),))).logits)  # 1 row: here
-                b.tokens.append(9 + step)
+                b.token_ids.append(9 + step)
                 out.append(runner.forward(Batch((b.chunk(1),))).logits)  # 1 row: here
-                a.tokens.append(6 + step)
-                b.tokens.append(7 + step)
+                a.token_ids.append(6 + step)
+                b.token_ids.append(7 + step)
                 out.append(runner.forward(Batch((a.chunk(1), b.chunk(1)))).logits)  # 2 rows: there
             logits.append(out)
             a.release()
@@ -192,7 +171,7 @@ def test_small_steps_run_here_over_the_same_pools(checkpoint: Path) -> None:
         for x, y in zip(logits[0], logits[1], strict=True):
             torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
         assert (mixed.steps_here, mixed.steps_there) == (6, 4)
-        assert mixed.runs_elsewhere(Batch((Seq(mixed, [1, 2]).chunk(2),) * 2))
+        assert mixed.runs_elsewhere(Batch((Request(mixed, [1, 2]).chunk(2),) * 2))
     finally:
         mixed.close()
 
