@@ -9,6 +9,7 @@ rest of `memory_budget_bytes` becomes KV pages."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +24,7 @@ from gpu_worker.kv_pool import KVPagePool
 from gpu_worker.model.compiled_decode import DecodeCompiler, can_compile
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.context import ForwardContext
-from gpu_worker.model.cpu_linear import use_onednn_linears
+from gpu_worker.model.cpu_linear import use_onednn_linears, warm_onednn_linears
 from gpu_worker.model.kernels import kernel_backend
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
@@ -66,6 +67,9 @@ class RunnerConfig:
     # with a model process: steps of fewer rows than this run in the worker's own process (no hand-off
     # between processes; the worker then keeps a copy of the weights); 0 = every step in the model process
     model_process_min_rows: int = 4
+    # on CPU, build oneDNN's projection kernels for every row bucket up to this many rows in a background
+    # thread at start-up (gpu_worker.model.cpu_linear); 0 = each on its first use
+    cpu_warm_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens"):
@@ -73,7 +77,7 @@ class RunnerConfig:
                 raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
         if self.checkpoint_memory_bytes < 0:
             raise InvalidArgumentError(f"checkpoint_memory_bytes must be >= 0, got {self.checkpoint_memory_bytes}")
-        for name in ("cpu_threads", "cpu_prefill_threads", "model_process_min_rows"):
+        for name in ("cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "cpu_warm_rows"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
         if self.cpu_prefill_min_tokens <= 0:
@@ -175,6 +179,11 @@ class ModelRunner(RunnerFacts):
                 if isinstance(module, Mamba2Mixer):
                     module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)
             use_onednn_linears(self.model)  # prefill-sized projections: oneDNN, ~2.2x MKL on AMD
+            if config.cpu_warm_rows > 0:
+                threading.Thread(
+                    target=warm_onednn_linears, args=(self.model, config.cpu_warm_rows), name="warm-linears",
+                    daemon=True,
+                ).start()  # fmt: skip
         plan = PoolPlan.of(loaded, config)
         self.runner_config = plan.config
         self.kv_bytes_per_token = plan.kv_bytes_per_token

@@ -99,6 +99,10 @@ FLAGS = {
         "with a model process, steps of fewer rows than this run in the worker's own process (too small for"
         " the hand-off to pay; the worker then keeps a copy of the weights); 0 = every step in the model process"
     ),
+    "cpu_warm_rows": Flag(
+        "on CPU, build oneDNN's projection kernels for every 16-row bucket up to this many rows in the"
+        " background at start-up (a first call with a new row count costs ~10-20 ms a forward); 0 = off"
+    ),
     "metrics_port": Flag(METRICS_PORT_HELP),
     "record_steps": Flag(
         "append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
@@ -123,7 +127,7 @@ ENGINE_FIELDS = (
 RUNNER_FIELDS = (
     "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
     "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "model_process",
-    "model_process_min_rows",
+    "model_process_min_rows", "cpu_warm_rows",
 )  # fmt: skip  # the rest follow the config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
@@ -146,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         SERVICE,
         flags=FLAGS,
         only=RUNNER_FIELDS,
-        defaults={"decode_compile": "auto", "model_process": "auto"},
+        defaults={"decode_compile": "auto", "model_process": "auto", "cpu_warm_rows": 1024},
     )  # a served worker compiles, and runs its model apart, when it can; a runner built in-process does not
     group = parser.add_argument_group("observability (tracing: the standard OTEL_* variables)")
     add_settings_arguments(group, WorkerServerSettings, SERVICE, flags=FLAGS, only=OBSERVABILITY_FIELDS)

@@ -1,6 +1,7 @@
 """Projections through oneDNN on CPU (gpu_worker.model.cpu_linear): the same results as `F.linear` up to
-float32 rounding, for few and many rows, with and without bias; the switch keeps parameters, tied
-weights and the state dict; autograd takes `F.linear`."""
+float32 rounding, for few and many rows (padded to a row bucket or not), with and without bias; the
+switch keeps parameters, tied weights and the state dict; autograd takes `F.linear`; warming builds
+each shape's kernels once per bucket."""
 
 from __future__ import annotations
 
@@ -9,12 +10,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.model.cpu_linear import ONEDNN_MIN_ROWS, OneDnnLinear, onednn_available, use_onednn_linears
+from gpu_worker.model.cpu_linear import (
+    ONEDNN_MIN_ROWS,
+    ROW_BUCKET,
+    OneDnnLinear,
+    onednn_available,
+    use_onednn_linears,
+    warm_onednn_linears,
+)
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
 
-@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 700])
+@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, ONEDNN_MIN_ROWS + 1, 47, 700])
 @pytest.mark.parametrize("bias", [True, False])
 def test_onednn_linear_matches_f_linear(rows: int, bias: bool) -> None:
     torch.manual_seed(rows)
@@ -47,3 +55,35 @@ def test_autograd_takes_f_linear() -> None:
     x = torch.randn(ONEDNN_MIN_ROWS * 2, 8, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_rows_padded_to_a_bucket_give_each_row_its_own_result() -> None:
+    """Row counts between two multiples of ROW_BUCKET run padded to the next one: every real row gets the
+    result it gets alone, whatever the other rows hold, and nothing of the padding comes back."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 24)
+    use_onednn_linears(layer)
+    base = torch.randn(ROW_BUCKET * 4, 64)
+    with torch.inference_mode():
+        whole = layer(base)  # a multiple of the bucket: no padding
+        for rows in range(ROW_BUCKET * 2 + 1, ROW_BUCKET * 4):
+            part = layer(base[:rows])
+            assert part.shape == (rows, 24)
+            torch.testing.assert_close(part, whole[:rows], rtol=1e-6, atol=1e-6)
+            changed = base[:rows].clone()
+            changed[-1] += 1.0  # only the last row's result may move
+            moved = layer(changed)
+            torch.testing.assert_close(moved[:-1], part[:-1], rtol=1e-6, atol=1e-6)
+            assert not torch.allclose(moved[-1], part[-1])
+
+
+def test_warming_calls_each_shape_once_per_bucket() -> None:
+    """One call per distinct projection shape and row bucket (shared shapes warm once); the layers are
+    left as they were."""
+    model = nn.Sequential(nn.Linear(64, 24), nn.Linear(24, 64), nn.Linear(64, 24), nn.Linear(64, 24, bias=False))
+    use_onednn_linears(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    buckets = len(range(-(-ONEDNN_MIN_ROWS // ROW_BUCKET) * ROW_BUCKET, 128 + 1, ROW_BUCKET))
+    assert warm_onednn_linears(model, 128) == 3 * buckets  # (64, 24, bias) twice: warmed once
+    assert warm_onednn_linears(model, ONEDNN_MIN_ROWS - 1) == 0
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
