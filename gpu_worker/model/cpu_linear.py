@@ -22,13 +22,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Fewest rows that go to oneDNN; below, F.linear's lower per-call cost wins (see the table above).
-ONEDNN_MIN_ROWS = 32
+# Fewest rows that go to oneDNN; below, F.linear's lower per-call cost wins (see the table above). A
+# decode step of the issue's model, one thread, ms (oneDNN from 32 rows / from 16 rows, 8-row
+# buckets below 64), three rounds: 16 sequences 7.35-8.59 / 6.98-7.65, 24: 9.31-9.50 / 7.90-8.41,
+# 8 and 12 (F.linear either way, or oneDNN from 8 rows: no better) unchanged.
+ONEDNN_MIN_ROWS = 16
 # oneDNN builds (and caches) a kernel per input shape: the first call with a new row count costs
 # 0.3-1 ms more per projection, ~10-20 ms for a forward of the issue's model, and a serving step's row
 # count (a prefill chunk plus the decoding rows) is new nearly every step. Rows are padded up to a
-# multiple of ROW_BUCKET, so shapes repeat (at most ROW_BUCKET - 1 extra rows of work).
+# multiple of ROW_BUCKET (of SMALL_ROW_BUCKET below SMALL_ROWS, where padding would cost most), so
+# shapes repeat.
 ROW_BUCKET = 16
+SMALL_ROW_BUCKET = 8
+SMALL_ROWS = 64
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count `rows` runs padded to."""
+    step = SMALL_ROW_BUCKET if rows < SMALL_ROWS else ROW_BUCKET
+    return -(-rows // step) * step
+
+
 _DTYPES = (torch.float32,)
 
 
@@ -54,7 +68,7 @@ class OneDnnLinear(nn.Linear):
         ):
             return F.linear(x, self.weight, self.bias)
         flat = (x if x.dim() == 2 else x.reshape(rows, x.shape[-1])).contiguous()
-        padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
+        padded = bucket_rows(rows)
         if padded != rows:  # rows are independent: the extra ones only make the shape one seen before
             flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1])))
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
@@ -84,11 +98,11 @@ def warm_onednn_linears(model: nn.Module, max_rows: int) -> int:
     for module in model.modules():
         if isinstance(module, OneDnnLinear):
             shapes.setdefault((module.in_features, module.out_features, module.bias is not None), module)
-    first = -(-ONEDNN_MIN_ROWS // ROW_BUCKET) * ROW_BUCKET
+    buckets = sorted({bucket_rows(rows) for rows in range(ONEDNN_MIN_ROWS, max_rows + 1)})
     calls = 0
     with torch.inference_mode():
         for layer in shapes.values():
-            for rows in range(first, max_rows + 1, ROW_BUCKET):
+            for rows in buckets:
                 layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device))
                 calls += 1
     return calls

@@ -14,6 +14,7 @@ from gpu_worker.model.cpu_linear import (
     ONEDNN_MIN_ROWS,
     ROW_BUCKET,
     OneDnnLinear,
+    bucket_rows,
     onednn_available,
     use_onednn_linears,
     warm_onednn_linears,
@@ -58,7 +59,7 @@ def test_autograd_takes_f_linear() -> None:
 
 
 def test_rows_padded_to_a_bucket_give_each_row_its_own_result() -> None:
-    """Row counts between two multiples of ROW_BUCKET run padded to the next one: every real row gets the
+    """Row counts between two buckets run padded to the next one: every real row gets the
     result it gets alone, whatever the other rows hold, and nothing of the padding comes back."""
     torch.manual_seed(0)
     layer = nn.Linear(64, 24)
@@ -83,7 +84,8 @@ def test_warming_calls_each_shape_once_per_bucket() -> None:
     model = nn.Sequential(nn.Linear(64, 24), nn.Linear(24, 64), nn.Linear(64, 24), nn.Linear(64, 24, bias=False))
     use_onednn_linears(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    buckets = len(range(-(-ONEDNN_MIN_ROWS // ROW_BUCKET) * ROW_BUCKET, 128 + 1, ROW_BUCKET))
+    buckets = len({bucket_rows(rows) for rows in range(ONEDNN_MIN_ROWS, 128 + 1)})
+    assert buckets == len(range(16, 64, 8)) + len(range(64, 129, 16))  # 8-row buckets below 64, then 16
     assert warm_onednn_linears(model, 128) == 3 * buckets  # (64, 24, bias) twice: warmed once
     assert warm_onednn_linears(model, ONEDNN_MIN_ROWS - 1) == 0
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
