@@ -185,6 +185,9 @@ class ProcessRunner(RunnerFacts):
     def close(self) -> None:
         """Stops the child (at shutdown); idempotent."""
         self._alive = False
+        local = getattr(self, "_local", None)  # absent when the start failed
+        if local is not None:
+            local.close()
         if self._process.pid is None:
             return
         with contextlib.suppress(OSError, ValueError):  # already gone, or the pipe closed
@@ -236,13 +239,16 @@ def serve(
         try:
             kind, payload = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
+            runner.close()
             return  # the worker is gone
         if kind == "stop":
+            runner.close()
             return
         reply = pickle.dumps(_forward(runner, payload), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             conn.send_bytes(reply)
         except OSError:
+            runner.close()
             return  # the worker is gone
 
 

@@ -170,6 +170,8 @@ class ModelRunner(RunnerFacts):
         self.model = loaded.model
         self.device = loaded.device
         self.step_threads: StepThreads | None = None
+        self._stop_warming = threading.Event()
+        self._warming: threading.Thread | None = None
         if self.device.type == "cpu":
             self.step_threads = StepThreads(
                 few := set_cpu_threads(config.cpu_threads), config.cpu_prefill_threads or few,
@@ -179,11 +181,12 @@ class ModelRunner(RunnerFacts):
                 if isinstance(module, Mamba2Mixer):
                     module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)
             use_onednn_linears(self.model)  # prefill-sized projections: oneDNN, ~2.2x MKL on AMD
-            if config.cpu_warm_rows > 0:
-                threading.Thread(
-                    target=warm_onednn_linears, args=(self.model, config.cpu_warm_rows), name="warm-linears",
-                    daemon=True,
-                ).start()  # fmt: skip
+            if config.cpu_warm_rows > 0:  # not a daemon: the interpreter must not end under a oneDNN call
+                self._warming = threading.Thread(
+                    target=warm_onednn_linears, args=(self.model, config.cpu_warm_rows, self._stop_warming),
+                    name="warm-linears",
+                )  # fmt: skip
+                self._warming.start()
         plan = PoolPlan.of(loaded, config)
         self.runner_config = plan.config
         self.kv_bytes_per_token = plan.kv_bytes_per_token
@@ -276,6 +279,12 @@ class ModelRunner(RunnerFacts):
         for seq in batch.sequences:
             if seq.save_checkpoint_id is not None:
                 self.state_pool.save_checkpoint(seq.state_slot, seq.save_checkpoint_id)
+
+    def close(self) -> None:
+        """Ends the background kernel warm-up (a call or two away); idempotent."""
+        self._stop_warming.set()
+        if self._warming is not None:
+            self._warming.join()
 
     def describe(self) -> dict[str, int | str]:
         """Sizes for logs and GetInfo."""

@@ -18,6 +18,8 @@ build routes the same layers through oneDNN. Results differ from `F.linear` by f
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,10 +92,10 @@ def use_onednn_linears(model: nn.Module) -> int:
     return switched
 
 
-def warm_onednn_linears(model: nn.Module, max_rows: int) -> int:
+def warm_onednn_linears(model: nn.Module, max_rows: int, stop: threading.Event | None = None) -> int:
     """Builds oneDNN's kernel for every row bucket from ONEDNN_MIN_ROWS up to `max_rows`, once per distinct
     projection shape of `model` (the kernels are cached by shape, not by weights), so that no serving
-    step pays for a first call. Returns the number of calls made."""
+    step pays for a first call; ends early once `stop` is set. Returns the number of calls made."""
     shapes: dict[tuple[int, int, bool], OneDnnLinear] = {}
     for module in model.modules():
         if isinstance(module, OneDnnLinear):
@@ -103,6 +105,8 @@ def warm_onednn_linears(model: nn.Module, max_rows: int) -> int:
     with torch.inference_mode():
         for layer in shapes.values():
             for rows in buckets:
+                if stop is not None and stop.is_set():
+                    return calls
                 layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device))
                 calls += 1
     return calls

@@ -225,3 +225,20 @@ def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> Non
             assert "model process is gone" in (failed.value.details() or ""), failed.value
             assert time.monotonic() - started < 10
             assert worker.stop() == 0
+
+
+def test_closing_ends_the_kernel_warm_up(checkpoint: Path) -> None:
+    """The warm-up thread is no daemon (the interpreter must not end under a oneDNN call), so close()
+    must end it promptly, here and in the model process."""
+    runner = ModelRunner.from_model_dir(checkpoint, replace(CONFIG, cpu_warm_rows=4096))
+    warming = runner._warming
+    assert warming is not None and warming.is_alive()
+    started = time.monotonic()
+    runner.close()
+    assert not warming.is_alive() and time.monotonic() - started < 5
+    apart = build_runner(checkpoint, replace(CONFIG, model_process="on", cpu_warm_rows=4096))
+    assert isinstance(apart, ProcessRunner) and apart.pid is not None
+    pid = apart.pid
+    apart.close()  # the worker's copy and the child's stop their warm-up and end
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
