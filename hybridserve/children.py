@@ -64,6 +64,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports that were free a moment ago: all are held bound at once, since ports
+    asked for one at a time may repeat."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def hybridserve_command(*args: str) -> list[str]:
     """`hybridserve ARGS` run by this interpreter, so children use the same installation."""
     return [sys.executable, "-m", "hybridserve.cli", *args]

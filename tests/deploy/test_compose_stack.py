@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hybridserve.children import free_port
+from hybridserve.children import free_ports
 from tests.deploy.compose_files import FILE_SETS, compose_command, rendered_config
 from tests.deploy.dockerd import Dockerd
 from tests.deploy.host_tools import run
@@ -45,7 +45,7 @@ class Stack:
         secrets_file.chmod(0o600)
         names = ["SCHEDULER_A", "SCHEDULER_B", "WORKER", "CACHE", "REDIS", "GATEWAY", "GATEWAY_GRPC",
                  "WORKER_METRICS", "SCHEDULER_A_METRICS", "SCHEDULER_B_METRICS", "CACHE_METRICS"]  # fmt: skip
-        self.ports = {name: free_port() for name in names}
+        self.ports = dict(zip(names, free_ports(len(names)), strict=True))  # distinct (a repeat hangs the stack)
         self.env = {
             **engine.env,
             **{f"{name}_PORT": str(port) for name, port in self.ports.items()},

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_svc.embedded_redis import RedisProcess
 from gpu_worker.init_model import ModelSpec, write_random_checkpoint
-from hybridserve.children import free_port
+from hybridserve.children import free_ports
 from hybridserve.grpc_auth import with_bearer
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
@@ -136,9 +136,9 @@ class Stack:
     def __init__(self, model_dir: Path, worker_flags: Sequence[str] = ()) -> None:
         self.model_dir = model_dir
         self.worker_flags = list(worker_flags)
-        self.ports = {name: free_port() for name in ("scheduler", "worker", "cache")}
+        *ports, self.redis_port = free_ports(4)  # distinct, unlike ports asked for one at a time
+        self.ports = dict(zip(("scheduler", "worker", "cache"), ports, strict=True))
         self.redis: RedisProcess | None = None
-        self.redis_port = free_port()
         self.procs: dict[str, ServerProcess] = {}
         try:
             for name in COMPONENTS[::-1]:  # redis, cache, worker's dependencies first

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from gpu_worker.init_model import ModelSpec, write_random_checkpoint
-from hybridserve.children import free_port
+from hybridserve.children import free_ports
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.procs import ServerProcess
@@ -153,7 +153,7 @@ def gateway_stack(
     model_dir: Path, scheduler: ServerProcess, *gateway_extra: str, env: dict[str, str] | None = None
 ) -> Iterator[Stack]:
     """Two workers behind a gateway; every process stops, also when one of them fails to start."""
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)  # distinct
     addresses = [f"127.0.0.1:{p}" for p in ports]
     workers: list[ServerProcess] = []
     try:
