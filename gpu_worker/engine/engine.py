@@ -18,13 +18,10 @@ finish in step N are reconciled one step late (their slices in plan N+1 are skip
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 
 from gpu_worker.batch import ForwardOutput
 from gpu_worker.cache.interface import NoPrefixCache, PrefixCache
@@ -35,6 +32,7 @@ from gpu_worker.engine.door import Door
 from gpu_worker.engine.finish import FinishReason
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.output import Ending, OutputProcessor
+from gpu_worker.engine.planning import PlanFn, Planned, Planning
 from gpu_worker.engine.prepared import PreparedStep, Row, make_row
 from gpu_worker.engine.records import FirstToken, Occupancy, StepRecord
 from gpu_worker.engine.request import Request
@@ -53,15 +51,6 @@ from hybridserve.errors import (
 from scheduler_svc.core import StepInput, StepPlan
 
 log = logging.getLogger("hybridserve.engine")
-
-PlanFn = Callable[[StepInput], StepPlan]
-
-
-@dataclass(frozen=True, slots=True)
-class Planned:
-    step_input: StepInput  # what the scheduler was sent
-    plan: StepPlan
-    latency_s: float  # the PlanStep round trip
 
 
 class Engine:
@@ -85,11 +74,9 @@ class Engine:
         self.allocator = Allocator(runner.kv_pool, runner.state_pool, self.prefix)
         self.outputs = OutputProcessor(runner.eos_token_ids)
         self._forwarded = False  # this iteration's step handed the outbox over during its forward
-        self._plan_inline: tuple[Future[Planned], StepInput] | None = None  # made during the forward
-        self._plan = plan
+        self.planning = Planning(plan)
         self.door = Door(settings.max_queue_len)
         self._stopping = threading.Event()
-        self._planner_pool = ThreadPoolExecutor(1, thread_name_prefix="plan")
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.step_index = 0
         config = settings.scheduler  # the most pages one step can take: every token on a new page
@@ -106,7 +93,7 @@ class Engine:
         self._thread.join(timeout_s)
         if self._thread.is_alive():  # still in a step or waiting for a scheduler: end the requests now
             self.door.close(failures.shutting_down())
-        self._planner_pool.shutdown(wait=False, cancel_futures=True)
+        self.planning.shutdown()
         self.prefix.close()
 
     def submit(self, request: Request) -> None:
@@ -212,7 +199,7 @@ class Engine:
         """The plan requested during the last step, or a fresh one; None (every live request
         failed) when no scheduler answers or the scheduler rejects the state."""
         try:
-            return pending.result() if pending is not None else self._plan_timed(self._snapshot())
+            return pending.result() if pending is not None else self.planning.now(self._snapshot())
         except UnavailableError as exc:
             self._fail_all(exc)
         except HybridServeError as exc:  # the worker sent an inconsistent state: a bug
@@ -226,31 +213,15 @@ class Engine:
         the plan is made here during that wait (`_while_forwarding`); else on the planner thread."""
         if not (self.settings.async_scheduling and self.table.has_plannable_work()):
             return None
-        step_input = self._snapshot(prepared)
         runs_elsewhere = getattr(self.runner, "runs_elsewhere", None)
-        if prepared.batch is not None and runs_elsewhere is not None and runs_elsewhere(prepared.batch):
-            planned: Future[Planned] = Future()
-            self._plan_inline = (planned, step_input)
-            return planned
-        context = contextvars.copy_context()  # the step's trace context, for the PlanStep span
-        return self._planner_pool.submit(context.run, self._plan_timed, step_input)
+        inline = prepared.batch is not None and runs_elsewhere is not None and runs_elsewhere(prepared.batch)
+        return self.planning.ahead(self._snapshot(prepared), inline)
 
     def _while_forwarding(self) -> None:
         """What this thread does while the model process computes: hand the last step's events to the
         streams, then plan the next step."""
         self.outputs.flush()
-        inline, self._plan_inline = self._plan_inline, None
-        if inline is not None:
-            planned, step_input = inline
-            try:
-                planned.set_result(self._plan_timed(step_input))
-            except Exception as exc:  # raised to the next step by Future.result, as from the planner thread
-                planned.set_exception(exc)
-
-    def _plan_timed(self, step_input: StepInput) -> Planned:
-        started = time.monotonic()
-        plan = self._plan(step_input)
-        return Planned(step_input, plan, time.monotonic() - started)
+        self.planning.make_inline()
 
     def _snapshot(self, in_flight: PreparedStep | None = None) -> StepInput:
         """The scheduler's view; with the step `in_flight`, as it will be once that step ran: each
