@@ -6,17 +6,24 @@ step's wall time is split into the engine thread's parts:
     plan      the part of the PlanStep round trip the engine waited for (with asynchronous
               scheduling the round trip runs on the planner thread, overlapped with the step)
     prepare   allocation and the batch's rows
-    forward   the null runner (building its logits; no model)
+    flush     the last step's stream events handed to their queues, at the start of the forward
+              (the runner calls back before it computes; on a GPU, before its kernels go)
+    forward   the null runner (its logits; no model), less the flush
     sample    sampling (greedy)
     apply     each token to its request, its stream event queued
     emit      the step record to the observers
-`own` is outside the forward less the plan wait: the engine thread's own parts, what a step costs
-with planning fully overlapped (behind a forward longer than the round trip). And, beside it,
+    between   from the end of a step's emit to the start of the next step: the loop's work between steps
+              (new requests and aborts, deadlines)
+`own` is outside the forward less the plan wait, plus between: the engine thread's own parts, what a
+step costs with planning fully overlapped (behind a forward longer than the round trip). And, beside it,
 `stream`: the time a consumer thread spends turning the queued events into GenerateResponse
 messages (the worker's stream threads), per step, and the full round trip of the plan (`rtt`),
 overlapped or not. The scheduler is the real service in its own process, over gRPC.
 
-    .venv/bin/python bench/bench_engine.py [--requests 64,256,1024] [--steps 60] [--sync]
+    .venv/bin/python bench/bench_engine.py [--requests 64,256,1024] [--steps 60] [--sync] [--forward-ms 0,3]
+
+`--forward-ms X` makes the null forward take X ms of wall time (a sleep, the CPU left free as by a
+GPU forward): with X longer than the round trip the `plan` column (the wait) should be about 0.
 
 Target (the issue): at most 1 ms per step at 256 requests outside the forward pass, planning
 overlapped. Only figures from one run, side by side, mean anything.
@@ -56,15 +63,18 @@ from scheduler_svc.core import MambaCacheMode, SchedulerConfig
 PAGE = 16
 VOCAB = 256
 PROMPT = 16
-PARTS = ("snapshot", "plan", "prepare", "forward", "sample", "apply", "emit")
+PARTS = ("snapshot", "plan", "prepare", "flush", "forward", "sample", "apply", "emit")
 TOKENIZER = Tokenizer(build_byte_tokenizer())
 
 
 class NullRunner:
-    """Real page and slot pools (no layers); forward returns fixed logits, one row per sequence."""
+    """Real page and slot pools (no layers); forward returns fixed logits, one row per sequence,
+    after `forward_s` seconds of sleep (0: at once)."""
 
-    def __init__(self, num_pages: int, max_num_seqs: int) -> None:
+    def __init__(self, num_pages: int, max_num_seqs: int, forward_s: float = 0.0) -> None:
         cpu = torch.device("cpu")
+        self.forward_s = forward_s  # the forward's wall time: a sleep, as a GPU forward leaves the CPU free
+        self.while_waiting_s = 0.0  # the engine's callback at the start of each forward, summed
         self.kv_pool = KVPagePool(num_pages, PAGE, 0, 1, 1, torch.float32, cpu)
         self.state_pool = MambaStatePool(max_num_seqs, 0, 0, (1, 1), (1, 1, 1), torch.float32, cpu)
         self.eos_token_ids = (2,)
@@ -73,7 +83,11 @@ class NullRunner:
 
     def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
         if while_waiting is not None:
+            started = time.perf_counter()
             while_waiting()
+            self.while_waiting_s += time.perf_counter() - started
+        if self.forward_s:
+            time.sleep(self.forward_s)
         return ForwardOutput(logits=self._logits[: len(batch.sequences)])
 
 
@@ -82,14 +96,17 @@ class Steps(EngineObserver):
     make each full garbage collection walk them, a cost of the benchmark and not of the engine."""
 
     def __init__(self) -> None:
-        self.records: list[tuple[float, float, float, int]] = []  # plan wait, plan rtt, wall, rows
+        self.records: list[tuple[float, float, float, int, float]] = []  # plan wait, plan rtt, wall, rows, end
 
     def step_finished(self, record: StepRecord) -> None:
-        self.records.append((record.plan_wait_s, record.plan_latency_s, record.wall_s, len(record.served)))
+        self.records.append(
+            (record.plan_wait_s, record.plan_latency_s, record.wall_s, len(record.served), record.end_time_s)
+        )
 
 
-def timed(engine: Engine, name: str, totals: dict[str, float], part: str) -> None:
-    """Wraps an engine method so that its time on the engine thread adds up in totals[part]."""
+def timed(engine: Engine, name: str, totals: dict[str, float], part: str, exits: list[float] | None = None) -> None:
+    """Wraps an engine method so that its time on the engine thread adds up in totals[part] (and the
+    monotonic time of each return goes to `exits`)."""
     original: Callable[..., Any] = getattr(engine, name)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -100,6 +117,8 @@ def timed(engine: Engine, name: str, totals: dict[str, float], part: str) -> Non
         finally:
             if on_engine:
                 totals[part] += time.perf_counter() - started
+                if exits is not None:
+                    exits.append(time.monotonic())
 
     setattr(engine, name, wrapper)
 
@@ -129,14 +148,16 @@ def drain_streams(requests: list[Request], stop: threading.Event, counted: dict[
         time.sleep(0.0005)
 
 
-def measure(num_requests: int, steps: int, scheduler: str, async_scheduling: bool) -> dict[str, float]:
+def measure(
+    num_requests: int, steps: int, scheduler: str, async_scheduling: bool, forward_s: float = 0.0
+) -> dict[str, float]:
     """Per-step milliseconds of each part over `steps` steady decode steps of num_requests requests."""
     config = SchedulerConfig(
         max_num_batched_tokens=max(2048, num_requests), max_num_seqs=num_requests, block_size=256,
         mamba_block_size=64, mamba_cache_mode=MambaCacheMode.ALIGN, kv_page_size=PAGE,
     )  # fmt: skip
     num_pages = num_requests * (2 + (PROMPT + 4 * steps) // PAGE)
-    runner = NullRunner(num_pages, num_requests)
+    runner = NullRunner(num_pages, num_requests, forward_s)
     settings = EngineSettings(
         scheduler=config, runner=RunnerConfig(kv_page_size_tokens=PAGE, max_num_seqs=num_requests),
         scheduler_addresses=(scheduler,), async_scheduling=async_scheduling, max_queue_len=num_requests + 1,
@@ -146,8 +167,10 @@ def measure(num_requests: int, steps: int, scheduler: str, async_scheduling: boo
     engine = Engine(runner, client.plan, settings, observer=log)  # type: ignore[arg-type]
     totals: dict[str, float] = defaultdict(float)
     for name, part in (("_snapshot", "snapshot"), ("_prepare", "prepare"), ("_forward", "forward"),
-                       ("_sample", "sample"), ("_apply", "apply"), ("_emit", "emit")):  # fmt: skip
+                       ("_sample", "sample"), ("_apply", "apply")):  # fmt: skip
         timed(engine, name, totals, part)
+    emitted: list[float] = []  # when each step's _emit returned, one per record
+    timed(engine, "_emit", totals, "emit", emitted)
     requests = [make_request(i) for i in range(num_requests)]
     stop = threading.Event()
     streamed: dict[str, float] = defaultdict(float)
@@ -162,11 +185,13 @@ def measure(num_requests: int, steps: int, scheduler: str, async_scheduling: boo
         while len(log.records) < warm:
             time.sleep(0.01)
         first = len(log.records)
-        before, stream_before = dict(totals), streamed["stream"]
-        while len(log.records) < first + steps:
+        before, stream_before, flush_before = dict(totals), streamed["stream"], runner.while_waiting_s
+        while len(log.records) < first + steps + 1:
             time.sleep(0.005)
         records = log.records[first : first + steps]
-        after, stream_after = dict(totals), streamed["stream"]
+        following = log.records[first + 1 : first + steps + 1]
+        emit_ends = emitted[first : first + steps]
+        after, stream_after, flush_after = dict(totals), streamed["stream"], runner.while_waiting_s
     finally:
         for r in requests:
             engine.abort(r.request_id)
@@ -176,12 +201,16 @@ def measure(num_requests: int, steps: int, scheduler: str, async_scheduling: boo
         client.close()
     n = len(records)
     out = {part: (after.get(part, 0.0) - before.get(part, 0.0)) / n * 1e3 for part in PARTS if part != "plan"}
+    out["flush"] = (flush_after - flush_before) / n * 1e3
+    out["forward"] -= out["flush"]
     out["plan"] = sum(r[0] for r in records) / n * 1e3
     out["rtt"] = sum(r[1] for r in records) / n * 1e3
     out["wall"] = sum(r[2] for r in records) / n * 1e3
     out["stream"] = (stream_after - stream_before) / n * 1e3
     out["outside"] = out["wall"] - out["forward"]
-    out["own"] = out["outside"] - out["plan"]  # the engine thread's own parts, planning overlapped
+    # From a step's emit to the next one's start: the loop's work between steps (the inbox, deadlines).
+    out["between"] = sum((f[4] - f[2]) - e for e, f in zip(emit_ends, following, strict=True)) / n * 1e3
+    out["own"] = out["outside"] - out["plan"] + out["between"]  # the engine thread's, planning overlapped
     out["decodes"] = sum(r[3] for r in records) / n
     return out
 
@@ -191,22 +220,28 @@ def main() -> int:
     parser.add_argument("--requests", default="64,256,1024", help="running requests, comma-separated")
     parser.add_argument("--steps", type=int, default=60, help="steady decode steps measured per size")
     parser.add_argument("--sync", action="store_true", help="also measure with asynchronous scheduling off")
+    parser.add_argument(
+        "--forward-ms", default="0", help="the null forward's wall time (a sleep), comma-separated: a GPU decode"
+        " step of a small model takes a few ms, and planning and the streams should hide behind it",
+    )  # fmt: skip
     args = parser.parse_args()
     set_cpu_threads(0)  # as the worker does on CPU
     scheduler = Child("scheduler", hybridserve_command("scheduler", "--port", "0"))
     try:
         address = scheduler.wait_listening(60.0)
         modes = [True, False] if args.sync else [True]
-        cols = ("wall", "outside", "own", *PARTS, "stream", "rtt")
+        cols = ("wall", "outside", "own", *PARTS, "between", "stream", "rtt")
         print(
-            "ms per step (engine thread); outside = wall - forward; own = outside - plan;"
+            "ms per step (engine thread); outside = wall - forward; own = outside - plan + between;"
             " plan = wait for it; rtt = PlanStep round trip"
         )
         print(f"{'requests':>9}{'async':>7}" + "".join(f"{c:>10}" for c in cols))
-        for n in (int(x) for x in args.requests.split(",")):
-            for mode in modes:
-                m = measure(n, args.steps, address, mode)
-                print(f"{n:>9}{'on' if mode else 'off':>7}" + "".join(f"{m[c]:>10.3f}" for c in cols), flush=True)
+        for forward_ms in (float(x) for x in args.forward_ms.split(",")):
+            for n in (int(x) for x in args.requests.split(",")):
+                for mode in modes:
+                    m = measure(n, args.steps, address, mode, forward_ms / 1e3)
+                    row = f"{n:>9}{'on' if mode else 'off':>7}" + "".join(f"{m[c]:>10.3f}" for c in cols)
+                    print(row, flush=True)
     finally:
         stop_all([scheduler])
     return 0
