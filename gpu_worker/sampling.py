@@ -8,7 +8,7 @@ from the global RNG otherwise. Log-probabilities are those of the model's raw di
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     seed: int | None = None  # per-request generator seed; None = global RNG
     num_logprobs: int = 0  # top-n alternatives to return per token (0 = none)
+    # Greedy without alternatives: the batch's argmax and log-normaliser serve the row, no Python of its own.
+    is_plain: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -34,10 +36,14 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.num_logprobs < 0:
             raise InvalidArgumentError(f"logprobs must be >= 0, got {self.num_logprobs}")
+        object.__setattr__(self, "is_plain", self.temperature == 0.0 and self.num_logprobs == 0)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+TopLogprobs = tuple[tuple[int, float], ...]  # (token_id, logprob), best first
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +52,7 @@ class SampleOutput:
 
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each chosen token
-    top_logprobs: list[list[tuple[int, float]]]  # per row: num_logprobs (token_id, logprob), best first
+    top_logprobs: list[TopLogprobs] | None  # per row: num_logprobs alternatives; None when no row asks
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -85,23 +91,41 @@ def sample(
         raise InvalidArgumentError(
             f"sample: {logits.shape[0]} rows, {len(params)} params, {len(generators)} generators"
         )
+    rows = [i for i, p in enumerate(params) if not p.is_plain]
+    return sample_rows(logits, rows, [params[i] for i in rows], [generators[i] for i in rows])
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> SampleOutput:
+    """`sample` where only `rows` (ascending) need more than the argmax: `params`/`generators` are
+    theirs, one each; every other row is greedy without alternatives (SamplingParams.is_plain).
+
+    The rows in no list cost no Python: a batch of plain rows is one argmax, one log_softmax, one
+    gather and two tolists. Same tokens and log-probabilities as row by row."""
+    if len(params) != len(rows) or len(generators) != len(rows):
+        raise InvalidArgumentError(f"sample_rows: {len(rows)} rows, {len(params)} params, {len(generators)} generators")
     logits = logits.float()
-    chosen = logits.argmax(dim=-1)  # [b]
-    random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]  # not p.is_greedy, inlined
-    if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        probs = _filter_logits(logits[rows], [params[i] for i in random_rows]).softmax(dim=-1)
-        for j, i in enumerate(random_rows):
+    chosen = logits.argmax(dim=-1)  # [b]; the first maximal logit
+    random = [(i, p, g) for i, p, g in zip(rows, params, generators, strict=True) if p.temperature != 0.0]
+    if random:
+        index = torch.tensor([i for i, _, _ in random], device=logits.device)
+        probs = _filter_logits(logits[index], [p for _, p, _ in random]).softmax(dim=-1)
+        for j, (i, _, generator) in enumerate(random):
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one generator call per row.
-            noise = torch.empty_like(probs[j]).exponential_(generator=generators[i])
+            noise = torch.empty_like(probs[j]).exponential_(generator=generator)
             chosen[i] = (probs[j] / noise).argmax()
-    log_z = torch.logsumexp(logits, dim=-1)  # [b]
-    chosen_lp = logits.gather(1, chosen[:, None])[:, 0] - log_z
-    max_n = max(p.num_logprobs for p in params) if params else 0
-    top: list[list[tuple[int, float]]] = [[]] * len(params) if not max_n else []  # shared empty rows, never mutated
+    logp = logits.log_softmax(dim=-1)  # [b, vocab]: one fused pass (logsumexp is several)
+    chosen_lp = logp.gather(1, chosen[:, None]).view(-1)
+    max_n = max([p.num_logprobs for p in params], default=0)
+    top: list[TopLogprobs] | None = None
     if max_n:
-        vals, idx = logits.topk(min(max_n, logits.shape[-1]), dim=-1)
-        vals = vals - log_z[:, None]
+        vals, idx = logp[list(rows)].topk(min(max_n, logits.shape[-1]), dim=-1)
         vals_l, idx_l = vals.tolist(), idx.tolist()
-        top = [list(zip(idx_l[i], vals_l[i], strict=True))[: p.num_logprobs] for i, p in enumerate(params)]
+        top = [()] * logits.shape[0]
+        for j, (i, p) in enumerate(zip(rows, params, strict=True)):
+            top[i] = tuple(zip(idx_l[j][: p.num_logprobs], vals_l[j][: p.num_logprobs], strict=True))
     return SampleOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(), top_logprobs=top)

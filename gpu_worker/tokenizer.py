@@ -125,20 +125,40 @@ class IncrementalDetokenizer:
         """Append new ids; return the newly completed text (possibly empty)."""
         if not token_ids:
             return ""
+        if len(token_ids) == 1:
+            return self.push_one(token_ids[0])
         if self._fallback is not None:
             return self._fallback.push(token_ids)
         ids = self._ids
         ids.extend(token_ids)
         try:
-            text = self._stream.step(self._rust, token_ids[0] if len(token_ids) == 1 else token_ids)
+            text = self._stream.step(self._rust, token_ids)
         except Exception:  # the Rust side raises a plain Exception: the window's text changed its start
-            self._fallback = WindowDetokenizer(self._tokenizer, ids[: -len(token_ids)],
-                                               (self._prefix_offset, self._read_offset))  # fmt: skip
-            return self._fallback.push(token_ids)
+            return self._fall_back(token_ids)
         if text is None:
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         return str(text)
+
+    def push_one(self, token_id: int) -> str:
+        """push([token_id]), without the list: the engine pushes one token per request per step."""
+        if self._fallback is not None:
+            return self._fallback.push([token_id])
+        self._ids.append(token_id)
+        try:
+            text = self._stream.step(self._rust, token_id)
+        except Exception:  # as in push
+            return self._fall_back([token_id])
+        if text is None:
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return str(text)
+
+    def _fall_back(self, token_ids: list[int]) -> str:
+        """Continues on WindowDetokenizer from the window before `token_ids` (already appended)."""
+        self._fallback = WindowDetokenizer(self._tokenizer, self._ids[: -len(token_ids)],
+                                           (self._prefix_offset, self._read_offset))  # fmt: skip
+        return self._fallback.push(token_ids)
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:

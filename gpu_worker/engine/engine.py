@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from itertools import repeat
 
 from gpu_worker.batch import ForwardOutput
 from gpu_worker.cache.interface import NoPrefixCache, PrefixCache
@@ -40,7 +41,7 @@ from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.engine.table import RequestTable
 from gpu_worker.engine.unstall import Remedy, stall_remedy
 from gpu_worker.runner import ModelRunner
-from gpu_worker.sampling import SampleOutput, sample
+from gpu_worker.sampling import SampleOutput, sample_rows
 from hybridserve.errors import (
     AbortedError,
     DeadlineExceededError,
@@ -326,26 +327,29 @@ class Engine:
         rows = prepared.yielding_rows
         if output is None or not rows:
             return None
-        requests = prepared.yielding
-        params = [r.params.sampling for r in requests]
         logits = output.logits if len(rows) == output.logits.shape[0] else output.logits[rows]  # all rows: no copy
-        return sample(logits, params, [r.generator for r in requests])
+        if not self.table.num_running_sampled:  # every row a plain argmax: no Python per row
+            return sample_rows(logits, (), (), ())
+        requests = prepared.yielding
+        sampled = [i for i, r in enumerate(requests) if not r.params.sampling.is_plain]
+        return sample_rows(logits, sampled, [requests[i].params.sampling for i in sampled],
+                           [requests[i].generator for i in sampled])  # fmt: skip
 
     def _apply(self, prepared: PreparedStep, sampled: SampleOutput | None) -> list[Ending]:
         """Each sampled token to its request; returns the requests that ended (already freed)."""
         if sampled is None:
             return []
         endings: list[Ending] = []
-        append, tops = self.outputs.append, sampled.top_logprobs
+        append, requests, tops = self.outputs.append, prepared.yielding, sampled.top_logprobs
         for request, token_id, logprob, top in zip(
-            prepared.yielding, sampled.token_ids, sampled.logprobs, tops, strict=True
+            requests, sampled.token_ids, sampled.logprobs, tops or repeat((), len(requests)), strict=True
         ):
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
                 self.observer.request_first_token(
                     FirstToken(request.request_id, request.arrival_time, request.first_token_time)
                 )
-            ending = append(request, token_id, logprob, tuple(top) if top else ())
+            ending = append(request, token_id, logprob, top)
             if ending is not None:
                 self._remove(request.request_id)
                 endings.append(ending)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from gpu_worker.engine.finish import FinishReason
 from gpu_worker.engine.request import Request, RequestOutput
+from gpu_worker.sampling import TopLogprobs
 from hybridserve.errors import HybridServeError
 
-TopLogprobs = tuple[tuple[int, float], ...]  # (token_id, logprob), best first
 _new = tuple.__new__
 
 
@@ -46,7 +46,7 @@ class OutputProcessor:
         outputs, params = request.output_token_ids, request.params
         outputs.append(token_id)
         is_eos = token_id in self._eos_ids and not params.ignore_eos
-        text, hit_stop = request.stop_checker.push([] if is_eos else [token_id])
+        text, hit_stop = request.stop_checker.push([]) if is_eos else request.stop_checker.push_one(token_id)
         if not (is_eos or hit_stop) and len(outputs) < params.max_tokens:  # the common case: it goes on
             # RequestOutput((token_id,), (logprob,), (top,), text) without its Python constructor
             self.outbox.append(

@@ -24,10 +24,22 @@ class StopChecker:
             return "", False
         if not self._stop:  # nothing held back: the new text goes out as it comes
             return self._detok.push(token_ids), False
+        return self._take(self._detok.push(token_ids))
+
+    def push_one(self, token_id: int) -> tuple[str, bool]:
+        """push([token_id]), without the list: the engine pushes one token per request per step."""
+        if self._detok is None:
+            return "", False
+        if not self._stop:
+            return self._detok.push_one(token_id), False
+        return self._take(self._detok.push_one(token_id))
+
+    def _take(self, new_text: str) -> tuple[str, bool]:
+        """The text to emit now, of the text so far and `new_text`, and whether a stop string was reached."""
         drop = self._emitted - self._hold - 1  # no stop string can begin before this index
         if drop > TRIM_CHARS:  # appending to an ever-growing string copies it: keep a bounded window
             self._text, self._emitted = self._text[drop:], self._emitted - drop
-        self._text += self._detok.push(token_ids)
+        self._text += new_text
         for s in self._stop:
             index = self._text.find(s, max(self._emitted - len(s), 0))
             if index >= 0:

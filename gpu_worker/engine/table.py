@@ -24,6 +24,9 @@ class RequestTable:
         self.running: dict[str, Request] = {}
         self.waiting: dict[str, Request] = {}
         self.fetching: dict[str, tuple[Request, Future[FetchResult]]] = {}
+        # Running requests whose sampling is more than a plain argmax (SamplingParams.is_plain): while
+        # there is none, a step samples its rows without looking at each one.
+        self.num_running_sampled = 0
 
     @property
     def num_running(self) -> int:
@@ -60,19 +63,23 @@ class RequestTable:
 
     def add_running(self, request: Request) -> None:
         self.running[request.request_id] = request
+        self.num_running_sampled += not request.params.sampling.is_plain
 
     def get_running(self, request_id: str) -> Request | None:
         return self.running.get(request_id)
 
     def pop_running(self, request_id: str) -> Request | None:
-        return self.running.pop(request_id, None)
+        request = self.running.pop(request_id, None)
+        if request is not None:
+            self.num_running_sampled -= not request.params.sampling.is_plain
+        return request
 
     def pop_live(self, request_id: str) -> Request | None:
         """Removes a request from whichever queue holds it."""
         fetching = self.fetching.pop(request_id, None)
         if fetching is not None:
             return fetching[0]
-        return self.running.pop(request_id, None) or self.waiting.pop(request_id, None)
+        return self.pop_running(request_id) or self.waiting.pop(request_id, None)
 
     def sched_states(self, yielding_ids: set[str]) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
         """The scheduler's view of running and waiting requests; those in `yielding_ids` are

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.sampling import SamplingParams, make_generator, sample
+from gpu_worker.sampling import SamplingParams, make_generator, sample, sample_rows
 from hybridserve.errors import InvalidArgumentError
 
 CPU = torch.device("cpu")
@@ -22,6 +22,7 @@ def test_greedy_is_argmax_with_logprobs() -> None:
     ref = torch.log_softmax(logits, -1)
     for i, t in enumerate(out.token_ids):
         assert out.logprobs[i] == pytest.approx(ref[i, t].item(), abs=1e-5)
+        assert out.top_logprobs is not None
         top = out.top_logprobs[i]
         assert [tok for tok, _ in top] == ref[i].topk(3).indices.tolist()
         assert top[0][1] == pytest.approx(out.logprobs[i], abs=1e-6)
@@ -81,3 +82,52 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
 def test_invalid_params_are_rejected(kwargs: dict) -> None:
     with pytest.raises(InvalidArgumentError):
         SamplingParams(**kwargs)
+
+
+def _tied_logits(rows: int = 6, vocab: int = 40) -> torch.Tensor:
+    """Small integer logits: most rows have several maximal tokens (argmax takes the first)."""
+    return torch.randint(0, 4, (rows, vocab), generator=torch.Generator().manual_seed(5)).float()
+
+
+def test_plain_rows_cost_no_params_and_match_the_row_by_row_path() -> None:
+    logits = _tied_logits()
+    fast = sample_rows(logits, (), (), ())
+    assert fast.top_logprobs is None
+    assert fast.token_ids == logits.argmax(-1).tolist()
+    ref = torch.log_softmax(logits, -1)
+    assert fast.logprobs == pytest.approx([ref[i, t].item() for i, t in enumerate(fast.token_ids)], abs=1e-6)
+    # The same rows through the general path (each row asks for one alternative, one mate samples):
+    mate = SamplingParams(temperature=1.0, seed=3)
+    params = [SamplingParams(num_logprobs=1)] * len(logits) + [mate]
+    general = sample(torch.cat([logits, logits[:1]]), params, [None] * len(logits) + [make_generator(mate, CPU)])
+    assert general.token_ids[:-1] == fast.token_ids
+    assert general.logprobs[:-1] == fast.logprobs  # the same float, not just close
+    assert general.top_logprobs is not None
+    assert [top[0][1] for top in general.top_logprobs[:-1]] == fast.logprobs  # (topk's order among ties is its own)
+
+
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone() -> None:
+    logits = _logits(rows=6, vocab=60)
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.5, seed=11, num_logprobs=2),
+        SamplingParams(num_logprobs=4),
+        SamplingParams(temperature=0.8, top_k=10, seed=12),
+        SamplingParams(),
+        SamplingParams(temperature=2.0, top_p=0.9, seed=13, num_logprobs=1),
+    ]
+    batch = sample(logits, params, [make_generator(p, CPU) for p in params])
+    assert batch.top_logprobs is not None
+    for i, p in enumerate(params):
+        alone = sample(logits[i : i + 1], [p], [make_generator(p, CPU)])
+        assert batch.token_ids[i] == alone.token_ids[0]
+        assert batch.logprobs[i] == pytest.approx(alone.logprobs[0], abs=1e-6)
+        alone_top = alone.top_logprobs[0] if alone.top_logprobs is not None else ()
+        assert len(batch.top_logprobs[i]) == len(alone_top) == p.num_logprobs
+        for (tok, lp), (alone_tok, alone_lp) in zip(batch.top_logprobs[i], alone_top, strict=True):
+            assert tok == alone_tok and lp == pytest.approx(alone_lp, abs=1e-6)
+
+
+def test_sample_rows_names_a_mismatch() -> None:
+    with pytest.raises(InvalidArgumentError):
+        sample_rows(_logits(), [1], [], [])

@@ -67,6 +67,7 @@ def test_a_decoder_that_rewrites_earlier_text_falls_back_to_the_window() -> None
     model.decoder = decoders.Decoder.custom(_Reversing())
     tok = Tokenizer(model)
     ids = [0, 1, 2, 3, 4, 5, 1, 0]
-    a, b, stream = pushes(tok, ids, [1, 2])
-    assert a == b
-    assert stream._fallback is not None
+    for sizes in ([1], [2], [1, 2]):  # the fallback taken on a single id (push_one) and on a group
+        a, b, stream = pushes(tok, ids, sizes)
+        assert a == b
+        assert stream._fallback is not None
