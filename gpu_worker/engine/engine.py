@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from itertools import repeat
 
 from gpu_worker.batch import ForwardOutput
 from gpu_worker.cache.interface import NoPrefixCache, PrefixCache
@@ -339,20 +338,14 @@ class Engine:
         """Each sampled token to its request; returns the requests that ended (already freed)."""
         if sampled is None:
             return []
-        endings: list[Ending] = []
-        append, requests, tops = self.outputs.append, prepared.yielding, sampled.top_logprobs
-        for request, token_id, logprob, top in zip(
-            requests, sampled.token_ids, sampled.logprobs, tops or repeat((), len(requests)), strict=True
-        ):
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
-                self.observer.request_first_token(
-                    FirstToken(request.request_id, request.arrival_time, request.first_token_time)
-                )
-            ending = append(request, token_id, logprob, top)
-            if ending is not None:
-                self._remove(request.request_id)
-                endings.append(ending)
+        now = time.monotonic()
+        endings, firsts = self.outputs.append_step(
+            prepared.yielding, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, now
+        )
+        for request in firsts:
+            self.observer.request_first_token(FirstToken(request.request_id, request.arrival_time, now))
+        for ending in endings:
+            self._remove(ending.request.request_id)
         return endings
 
     # ---- 6. emit ---------------------------------------------------------------------------------

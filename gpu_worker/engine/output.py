@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 from dataclasses import dataclass
+from itertools import repeat
 
 from gpu_worker.engine.finish import FinishReason
 from gpu_worker.engine.request import Request, RequestOutput
@@ -40,25 +41,38 @@ class OutputProcessor:
         for events, event in outbox:
             events.put(event)
 
-    def append(self, request: Request, token_id: int, logprob: float, top: TopLogprobs) -> Ending | None:
-        """Appends one sampled token: streams it now, or returns the request's ending (the token
-        rides on the last event)."""
-        outputs, params = request.output_token_ids, request.params
-        outputs.append(token_id)
-        is_eos = token_id in self._eos_ids and not params.ignore_eos
-        text, hit_stop = request.stop_checker.push([]) if is_eos else request.stop_checker.push_one(token_id)
-        if not (is_eos or hit_stop) and len(outputs) < params.max_tokens:  # the common case: it goes on
-            # RequestOutput((token_id,), (logprob,), (top,), text) without its Python constructor
-            self.outbox.append(
-                (request.events, _new(RequestOutput, ((token_id,), (logprob,), (top,), text, None, 0, 0, 0, None)))
-            )
-            return None
-        reason = finish_reason(is_eos, hit_stop, len(outputs) >= params.max_tokens)
-        assert reason is not None
-        if not hit_stop:
-            text += request.stop_checker.flush()
-        event = RequestOutput((token_id,), (logprob,), (top,), text)
-        return Ending(request, reason, request.last_output(reason, event))
+    def append_step(
+        self,
+        requests: list[Request],
+        token_ids: list[int],
+        logprobs: list[float],
+        top_logprobs: list[TopLogprobs] | None,
+        now: float,
+    ) -> tuple[list[Ending], list[Request]]:
+        """Appends each row's sampled token to its request, in row order: streams it, or ends the
+        request (the token rides on the last event). Returns the endings, and the requests whose
+        first token this was (their first_token_time set to `now`)."""
+        endings: list[Ending] = []
+        firsts: list[Request] = []
+        put, eos_ids = self.outbox.append, self._eos_ids
+        tops = top_logprobs or repeat((), len(requests))
+        for request, token_id, logprob, top in zip(requests, token_ids, logprobs, tops, strict=True):
+            if request.first_token_time is None:
+                request.first_token_time = now
+                firsts.append(request)
+            outputs, params, checker = request.output_token_ids, request.params, request.stop_checker
+            outputs.append(token_id)
+            if token_id in eos_ids and not params.ignore_eos:
+                endings.append(_ending(request, token_id, logprob, top, True, checker.push([])[0]))
+                continue
+            text = checker.push_one(token_id)
+            if checker.stopped or len(outputs) >= params.max_tokens:
+                endings.append(_ending(request, token_id, logprob, top, False, text))
+                continue
+            # the common case, it goes on: RequestOutput((token_id,), (logprob,), (top,), text) without
+            # its Python constructor
+            put((request.events, _new(RequestOutput, ((token_id,), (logprob,), (top,), text, None, 0, 0, 0, None))))
+        return endings, firsts
 
     @staticmethod
     def aborted(request: Request, reason: FinishReason) -> Ending:
@@ -72,6 +86,17 @@ class OutputProcessor:
 
     def deliver(self, ending: Ending) -> None:
         self.outbox.append((ending.request.events, ending.last))
+
+
+def _ending(request: Request, token_id: int, logprob: float, top: TopLogprobs, is_eos: bool, text: str) -> Ending:
+    """The ending of a request whose token (already appended, its text `text`) is its last."""
+    hit_stop = request.stop_checker.stopped
+    reason = finish_reason(is_eos, hit_stop, len(request.output_token_ids) >= request.params.max_tokens)
+    assert reason is not None
+    if not hit_stop:
+        text += request.stop_checker.flush()
+    event = RequestOutput((token_id,), (logprob,), (top,), text)
+    return Ending(request, reason, request.last_output(reason, event))
 
 
 def finish_reason(is_eos: bool, hit_stop: bool, reached_max_tokens: bool) -> FinishReason | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gpu_worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TRIM_CHARS = 1024  # emitted text kept before the window is cut (cutting is a copy too)
@@ -17,6 +19,12 @@ class StopChecker:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._text = ""  # the text, less a head that no stop string can reach any more (see push)
         self._emitted = 0  # text before this index in `_text` was emitted
+        self.stopped = False  # a stop string was reached
+        # push_one(token_id) -> the text to emit now (a stop string reached sets `stopped`); once per
+        # token of every request: without stop strings, the detokenizer's own method, no layer between.
+        self.push_one: Callable[[int], str] = (
+            _no_text if self._detok is None else self._detok.push_one if not stop else self._push_one_held
+        )
 
     def push(self, token_ids: list[int]) -> tuple[str, bool]:
         """Returns (text to emit now, whether a stop string was reached)."""
@@ -26,13 +34,9 @@ class StopChecker:
             return self._detok.push(token_ids), False
         return self._take(self._detok.push(token_ids))
 
-    def push_one(self, token_id: int) -> tuple[str, bool]:
-        """push([token_id]), without the list: the engine pushes one token per request per step."""
-        if self._detok is None:
-            return "", False
-        if not self._stop:
-            return self._detok.push_one(token_id), False
-        return self._take(self._detok.push_one(token_id))
+    def _push_one_held(self, token_id: int) -> str:
+        assert self._detok is not None
+        return self._take(self._detok.push_one(token_id))[0]
 
     def _take(self, new_text: str) -> tuple[str, bool]:
         """The text to emit now, of the text so far and `new_text`, and whether a stop string was reached."""
@@ -45,6 +49,7 @@ class StopChecker:
             if index >= 0:
                 delta = self._text[self._emitted : max(index, self._emitted)]
                 self._emitted = len(self._text)
+                self.stopped = True
                 return delta, True
         end = max(len(self._text) - self._hold, self._emitted)
         delta, self._emitted = self._text[self._emitted : end], end
@@ -54,3 +59,7 @@ class StopChecker:
         """The held-back tail (the request ended without a stop string)."""
         delta, self._emitted = self._text[self._emitted :], len(self._text)
         return delta
+
+
+def _no_text(token_id: int) -> str:
+    return ""
