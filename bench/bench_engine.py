@@ -32,7 +32,6 @@ overlapped. Only figures from one run, side by side, mean anything.
 from __future__ import annotations
 
 import argparse
-import queue
 import threading
 import time
 from collections import defaultdict
@@ -132,15 +131,15 @@ def make_request(i: int) -> Request:
 
 
 def drain_streams(requests: list[Request], stop: threading.Event, counted: dict[str, float]) -> None:
-    """The stream threads' work, in one thread: every queued event becomes a GenerateResponse."""
+    """The stream threads' work, in one thread: every queued event becomes a GenerateResponse. The
+    queues are polled with empty() (a worker's stream threads block on theirs): a get_nowait on an
+    empty queue raises, and 256 raises every poll took the GIL from the engine thread."""
     while not stop.is_set():
         busy = 0.0
         for r in requests:
-            while True:
-                try:
-                    event = r.events.get_nowait()
-                except queue.Empty:
-                    break
+            events = r.events
+            while not events.empty():  # only this thread takes from the queues: empty() is exact
+                event = events.get_nowait()
                 started = time.perf_counter()
                 output_to_pb(r.request_id, event)
                 busy += time.perf_counter() - started
@@ -224,8 +223,12 @@ def main() -> int:
         "--forward-ms", default="0", help="the null forward's wall time (a sleep), comma-separated: a GPU decode"
         " step of a small model takes a few ms, and planning and the streams should hide behind it",
     )  # fmt: skip
+    parser.add_argument(
+        "--cpu-threads", type=int, default=0, help="torch's intra-op threads for the engine's own torch calls"
+        " (sampling of the null logits); 0 = the worker's default on CPU",
+    )  # fmt: skip
     args = parser.parse_args()
-    set_cpu_threads(0)  # as the worker does on CPU
+    set_cpu_threads(args.cpu_threads)
     scheduler = Child("scheduler", hybridserve_command("scheduler", "--port", "0"))
     try:
         address = scheduler.wait_listening(60.0)
