@@ -10,6 +10,7 @@ sequence in a step:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -32,6 +33,9 @@ class SequenceChunk(NamedTuple):
     boundary_checkpoints: tuple[tuple[int, int], ...] = ()
 
 
+_TOKEN_IDS = attrgetter("token_ids")
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
     """All sequences of one forward. A state slot appears at most once."""
@@ -45,8 +49,9 @@ class Batch:
 
     @property
     def num_prefill_tokens(self) -> int:
-        """Tokens of the multi-token chunks."""
-        return sum(len(s.token_ids) for s in self.sequences if len(s.token_ids) > 1)
+        """Tokens of the multi-token chunks (every chunk has at least one token)."""
+        lengths = list(map(len, map(_TOKEN_IDS, self.sequences)))  # C loops: the engine reads it every step
+        return sum(lengths) - lengths.count(1)
 
 
 @dataclass(frozen=True, slots=True)

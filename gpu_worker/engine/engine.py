@@ -373,6 +373,7 @@ class Engine:
         """Takes in new requests and aborts; True if there were any."""
         new, aborts = self.door.take()
         for request in new:
+            self.table.watch_deadline(request)
             fetch = failures.guarded("shared-tier fetch", self.prefix.start_fetch, request)  # a failed fetch is a miss
             if fetch is None:
                 self._enqueue(request)
@@ -394,8 +395,7 @@ class Engine:
         return bool(fetched)
 
     def _expire_deadlines(self) -> bool:
-        now = time.monotonic()
-        late = [r for r in self.table.live_requests() if r.deadline is not None and now > r.deadline]
+        late = self.table.late(time.monotonic())
         for request in late:
             self._remove(request.request_id)
         self._end([self.outputs.failed(r, DeadlineExceededError(f"request {r.request_id} passed its deadline"))

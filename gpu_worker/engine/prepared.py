@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import NamedTuple
 
 from gpu_worker.batch import Batch, SequenceChunk
@@ -25,6 +26,9 @@ class Row(NamedTuple):
     checkpoints: tuple[PendingCheckpoint, ...]  # states at the block boundaries the chunk reaches
 
 
+_CHUNK = attrgetter("chunk")
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedStep:
     rows: tuple[Row, ...]  # in batch order
@@ -32,16 +36,14 @@ class PreparedStep:
     # Derived once from rows (sample, apply, the next snapshot and the step record all read them):
     yielding_rows: list[int] = field(init=False)  # batch rows that get a new token, in order
     yielding: list[Request] = field(init=False)  # their requests
+    batch: Batch | None = field(init=False)  # the runner's input; None without rows
 
     def __post_init__(self) -> None:
         rows = self.rows
         indices = [i for i, r in enumerate(rows) if r.yields]
         object.__setattr__(self, "yielding_rows", indices)
         object.__setattr__(self, "yielding", [rows[i].request for i in indices])
-
-    @property
-    def batch(self) -> Batch | None:
-        return Batch(tuple([r.chunk for r in self.rows])) if self.rows else None
+        object.__setattr__(self, "batch", Batch(tuple(map(_CHUNK, rows))) if rows else None)
 
     @property
     def yielding_ids(self) -> set[str]:

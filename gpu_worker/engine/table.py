@@ -9,7 +9,9 @@ Moves between queues only; allocation is the allocator's, and the engine compose
 
 from __future__ import annotations
 
+import heapq
 from concurrent.futures import Future
+from itertools import count
 from typing import TYPE_CHECKING
 
 from gpu_worker.engine.request import Request
@@ -27,6 +29,10 @@ class RequestTable:
         # Running requests whose sampling is more than a plain argmax (SamplingParams.is_plain): while
         # there is none, a step samples its rows without looking at each one.
         self.num_running_sampled = 0
+        # (deadline, order, request) of live requests that have one, a heap: a step looks at the
+        # passed ones only, not at every live request. Entries of ended requests wait to be popped.
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._order = count()
 
     @property
     def num_running(self) -> int:
@@ -46,6 +52,21 @@ class RequestTable:
     def holds(self, request_id: str) -> bool:
         """Whether some queue holds the request."""
         return request_id in self.running or request_id in self.waiting or request_id in self.fetching
+
+    def watch_deadline(self, request: Request) -> None:
+        """A new request: `late` returns it once its deadline passed, if it is still live then."""
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._order), request))
+
+    def late(self, now: float) -> list[Request]:
+        """The live requests whose deadline is before `now`, earliest first; each is returned once."""
+        heap, late = self._deadlines, []
+        while heap and heap[0][0] < now:
+            request = heapq.heappop(heap)[2]
+            rid = request.request_id
+            if (self.running.get(rid) or self.waiting.get(rid) or self.fetching.get(rid, (None,))[0]) is request:
+                late.append(request)
+        return late
 
     def add_fetching(self, request: Request, fetch: Future[FetchResult]) -> None:
         self.fetching[request.request_id] = (request, fetch)
