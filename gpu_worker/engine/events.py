@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import add, attrgetter, itemgetter
+
 from gpu_worker.engine.output import Ending
-from gpu_worker.engine.prepared import PreparedStep
+from gpu_worker.engine.prepared import PreparedStep, Row
 from gpu_worker.engine.records import RequestFinished, RequestQueued, ServedSlice
 from gpu_worker.engine.request import Request
 
@@ -40,17 +43,14 @@ def finished(ending: Ending, now: float) -> RequestFinished:
 
 def served(prepared: PreparedStep, yielded: bool) -> tuple[ServedSlice, ...]:
     """The rows of a step that ran; `yielded` is False when its forward failed."""
-    # In ServedSlice's field order, through tuple.__new__ (its constructor without the Python call):
-    # this runs for every row of every step.
-    new = tuple.__new__
-    return tuple([
-        new(ServedSlice, (
-            (request := row.request).request_id,
-            (planned := row.slice).num_tokens,
-            planned.is_prefill,
-            planned.ends_on_checkpoint,
-            row.yields and yielded,
-            len(request.output_token_ids),
-        ))
-        for row in prepared.rows
-    ])  # fmt: skip
+    # A ServedSlice is the row's Slice (its first four fields) plus (sampled, num_output_tokens),
+    # built through tuple.__new__ in C loops over the rows: this runs for every row of every step.
+    rows = prepared.rows
+    sampled = map(_YIELDS, rows) if yielded else repeat(False, len(rows))
+    num_outputs = map(len, map(_OUTPUT_TOKEN_IDS, map(_REQUEST, rows)))
+    tails = zip(sampled, num_outputs, strict=True)
+    return tuple(map(tuple.__new__, repeat(ServedSlice), map(add, map(_SLICE, rows), tails)))
+
+
+_REQUEST, _SLICE, _YIELDS = (itemgetter(Row._fields.index(f)) for f in ("request", "slice", "yields"))
+_OUTPUT_TOKEN_IDS = attrgetter("output_token_ids")
