@@ -226,7 +226,10 @@ class Engine:
     def _snapshot(self, in_flight: PreparedStep | None = None) -> StepInput:
         """The scheduler's view; with the step `in_flight`, as it will be once that step ran: each
         row that yields adds its token (computed counts were advanced when it was prepared)."""
-        running, waiting = self.table.sched_states(in_flight.yielding_ids if in_flight is not None else set())
+        yielding_ids: set[str] | None = set()
+        if in_flight is not None:  # its rows' requests are running: as many yielding as running means all
+            yielding_ids = None if len(in_flight.yielding) == self.table.num_running else in_flight.yielding_ids
+        running, waiting = self.table.sched_states(yielding_ids)
         return StepInput(
             config=self.settings.scheduler,
             running=running,

@@ -102,8 +102,14 @@ class RequestTable:
             return fetching[0]
         return self.pop_running(request_id) or self.waiting.pop(request_id, None)
 
-    def sched_states(self, yielding_ids: set[str]) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
-        """The scheduler's view of running and waiting requests; those in `yielding_ids` are
-        counted with the token the step in flight will add."""
-        running = tuple([r.sched_state(rid in yielding_ids) for rid, r in self.running.items()])
+    def sched_states(
+        self, yielding_ids: set[str] | None
+    ) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
+        """The scheduler's view of running and waiting requests; those in `yielding_ids` (every
+        running request when None: a steady decode step) are counted with the token the step in
+        flight will add."""
+        if yielding_ids is None:
+            running = tuple([r.sched_state(1) for r in self.running.values()])
+        else:
+            running = tuple([r.sched_state(rid in yielding_ids) for rid, r in self.running.items()])
         return running, tuple([r.sched_state() for r in self.waiting.values()])
