@@ -166,21 +166,22 @@ def carry_states(
     chunk_states: torch.Tensor, chunk_decay: torch.Tensor, initial: torch.Tensor, index: PackedPrefillIndex
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inter-chunk recurrence, per sequence: S_start[k+1] = decay[k] * S_start[k] + chunk_state[k],
-    S_start[first chunk of s] = initial[s]. chunk_states [N, H, P, n], chunk_decay [N, H], initial
-    [S, H, P, n]. Returns (state before each chunk [N, H, P, n], final state per sequence [S, H, P, n]).
+    S_start[first chunk of s] = initial[s]. chunk_states [N, ...] (any layout of the states, e.g.
+    [N, H, P, n]), chunk_decay [N, ...] broadcastable to it (e.g. [N, H, 1, 1]), initial [S, ...].
+    Returns (state before each chunk [N, ...], final state per sequence [S, ...]).
 
     When every sequence has as many chunks, one step per chunk position k, batched over the sequences
     on strided views (no gathers); otherwise one fused multiply-add per chunk, in place on views of
     the sequence-major chunks: 2.2x less time than gathering the chunks of each position for 32
     prompts of 16..256 tokens (a gather, a multiply-add and a scatter of [S, H, P, n] per step)."""
     counts = index.chunk_count
-    decay = chunk_decay[:, :, None, None]
+    decay = chunk_decay
     if max(counts) == 1:  # one chunk per sequence (short prompts): no gathers at all
         return initial, torch.addcmul(chunk_states, decay, initial)
     starts = torch.empty_like(chunk_states)
     if min(counts) == max(counts):
         shape = (index.num_seqs, counts[0], *chunk_states.shape[1:])
-        by_seq, own, dec = starts.view(shape), chunk_states.view(shape), decay.view(*shape[:2], -1, 1, 1)
+        by_seq, own, dec = starts.view(shape), chunk_states.view(shape), decay.view(*shape[:2], *decay.shape[1:])
         by_seq[:, 0] = initial
         for k in range(1, counts[0]):
             torch.addcmul(own[:, k - 1], dec[:, k - 1], by_seq[:, k - 1], out=by_seq[:, k])
@@ -227,7 +228,7 @@ def packed_ssd_scan(
     to_end = torch.exp(a_cum[:, :, -1:] - a_cum).permute(1, 2, 0)[..., None]  # [c, s, h, 1]
     weighted = (xdt * to_end).view(n_chunks, q, groups, per_group, head_dim)
     chunk_states = torch.einsum("csgn,csgkp->cgkpn", B, weighted).reshape(n_chunks, num_heads, head_dim, -1)
-    chunk_decay = torch.exp(a_cum[:, :, -1]).t()  # [c, h]
+    chunk_decay = torch.exp(a_cum[:, :, -1]).t()[:, :, None, None]  # [c, h, 1, 1]
 
     starts, finals = carry_states(chunk_states, chunk_decay, initial.float(), index)
     from_start = torch.einsum("clgn,cgkpn->clgkp", C, starts.view(n_chunks, groups, per_group, head_dim, -1))
