@@ -41,6 +41,7 @@ class PackedPrefillIndex:
     conv_keep_src: torch.Tensor  # [S * (K-1)] int64: new conv state rows in cat([heads' windows S*2(K-1), tails])
     scan_rows: torch.Tensor  # [N * Q] int64 into prefill rows, Tp = the zero pad row
     unscan_rows: torch.Tensor  # [Tp] int64: scan row of each prefill row
+    scan_pad_rows: torch.Tensor  # [N * Q - Tp] int64: the scan rows that hold no token (zero in every input)
     chunk_start: tuple[int, ...]  # [S] first scan chunk of each sequence
     chunk_count: tuple[int, ...]  # [S] scan chunks of each sequence (c_s)
     num_chunks: int  # N
@@ -57,6 +58,7 @@ def build_packed_index(
     tail_rows: list[int] = []
     keep_src: list[int] = []
     scan_rows: list[int] = []
+    pad_rows: list[int] = []
     unscan: list[int] = []
     chunk_start: list[int] = []
     chunk_count: list[int] = []
@@ -76,6 +78,7 @@ def build_packed_index(
         c = -(-n // chunk_size)
         base = num_chunks * chunk_size
         unscan.extend(range(base, base + n))
+        pad_rows.extend(range(base + n, base + c * chunk_size))
         scan_rows.extend(range(row, row + n))
         scan_rows.extend([total] * (c * chunk_size - n))
         chunk_start.append(num_chunks)
@@ -90,8 +93,8 @@ def build_packed_index(
         num_seqs=len(spans), num_prefill_tokens=total, state_slots=tensor([s.state_slot for s in spans]),
         conv_head_rows=tensor(head_rows), conv_fix_rows=tensor(fix_rows), conv_fix_src=tensor(fix_src),
         conv_tail_rows=tensor(tail_rows), conv_keep_src=tensor(keep_src),
-        scan_rows=tensor(scan_rows), unscan_rows=tensor(unscan), chunk_start=tuple(chunk_start),
-        chunk_count=tuple(chunk_count), num_chunks=num_chunks, chunk_size=chunk_size,
+        scan_rows=tensor(scan_rows), unscan_rows=tensor(unscan), scan_pad_rows=tensor(pad_rows),
+        chunk_start=tuple(chunk_start), chunk_count=tuple(chunk_count), num_chunks=num_chunks, chunk_size=chunk_size,
     )  # fmt: skip
 
 

@@ -65,8 +65,8 @@ def packed_scan(
     dt = dt.float()
 
     def to_scan(t: torch.Tensor) -> torch.Tensor:  # [Tp, ...] -> [N, Q, ...]; pad rows are zero
-        out = t.new_zeros((n_chunks * q, *t.shape[1:]))
-        return out.index_copy_(0, index.unscan_rows, t).view(n_chunks, q, *t.shape[1:])
+        out = t.new_empty((n_chunks * q, *t.shape[1:])).index_copy_(0, index.unscan_rows, t)
+        return out.index_fill_(0, index.scan_pad_rows, 0.0).view(n_chunks, q, *t.shape[1:])
 
     def by_group(t: torch.Tensor, cols: int) -> torch.Tensor:  # [c, q, g * cols] -> [c * g, q, cols]
         return t.view(n_chunks, q, groups, cols).transpose(1, 2).reshape(n_chunks * groups, q, cols)
@@ -125,7 +125,7 @@ def packed_scan(
         within = torch.bmm(decay.view(num_heads * n_chunks, q, q), xdt_by_head)  # [h*c, q, p]
         y.add_(within.view(num_heads, n_chunks, q, head_dim).permute(1, 2, 0, 3))
     y_rows = y.reshape(n_chunks * q, num_heads, head_dim).index_select(0, index.unscan_rows)
-    out = torch.addcmul(y_rows, x.float(), D.float()[None, :, None])
+    out = y_rows.addcmul_(x.float(), D.float()[None, :, None])
     return PackedScan(y=out, chunk_start_states=_untransposed(starts), final_states=_untransposed(finals))
 
 
