@@ -35,9 +35,11 @@ from hybridserve.errors import InvalidArgumentError
 PAGES_WITHOUT_ATTENTION = 1 << 16
 # The SSD scan's chunk length is a kernel choice: the result does not depend on it (up to float
 # rounding). Checkpoints pick it for GPUs (e.g. 256); on CPU the [chunk x chunk] decay matrices make
-# long chunks slow and pad short prompts to a whole chunk, and 64 measured fastest
-# (bench/bench_model.py: 16 prompts of 128 tokens 2.3x faster than with 256).
-CPU_SCAN_CHUNK_TOKENS = 64  # a pure-Mamba model still gets page ids for accounting (0 bytes each)
+# long chunks slow and pad short prompts to a whole chunk (bench/bench_model.py: 16 prompts of 128
+# tokens 2.3x faster with 64 than with 256). 32 since the packed scan's transposed chunk states and
+# per-chunk carry (bench_prefill, SSD scan ms of a step, 64 -> 32: 32 x 16..256 196 -> 180 and
+# 197 -> 174, 4 x 2,000 277 -> 248 and 265 -> 237, 8 x 256 61 -> 56 and 60 -> 59).
+CPU_SCAN_CHUNK_TOKENS = 32  # a pure-Mamba model still gets page ids for accounting (0 bytes each)
 DECODE_COMPILE_MODES = ("auto", "on", "off")
 
 

@@ -3,9 +3,12 @@
 Same contract as `packed_prefill.packed_ssd_scan` (the einsum formulation, kept as the reference): x
 [Tp, H, P], dt [Tp, H] (softplus'd, clamped), A [H], B/C [Tp, G, N], D [H], initial [S, H, P, N] ->
 `PackedScan`. Layouts stay [chunk, token, head, channel], so the state parts are one GEMM per chunk
-for all heads of a group, with no permuted copies:
+for all heads of a group, with no permuted copies. The states are kept transposed, [N, heads x P]
+per group (so [c, g, N, k, P]), until they are returned: both GEMMs then read or write whole
+contiguous rows (13-15% faster than [heads x P, N] for these shapes), and the carry between chunks
+is elementwise in any layout:
 
-    own end state    S_c   = (exp(a_last - a_cum) * dt * x)^T @ B                [heads x P, Q] @ [Q, N]
+    own end state    S_c^T = B^T @ (exp(a_last - a_cum) * dt * x)                [N, Q] @ [Q, heads x P]
     from start       y_l  += exp(a_cum_l) * (C @ S_start^T)_l                    [Q, N] @ [N, heads x P]
 
 The within-chunk part y_l = sum_{s<=l} (C_l . B_s) exp(a_cum_l - a_cum_s) dt_s x_s takes one of two forms:
@@ -59,16 +62,21 @@ def packed_scan(
     forcing "factored" on chunks that decay more than MAX_CHUNK_LOG_DECAY raises ValueError."""
     num_heads, head_dim = x.shape[1], x.shape[2]
     groups, state_size = B.shape[1], B.shape[2]
-    width = num_heads // groups * head_dim  # channels of one group: its heads x P
+    per_group = num_heads // groups
+    width = per_group * head_dim  # channels of one group: its heads x P
     q, n_chunks = index.chunk_size, index.num_chunks
     dt = dt.float()
 
     def to_scan(t: torch.Tensor) -> torch.Tensor:  # [Tp, ...] -> [N, Q, ...]; pad rows are zero
-        out = t.new_zeros((n_chunks * q, *t.shape[1:]))
-        return out.index_copy_(0, index.unscan_rows, t).view(n_chunks, q, *t.shape[1:])
+        out = t.new_empty((n_chunks * q, *t.shape[1:])).index_copy_(0, index.unscan_rows, t)
+        return out.index_fill_(0, index.scan_pad_rows, 0.0).view(n_chunks, q, *t.shape[1:])
 
     def by_group(t: torch.Tensor, cols: int) -> torch.Tensor:  # [c, q, g * cols] -> [c * g, q, cols]
         return t.view(n_chunks, q, groups, cols).transpose(1, 2).reshape(n_chunks * groups, q, cols)
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:  # [c, h] -> [c, g, 1, k, p], against transposed states
+        # repeated over p: a factor that changes every p values would cut the multiply-adds in 64-value runs
+        return t.view(-1, groups, 1, per_group, 1).expand(-1, -1, -1, -1, head_dim).contiguous()
 
     a = to_scan(dt * A.float()[None, :])  # [c, q, h]: log-decay of each token
     a_cum = torch.cumsum(a, dim=1)  # non-increasing along q
@@ -88,18 +96,21 @@ def packed_scan(
 
     if factored:  # every factor relative to r = a_last / 2, so exp(a_last - r) = exp(r) = r_scale
         ref = a_last * 0.5
-        r_scale = torch.exp(ref)[:, :, None, None]  # [c, h, 1, 1]
+        r_scale = per_head(torch.exp(ref))  # [c, g, 1, k, 1]
         weighted = xdt.mul_(torch.exp(ref[:, None, :] - a_cum)[..., None])  # dt x w_in, in place
     else:
         weighted = xdt * torch.exp((a_last[:, None, :] - a_cum).clamp_(min=LOG_FLOOR))[..., None]
     xg = by_group(weighted.view(n_chunks, q, -1), width)  # [c*g, q, k*p]; views when g == 1
 
-    own = torch.bmm(xg.transpose(1, 2), Bg).view(n_chunks, num_heads, head_dim, state_size)
+    # states transposed, [c, g, n, k, p]: both state GEMMs then read and write contiguous [n, k*p]
+    own = torch.bmm(Bg.transpose(1, 2), xg).view(n_chunks, groups, state_size, per_group, head_dim)
     if factored:
         own.mul_(r_scale)
-    starts, finals = carry_states(own, torch.exp(a_last.clamp(min=LOG_FLOOR)), initial.float(), index)
+    initial_t = initial.float().view(-1, groups, per_group, head_dim, state_size).permute(0, 1, 4, 2, 3)
+    decay = per_head(torch.exp(a_last.clamp(min=LOG_FLOOR)))
+    starts, finals = carry_states(own, decay, initial_t.contiguous(), index)
     from_start = starts * r_scale if factored else starts
-    from_start = from_start.view(n_chunks * groups, width, state_size).transpose(1, 2)  # [c*g, n, k*p]
+    from_start = from_start.view(n_chunks * groups, state_size, width)  # [c*g, n, k*p]
 
     if factored:
         y = torch.baddbmm(torch.bmm(cb.tril_(), xg), Cg, from_start)  # [c*g, q, k*p], still over w_out
@@ -117,8 +128,14 @@ def packed_scan(
         within = torch.bmm(decay.view(num_heads * n_chunks, q, q), xdt_by_head)  # [h*c, q, p]
         y.add_(within.view(num_heads, n_chunks, q, head_dim).permute(1, 2, 0, 3))
     y_rows = y.reshape(n_chunks * q, num_heads, head_dim).index_select(0, index.unscan_rows)
-    out = torch.addcmul(y_rows, x.float(), D.float()[None, :, None])
-    return PackedScan(y=out, chunk_start_states=starts, final_states=finals)
+    out = y_rows.addcmul_(x.float(), D.float()[None, :, None])
+    return PackedScan(y=out, chunk_start_states=_untransposed(starts), final_states=_untransposed(finals))
+
+
+def _untransposed(states: torch.Tensor) -> torch.Tensor:
+    """[m, g, n, k, p] -> [m, H, P, n] (a view when g == 1)."""
+    m, groups, n, per_group, head_dim = states.shape
+    return states.permute(0, 1, 3, 4, 2).reshape(m, groups * per_group, head_dim, n)
 
 
 def _groups_to_heads(

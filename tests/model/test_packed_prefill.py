@@ -50,7 +50,7 @@ def _context(num_decode: int, spans: list[tuple[int, int, int]]) -> ForwardConte
 
 @settings(max_examples=25, deadline=None)
 @given(
-    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=6),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),  # 1-token chunks beside long ones
     warm=st.lists(st.booleans(), min_size=6, max_size=6),
     num_decode=st.integers(0, 3),
     geometry=st.sampled_from([(1, 4, 8), (2, 4, 5), (4, 2, 16), (1, 3, 64)]),  # groups, d_conv, scan chunk
@@ -118,15 +118,16 @@ def test_the_scan_returns_the_state_at_every_chunk_boundary(lengths, chunk, seed
 
 @settings(max_examples=25, deadline=None)
 @given(
-    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=6),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),  # spans shorter than the conv too
     d_conv=st.integers(2, 4),
     with_bias=st.booleans(),
     seed=st.integers(0, 1000),
 )
 def test_packed_conv_is_one_conv1d_per_sequence_bit_for_bit(lengths, d_conv, with_bias, seed) -> None:
-    """The packed causal conv (shifted multiply-adds over every span's window laid end to end) gives
-    exactly F.conv1d over each sequence's [state, tokens] window, and leaves each sequence's last
-    d_conv - 1 inputs as its conv state."""
+    """The packed causal conv (shifted multiply-adds over the packed rows, each span's first d_conv - 1
+    rows redone from its conv state) gives exactly F.conv1d over each sequence's [state, tokens]
+    window, and leaves each sequence's last d_conv - 1 inputs as its conv state, spans shorter than
+    d_conv - 1 (part of the old state stays) and 1-token spans included."""
     g = torch.Generator().manual_seed(seed)
     channels, keep = 6, d_conv - 1
     spans, at = [], 0

@@ -53,8 +53,10 @@ def _check_against_one_scan_per_sequence(
 
 @settings(max_examples=30, deadline=None)
 @given(
-    lengths=st.lists(st.integers(2, 70), min_size=1, max_size=5),
-    geometry=st.sampled_from([(4, 1, 8), (4, 2, 16), (6, 3, 4), (2, 1, 64), (1, 1, 8)]),  # heads, groups, chunk
+    lengths=st.lists(st.integers(1, 70), min_size=1, max_size=5),
+    geometry=st.sampled_from(
+        [(4, 1, 8), (4, 2, 16), (6, 3, 4), (2, 1, 64), (1, 1, 8), (4, 2, 32)]
+    ),  # heads, groups, chunk
     form=st.sampled_from(["factored", "blocked", "decay_matrices"]),
     seed=st.integers(0, 1000),
 )
@@ -115,3 +117,56 @@ def test_chunks_whose_blocks_fit_take_the_blocked_form() -> None:
     assert torch.equal(scan.y, blocked.y)
     _check_against_one_scan_per_sequence(scan, lengths, inputs, chunk, index.chunk_start)
     _close(scan.y, packed_scan(*inputs, index, form="decay_matrices").y)
+
+
+@pytest.mark.parametrize("form", ["auto", "factored", "blocked", "decay_matrices"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_one_token_spans_beside_long_ones_start_from_their_own_state(form, groups) -> None:
+    """1-token spans, spans of whole chunks and spans that end mid-chunk in one packed scan (mixed
+    chunk counts: the carry runs chunk by chunk), each from its own warm state: every span's output,
+    chunk-boundary states and final state match one ssd_scan of that span alone, so no state leaks
+    across a sequence start, and a 1-token span's state is its initial state decayed plus its token."""
+    lengths, chunk = [1, 96, 1, 40, 33, 1, 64], 32
+    spans, at = [], 0
+    for i, length in enumerate(lengths):
+        spans.append(PrefillSpan(at, length, 5, i, torch.zeros(0, dtype=torch.int64)))
+        at += length
+    index = build_packed_index(tuple(spans), chunk, 3, torch.device("cpu"))
+    assert len(set(index.chunk_count)) > 1
+    dt_scale = 0.1 if form == "factored" else 1.0  # the factored form needs chunks inside its range
+    inputs = _inputs(lengths, 4, groups, dt_scale, 11)
+    scan = packed_scan(*inputs, index, form=form)
+    _check_against_one_scan_per_sequence(scan, lengths, inputs, chunk, index.chunk_start)
+    x, dt, A, B, C, D, initial = inputs
+    one, row = 2, sum(lengths[:2])  # the third span: one token from its own state, nothing from span 1
+    heads_of_group = torch.arange(4) // (4 // groups)
+    decay = torch.exp(dt[row] * A)[:, None, None]
+    token = (x[row] * dt[row][:, None])[:, :, None] * B[row][heads_of_group][:, None, :]
+    _close(scan.final_states[one], decay * initial[one] + token)
+
+
+def test_equal_chunk_counts_and_mixed_counts_carry_alike() -> None:
+    """The carry's two paths (every sequence with as many chunks: strided views; mixed counts: one
+    multiply-add per chunk) give the same states for the same sequences."""
+    chunk = 16
+    inputs_equal = _inputs([48, 48], 4, 1, 0.1, 5)
+    spans = tuple(PrefillSpan(48 * i, 48, 1, i, torch.zeros(0, dtype=torch.int64)) for i in range(2))
+    equal = packed_scan(*inputs_equal, build_packed_index(spans, chunk, 3, torch.device("cpu")))
+    # the same two sequences with a 5-token one between them: mixed counts
+    x, dt, A, B, C, D, initial = inputs_equal
+    extra = _inputs([5], 4, 1, 0.1, 6)
+
+    def mixed(t: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[:48], e, t[48:]])
+
+    inputs_mixed = (mixed(x, extra[0]), mixed(dt, extra[1]), A, mixed(B, extra[3]), mixed(C, extra[4]), D,
+                    torch.stack([initial[0], extra[6][0], initial[1]]))  # fmt: skip
+    spans_mixed = (PrefillSpan(0, 48, 1, 0, torch.zeros(0, dtype=torch.int64)),
+                   PrefillSpan(48, 5, 1, 1, torch.zeros(0, dtype=torch.int64)),
+                   PrefillSpan(53, 48, 1, 2, torch.zeros(0, dtype=torch.int64)))  # fmt: skip
+    index = build_packed_index(spans_mixed, chunk, 3, torch.device("cpu"))
+    mixed_scan = packed_scan(*inputs_mixed, index)
+    _close(mixed_scan.y[:48], equal.y[:48])
+    _close(mixed_scan.y[53:], equal.y[48:])
+    _close(mixed_scan.final_states[[0, 2]], equal.final_states)
+    _close(mixed_scan.chunk_start_states[[0, 1, 2, 4, 5, 6]], equal.chunk_start_states)
