@@ -15,7 +15,10 @@ CONFIG_FLAGS = {
     "max_num_batched_tokens": Flag("tokens (prefill + decode) one step may compute"),
     "max_num_seqs": Flag("requests one step may run (also the worker's Mamba state slots)"),
     "long_prefill_token_threshold": Flag("per-request cap on a prefill chunk, tokens (0 = none)"),
-    "max_num_prefill_tokens_per_step": Flag("micro-slicing budget of a step with decodes (0 = off)"),
+    "max_num_prefill_tokens_per_step": Flag(
+        "micro-slicing: in a step with decodes, prompts longer than this share at most this many prefill"
+        " tokens, in quanta; shorter prompts are planned as without it (0 = off)"
+    ),
     "block_size": Flag("checkpoint / prefix-cache grid, tokens"),
     "mamba_block_size": Flag("recurrent block, tokens (divides --block-size)"),
     "mamba_cache_mode": Flag("align: non-final prefill chunks end on the block grid (hybrid models); none: no grid"),

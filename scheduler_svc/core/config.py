@@ -27,7 +27,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens (prefill + decode) one step may compute
     max_num_seqs: int = 32  # requests one step may run (also the worker's Mamba state slots)
     long_prefill_token_threshold: int = 0  # per-request cap on a prefill chunk, tokens; 0 = none
-    max_num_prefill_tokens_per_step: int = 0  # micro-slicing budget of a mixed step, tokens; 0 = off
+    max_num_prefill_tokens_per_step: int = 0  # micro-slicing: cap of long prompts in a mixed step; 0 = off
     block_size: int = 256  # checkpoint / prefix-cache grid, tokens
     mamba_block_size: int = 64  # recurrent block, tokens
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN

@@ -21,10 +21,10 @@ class Slice(NamedTuple):
 class PlanStats:
     num_decode_tokens: int  # tokens of decode slices
     num_prefill_tokens: int  # tokens of prefill slices
-    prefill_budget_tokens: int  # tokens prefills could use after decodes and the micro budget
+    prefill_budget_tokens: int  # tokens prefills could use after decodes (long prompts: at most the micro budget)
     num_pending_prefills: int  # running prefills plus waiting requests
     stalled: bool  # prefills pending, budget >= one quantum, none scheduled
-    micro_sliced: bool  # the prefill budget was split in quanta (mixed step, budget set)
+    micro_sliced: bool  # long prompts shared the micro budget in quanta (mixed step, budget set)
     num_kv_pages_allocated: int  # pages the plan takes from the free pool
 
 

@@ -5,22 +5,28 @@ Algorithm (DESIGN §2):
    while the token and sequence budgets last. A decode that needs a KV page when none is free
    preempts the lowest-priority, latest-arrived running request (itself last) until the page fits.
    Prefills never take a page or a token from a running decode.
-2. The prefill budget is what the decodes left; in a step that carries decodes with micro-slicing
-   on, at most max_num_prefill_tokens_per_step (the step is "micro-sliced").
-3. Micro-sliced: the budget is split among running prefills in whole quanta (rules.split_quanta);
-   each share is capped by the prompt left, the long-prefill threshold and the free pages, then
-   aligned (rules.align_chunk). Budget a share could not use is offered again, in quanta, in
-   rotation order (work conserving). Otherwise running prefills take the budget first come first
-   served, as plain chunked prefill does.
-4. Waiting requests are admitted in queue order with what is left (whole quanta when micro-sliced),
-   within max_num_seqs, and not in a step that preempted.
+2. The prefill budget is what the decodes left. In a step that carries decodes with micro-slicing
+   on (the step is "micro-sliced"), the prefills of prompts longer than
+   max_num_prefill_tokens_per_step (rules.is_sliced_prompt) share at most that many tokens; the
+   prompts that fit in it are planned as plain chunked prefill plans them. Short prompts are not
+   what stalls a decode; a long prompt's big chunks are.
+3. Micro-sliced: the sliced prompts' budget is split among their running prefills in whole quanta
+   (rules.split_quanta); each share is capped by the prompt left, the long-prefill threshold and the
+   free pages, then aligned (rules.align_chunk). Budget a share could not use is offered again, in
+   quanta, in rotation order (work conserving). Then the other running prefills take what is left
+   of the step's budget first come first served, as plain chunked prefill does.
+4. Waiting requests are admitted in queue order with what is left (a sliced prompt in whole quanta
+   of the sliced budget left), within max_num_seqs, and not in a step that preempted.
 5. Stall breaker: if running prefills are pending and none could start for lack of pages that other
    running prefills hold, the latest of those is preempted and the prefills are planned again.
+
+With micro-slicing on and no prompt longer than its budget, every plan is plain chunked prefill's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import chain
 from operator import attrgetter
 
 from scheduler_svc.core import rules
@@ -67,19 +73,19 @@ def plan_step(step: StepInput) -> StepPlan:
     decodes = _schedule_decodes(running, config, ledger, preempted)
     micro_sliced = bool(decodes) and config.max_num_prefill_tokens_per_step > 0
     budget = ledger.tokens_left
-    if micro_sliced:
-        budget = min(budget, config.max_num_prefill_tokens_per_step)
+    micro_cap = config.max_num_prefill_tokens_per_step if micro_sliced else 0
     preempted_ids = {r.request_id for r in preempted}
     prefills_running = [  # r.is_prefill, inlined: this runs over every running request every step
         r for r in running if r.num_computed_tokens < r.num_prompt_tokens and r.request_id not in preempted_ids
     ]
-    unit = rules.progress_unit(quantum, micro_sliced, config.sub_block_exception)
+    sliced_only = micro_cap > 0 and all(  # every pending prompt shares the micro budget
+        rules.is_sliced_prompt(r.num_prompt_tokens, micro_cap) for r in chain(prefills_running, step.waiting)
+    )
+    unit = rules.progress_unit(quantum, sliced_only, config.sub_block_exception)
     while True:
         trial = replace(ledger)
         waiting = [] if preempted else sorted(step.waiting, key=_QUEUE_ORDER)
-        prefills = _schedule_prefills(
-            prefills_running, waiting, config, trial, budget, quantum if micro_sliced else 0, step.step_index
-        )
+        prefills = _schedule_prefills(prefills_running, waiting, config, trial, budget, micro_cap, step.step_index)
         if prefills or not _is_stuck_on_pages(prefills_running, config, trial, budget, unit):
             break
         victim = prefills_running.pop()  # lowest priority, latest arrival
@@ -91,7 +97,16 @@ def plan_step(step: StepInput) -> StepPlan:
         slices=_to_slices(grants, config),
         preempted_request_ids=tuple(r.request_id for r in preempted),
         quantum=quantum,
-        stats=_stats(decodes, prefills, prefills_running, step, budget, micro_sliced, unit),
+        stats=_stats(
+            decodes,
+            prefills,
+            prefills_running,
+            step,
+            budget,
+            micro_sliced,
+            unit,
+            _has_place(prefills_running, step.waiting, trial, preempted),
+        ),
     )
 
 
@@ -141,41 +156,63 @@ def _schedule_prefills(
     config: SchedulerConfig,
     ledger: _Ledger,
     budget: int,
-    micro_quantum: int,
+    micro_cap: int,
     step_index: int,
 ) -> list[_Grant]:
     """Grants of running prefills, then admissions of waiting requests, within `budget` tokens.
-    micro_quantum > 0 splits the budget in quanta of that size (a micro-sliced step)."""
+    micro_cap > 0 (a micro-sliced step): the prompts longer than micro_cap share at most micro_cap
+    of those tokens, split in quanta; the others are planned as without micro-slicing."""
     grants = [_Grant(r) for r in running]
-    unit = max(micro_quantum, 1)  # granularity in which leftover budget is offered
-    if micro_quantum:
-        num_quanta = budget // micro_quantum
-        shares = rules.split_quanta(num_quanta, len(grants), step_index)
-        order = rules.rotation_order(len(grants), num_quanta, step_index)
-        for index in order:
-            budget -= _grow(grants[index], shares[index] * micro_quantum, config, ledger)
-        taken = budget
-        while taken and budget >= unit:  # work conserving: re-offer what alignment left unused
-            taken = 0
-            for index in order:
-                took = _grow(grants[index], budget // unit * unit, config, ledger)
-                budget -= took
-                taken += took
-    else:
-        for grant in grants:
-            budget -= _grow(grant, budget, config, ledger)
+    quantum = config.quantum
+    sliced_left = min(budget, micro_cap)  # what the sliced prompts may still take
+    plain = grants
+    if micro_cap:
+        sliced = [g for g in grants if rules.is_sliced_prompt(g.request.num_prompt_tokens, micro_cap)]
+        if sliced:
+            plain = [g for g in grants if not rules.is_sliced_prompt(g.request.num_prompt_tokens, micro_cap)]
+            took = _share_in_quanta(sliced, sliced_left, quantum, config, ledger, step_index)
+            budget -= took
+            sliced_left -= took
+    for grant in plain:
+        budget -= _grow(grant, budget, config, ledger)
     for request in waiting:
-        offer = budget // unit * unit
-        if offer <= 0 or ledger.seats_left <= 0:
+        if budget <= 0 or ledger.seats_left <= 0:
             break
+        is_sliced = micro_cap > 0 and rules.is_sliced_prompt(request.num_prompt_tokens, micro_cap)
+        unit = quantum if is_sliced else 1
+        offer = (min(budget, sliced_left) if is_sliced else budget) // unit * unit
         grant = _Grant(request)
         while offer > 0 and (took := _grow(grant, offer, config, ledger)):  # re-offer what alignment left
             budget -= took
-            offer = budget // unit * unit
+            if is_sliced:
+                sliced_left -= took
+            offer = (min(budget, sliced_left) if is_sliced else budget) // unit * unit
         if grant.num_tokens:
             ledger.seats_left -= 1
             grants.append(grant)
     return [g for g in grants if g.num_tokens > 0]
+
+
+def _share_in_quanta(
+    grants: list[_Grant], budget: int, quantum: int, config: SchedulerConfig, ledger: _Ledger, step_index: int
+) -> int:
+    """Splits `budget` among the grants in whole quanta, remainder quanta rotating with the step
+    index, then offers what alignment left unused again, in quanta, in rotation order (work
+    conserving). Returns the tokens taken."""
+    num_quanta = budget // quantum
+    shares = rules.split_quanta(num_quanta, len(grants), step_index)
+    order = rules.rotation_order(len(grants), num_quanta, step_index)
+    left = budget
+    for index in order:
+        left -= _grow(grants[index], shares[index] * quantum, config, ledger)
+    taken = left
+    while taken and left >= quantum:
+        taken = 0
+        for index in order:
+            took = _grow(grants[index], left // quantum * quantum, config, ledger)
+            left -= took
+            taken += took
+    return budget - left
 
 
 def _grow(grant: _Grant, offer: int, config: SchedulerConfig, ledger: _Ledger) -> int:
@@ -248,6 +285,19 @@ def _to_slices(grants: list[_Grant], config: SchedulerConfig) -> tuple[Slice, ..
     ])  # fmt: skip
 
 
+def _has_place(
+    running_prefills: list[RequestState],
+    waiting: tuple[RequestState, ...],
+    ledger: _Ledger,
+    preempted: list[RequestState],
+) -> bool:
+    """Whether some pending prefill had a place in the step: a slice left (max_num_seqs) for a
+    running prefill, or also a running place for a waiting one in a step that preempted nothing."""
+    if ledger.seqs_left <= 0:
+        return False
+    return bool(running_prefills) or (bool(waiting) and ledger.seats_left > 0 and not preempted)
+
+
 def _stats(
     decodes: list[_Grant],
     prefills: list[_Grant],
@@ -256,14 +306,18 @@ def _stats(
     budget: int,
     micro_sliced: bool,
     unit: int,
+    has_place: bool,
 ) -> PlanStats:
     num_pending = len(running_prefills) + len(step.waiting)
+    # A stall: some pending prefill had a place in the step, the budget held a quantum, and nothing
+    # was prefilled. Requests waiting for a seat while max_num_seqs requests decode are queued, not
+    # stalled.
     return PlanStats(
         num_decode_tokens=sum(g.num_tokens for g in decodes),
         num_prefill_tokens=sum(g.num_tokens for g in prefills),
         prefill_budget_tokens=budget,
         num_pending_prefills=num_pending,
-        stalled=num_pending > 0 and budget >= unit and not prefills,
+        stalled=has_place and budget >= unit and not prefills,
         micro_sliced=micro_sliced,
         num_kv_pages_allocated=sum(g.num_pages for g in decodes + prefills),
     )

@@ -89,11 +89,20 @@ def smallest_useful_chunk(
     return min(num_prompt_tokens, next_boundary) - start
 
 
-def progress_unit(quantum: int, micro_sliced: bool, sub_block_exception: bool) -> int:
+def progress_unit(quantum: int, sliced_only: bool, sub_block_exception: bool) -> int:
     """The least prefill budget with which a step must advance some prefill (guarantee 3): one
     quantum, except that plain chunked prefill under the sub-block exception advances with any
-    budget."""
-    return 1 if sub_block_exception and not micro_sliced else quantum
+    budget. sliced_only: the step is micro-sliced and every pending prompt is longer than the micro
+    budget (rules.is_sliced_prompt), so each advances only in quanta."""
+    return 1 if sub_block_exception and not sliced_only else quantum
+
+
+def is_sliced_prompt(num_prompt_tokens: int, max_num_prefill_tokens_per_step: int) -> bool:
+    """Whether micro-slicing caps this prompt's prefill in a step that carries decodes: a prompt
+    longer than the micro-slicing budget. A prompt that fits in it is planned as plain chunked
+    prefill plans it (its one chunk is not what stalls a decode); a long prompt's work shares the
+    budget, split in quanta."""
+    return 0 < max_num_prefill_tokens_per_step < num_prompt_tokens
 
 
 def pages_for_tokens(num_tokens: int, kv_page_size: int) -> int:

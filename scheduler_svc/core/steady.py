@@ -63,9 +63,7 @@ def plan_steady_decodes(
     # Slice(id, 1, False, ends) per decode, through tuple.__new__ (see planner._to_slices).
     slices = tuple(map(tuple.__new__, repeat(Slice), zip(ids, repeat(1), repeat(False), ends)))
     micro_sliced = config.max_num_prefill_tokens_per_step > 0
-    budget = config.max_num_batched_tokens - n
-    if micro_sliced:
-        budget = min(budget, config.max_num_prefill_tokens_per_step)
+    budget = config.max_num_batched_tokens - n  # the micro budget caps only long prompts' share of it
     stats = PlanStats(
         num_decode_tokens=n,
         num_prefill_tokens=0,

@@ -80,3 +80,11 @@ def test_tolerances_are_settings() -> None:
     candidate = replace(BASE, output_tokens_per_s=850.0, median_decode_tokens_per_s=46.0, ttft_p95_s=0.29)
     assert all(verdicts(candidate, loose).values())
     assert not any(v for k, v in verdicts(candidate).items() if k in ("aggregate output tok/s", "p95 TTFT s"))
+
+
+def test_warmup_runs_are_a_setting_that_rejects_negatives() -> None:
+    from hybridserve.cli.qualify.command import QualifySettings
+
+    assert QualifySettings().warmup_runs == 1 and QualifySettings(warmup_runs=0).warmup_runs == 0
+    with pytest.raises(ValueError, match="--warmup-runs must be >= 0"):
+        QualifySettings(warmup_runs=-1)

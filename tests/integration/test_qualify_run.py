@@ -35,6 +35,8 @@ def test_two_profiles_on_one_workload_give_gates_per_client_count(tiny_model: Pa
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert done.returncode in (0, 1), done.stderr[-3000:]  # 0: every gate passed, 1: one failed; 2 = no run
+    for profile in ("baseline", "candidate"):  # the untimed pass of the workload before the measured runs
+        assert f"qualify: warm-up run of {profile} at 3 clients" in done.stderr
     result = json.loads(done.stdout)
     assert [run["clients"] for run in result["runs"]] == [2, 3]
     for run in result["runs"]:

@@ -40,6 +40,14 @@ class Facts:
     def pages_left(self) -> int:
         return self.step.num_free_kv_pages + self.freed_pages - self.pages
 
+    def is_sliced(self, r: RequestState) -> bool:
+        """A prompt longer than the micro budget, in a micro-sliced step."""
+        return self.micro and r.num_prompt_tokens > self.step.config.max_num_prefill_tokens_per_step
+
+    @property
+    def sliced_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for rid, s in self.slices.items() if s.is_prefill and self.is_sliced(self.by_id[rid]))
+
     @property
     def seats_left(self) -> int:
         cfg = self.step.config
@@ -117,8 +125,8 @@ def check_limits(f: Facts) -> None:
     assert len(f.plan.slices) <= cfg.max_num_seqs
     assert len(f.running_ids) - len(f.preempted) + len(f.admitted) <= cfg.max_num_seqs
     assert f.plan.stats.micro_sliced == f.micro
-    if f.micro:
-        assert f.prefill_tokens <= cfg.max_num_prefill_tokens_per_step
+    if f.micro:  # the prompts longer than the micro budget share it; the others are not capped by it
+        assert f.sliced_prefill_tokens <= cfg.max_num_prefill_tokens_per_step
     assert f.pages == f.plan.stats.num_kv_pages_allocated
     assert f.pages <= f.step.num_free_kv_pages + f.freed_pages
 
@@ -143,7 +151,12 @@ def check_progress(f: Facts) -> None:
     candidate -> some prefill advances. Also what PlanStats says about it."""
     cfg, plan = f.step.config, f.plan
     budget = plan.stats.prefill_budget_tokens
-    unit = 1 if cfg.sub_block_exception and not f.micro else plan.quantum  # guarantee 3's "one quantum"
+
+    def unit(r: RequestState) -> int:
+        """Guarantee 3's "one quantum": a prompt that shares the micro budget advances in quanta;
+        any other one under the sub-block exception with any budget, as in plain chunked prefill."""
+        return 1 if cfg.sub_block_exception and not f.is_sliced(r) else plan.quantum
+
     pages_left, seats_left = f.pages_left, f.seats_left
     could_run = [
         r
@@ -151,12 +164,20 @@ def check_progress(f: Facts) -> None:
         if rules.new_pages_needed(r.num_computed_tokens, smallest_useful_chunk(r, f.step), cfg.kv_page_size)
         <= pages_left
         and (r.request_id in f.running_ids or seats_left > 0)
+        and budget >= unit(r)
     ]
-    if could_run and budget >= unit and len(plan.slices) < cfg.max_num_seqs:
+    if could_run and len(plan.slices) < cfg.max_num_seqs:
         assert f.prefill_tokens > 0, ("stall", plan)
-    pending = [r for r in f.kept if r.is_prefill] + list(f.step.waiting)
+    running_prefills = [r for r in f.kept if r.is_prefill]
+    pending = running_prefills + list(f.step.waiting)
     assert plan.stats.num_pending_prefills == len(pending)
-    assert plan.stats.stalled == (bool(pending) and budget >= unit and f.prefill_tokens == 0)
+    # Stalled: a pending prefill had a place (a slice left; for a waiting one also a seat, and no
+    # preemption), a quantum of budget, and no prefill token. Waiting for a seat is not a stall.
+    has_place = len(plan.slices) < cfg.max_num_seqs and (
+        bool(running_prefills) or (bool(f.step.waiting) and seats_left > 0 and not f.preempted)
+    )
+    least_unit = min((unit(r) for r in pending), default=plan.quantum)
+    assert plan.stats.stalled == (has_place and budget >= least_unit and f.prefill_tokens == 0)
 
 
 def check_decode_first(f: Facts) -> None:
@@ -172,16 +193,19 @@ def check_work_conserving(f: Facts) -> None:
     """6. With a unit of budget left and pages to spare, no prefill could have taken more (each is
     at its prompt end, threshold, or alignment cap)."""
     cfg = f.step.config
-    unit = f.plan.quantum if f.micro else 1
     leftover = f.plan.stats.prefill_budget_tokens - f.prefill_tokens
-    if leftover < unit or len(f.plan.slices) >= cfg.max_num_seqs:
+    sliced_leftover = min(leftover, cfg.max_num_prefill_tokens_per_step - f.sliced_prefill_tokens)
+    if leftover < 1 or len(f.plan.slices) >= cfg.max_num_seqs:
         return
     pages_left, seats_left = f.pages_left, f.seats_left
     for r in f.candidates:
         if r.request_id not in f.running_ids and (seats_left <= 0 or f.preempted):
             continue
         got = f.slices[r.request_id].num_tokens if r.request_id in f.slices else 0
-        offer = min(got + leftover // unit * unit, r.num_prefill_tokens_left)
+        # A sliced prompt is offered its share of the micro budget in quanta; any other prompt the
+        # step's budget, token by token, as plain chunked prefill offers it.
+        unit, left = (f.plan.quantum, sliced_leftover) if f.is_sliced(r) else (1, leftover)
+        offer = min(got + left // unit * unit, r.num_prefill_tokens_left)
         if cfg.long_prefill_token_threshold:
             offer = min(offer, cfg.long_prefill_token_threshold)
         if cfg.is_aligned:

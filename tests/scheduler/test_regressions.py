@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from scheduler_svc.core import MambaCacheMode, RequestState, SchedulerConfig, StepInput, plan_step
+from tests.scheduler import helpers
+from tests.scheduler.helpers import decode, prefill, step
 from tests.scheduler.invariants import check_plan
 
 
@@ -36,3 +38,16 @@ def test_alignment_waste_is_offered_again_to_the_same_prefill():
     plan = plan_step(step)
     check_plan(step, plan)
     assert {s.request_id: s.num_tokens for s in plan.slices} == {"r0": 1, "w0": 257}
+
+
+def test_requests_waiting_for_a_seat_while_every_seat_decodes_are_not_a_stall():
+    """max_num_seqs requests decoding and more waiting: the waiting ones have no place in the step,
+    so the step is queued, not stalled (the worker's stalled-steps counter, a qualify gate)."""
+    cfg = helpers.config(max_num_batched_tokens=2048, max_num_seqs=4, max_num_prefill_tokens_per_step=0, block_size=256,
+                 mamba_block_size=64)  # fmt: skip
+    running = [decode(f"d{i}") for i in range(4)]
+    plan = plan_step(step(cfg, running, [prefill("w0", 100, arrival=1.0)]))
+    assert plan.stats.num_pending_prefills == 1 and plan.stats.num_prefill_tokens == 0
+    assert not plan.stats.stalled
+    plan = plan_step(step(cfg, running[:3], [prefill("w0", 100, arrival=1.0)], free_pages=0))
+    assert plan.stats.stalled  # a seat was free and nothing was admitted (no page for it)

@@ -34,7 +34,7 @@ class StepView:
     num_decode_tokens: int  # executed decode tokens
     num_prefill_tokens: int  # executed prefill tokens
     budget_tokens: int  # max_num_batched_tokens
-    prefill_budget_tokens: int  # what prefills could use after decodes and micro-slicing
+    prefill_budget_tokens: int  # what prefills could use after decodes
     micro_budget_tokens: int  # max_num_prefill_tokens_per_step (0 = off)
     block_size: int  # the checkpoint grid, tokens
     quantum: int  # micro-slicing unit, tokens
