@@ -34,6 +34,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -91,25 +92,22 @@ class ProcessRunner(RunnerFacts):
         self.state_pool: MambaStatePool
         self.kv_pool, self.state_pool = plan.build(arena.zeros)
         context = multiprocessing.get_context("spawn")  # never fork a process that runs torch threads
-        self._conn, child_conn = context.Pipe()
         self._lock = threading.Lock()
-        self._process = context.Process(
-            target=serve, args=(child_conn, str(loaded.model_dir), config, arena.shapes, log.getEffectiveLevel()),
-            name="hybridserve-model", daemon=True,
-        )  # fmt: skip
-        self._process.start()
-        child_conn.close()
+        self._children: list[_Child] = []
         try:
-            for fd in arena.fds:
-                send_handle(self._conn, fd, self._process.pid)
+            for index in range(max(1, config.model_processes)):
+                self._children.append(_Child.start(context, index, loaded, config, arena))
             arena.close()
-            reply = self._receive(START_TIMEOUT_S)
+            replies = [child.receive(START_TIMEOUT_S) for child in self._children]
         except BaseException:
             self.close()
             raise
-        if reply[0] != "ready":
+        failed = [r for r in replies if r[0] != "ready"]
+        if failed:
             self.close()
-            raise ModelProcessError(f"the model process did not start: {reply[1]}")
+            raise ModelProcessError(f"the model process did not start: {failed[0][1]}")
+        reply = replies[0]
+        self._split = Split(len(self._children), config.model_process_split_min_tokens)
         self._describe: dict[str, Any] = reply[1]
         self._alive = True
         self.steps_here = 0  # steps run in this process (fewer rows than min_rows)
@@ -124,16 +122,21 @@ class ProcessRunner(RunnerFacts):
             self._local = ModelRunner(loaded, local_config, pools=(self.kv_pool, self.state_pool))
         else:
             _strip_weights(loaded.model)  # the child computes with its own copy
-        log.info("model process %d ready", self._process.pid)
+        log.info("model process(es) %s ready", ", ".join(str(c.pid) for c in self._children))
 
     @property
     def alive(self) -> bool:
         """The model process runs (checked each step and by the worker's liveness probe)."""
-        return self._alive and self._process.is_alive()
+        return self._alive and all(c.process.is_alive() for c in self._children)
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        """The first model process's (there may be several: `pids`)."""
+        return self._children[0].pid if self._children else None
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [c.pid for c in self._children]
 
     def runs_elsewhere(self, batch: Batch) -> bool:
         """Whether `batch` goes to the model process (then `forward`'s while_waiting runs while it computes,
@@ -151,36 +154,33 @@ class ProcessRunner(RunnerFacts):
                 self.steps_here += 1
                 return self._local.forward(batch, while_waiting)
             self.steps_there += 1
+            parts = self._split.parts(batch)
             try:
-                self._conn.send_bytes(pickle.dumps(("forward", batch), protocol=pickle.HIGHEST_PROTOCOL))
+                for child, part in zip(self._children, parts, strict=False):
+                    child.send(("forward", part))
                 if while_waiting is not None:
                     while_waiting()
-                reply = self._receive(None)
+                replies = [child.receive(None) for child, _ in zip(self._children, parts, strict=False)]
             except (OSError, EOFError, ModelProcessError) as exc:
                 self._alive = False
-                code = self._process.exitcode if not self._process.is_alive() else None
-                raise ModelProcessError(f"the model process is gone (exit code {code}); restart the worker") from exc
-        kind = reply[0]
-        if kind == "invalid":
-            raise InvalidArgumentError(reply[1])
-        if kind == "error":
-            raise RuntimeError(f"model process: {reply[1]}")
-        _, logits, all_logits, decode_compile = reply
-        self._describe["decode_compile"] = decode_compile
-        return ForwardOutput(
-            logits=torch.from_numpy(logits),
-            all_logits=None if all_logits is None else tuple(torch.from_numpy(a) for a in all_logits),
-        )
-
-    def _receive(self, timeout_s: float | None) -> tuple[Any, ...]:
-        if timeout_s is not None and not self._conn.poll(timeout_s):
-            raise ModelProcessError(f"no answer from the model process within {timeout_s:.0f} s")
-        reply = pickle.loads(self._conn.recv_bytes())
-        assert isinstance(reply, tuple)
-        return reply
+                codes = [c.process.exitcode for c in self._children if not c.process.is_alive()]
+                raise ModelProcessError(f"the model process is gone (exit code {codes}); restart the worker") from exc
+        for reply in replies:
+            if reply[0] == "invalid":
+                raise InvalidArgumentError(reply[1])
+            if reply[0] == "error":
+                raise RuntimeError(f"model process: {reply[1]}")
+        self._describe["decode_compile"] = replies[0][3]
+        if len(parts) > 1:
+            self._split.learn([p.num_tokens for p in parts], [r[4] for r in replies], parts)
+        logits = [torch.from_numpy(r[1]) for r in replies]
+        all_logits = None
+        if replies[0][2] is not None:
+            all_logits = tuple(torch.from_numpy(a) for r in replies for a in r[2])
+        return ForwardOutput(logits=logits[0] if len(logits) == 1 else torch.cat(logits), all_logits=all_logits)
 
     def describe(self) -> dict[str, int | str]:
-        return {**self._describe, "model_process": self._process.pid or 0}
+        return {**self._describe, "model_process": self.pid or 0, "model_processes": len(self._children)}
 
     def close(self) -> None:
         """Stops the child (at shutdown); idempotent."""
@@ -188,15 +188,106 @@ class ProcessRunner(RunnerFacts):
         local = getattr(self, "_local", None)  # absent when the start failed
         if local is not None:
             local.close()
-        if self._process.pid is None:
+        for child in getattr(self, "_children", []):
+            child.stop()
+
+
+class _Child:
+    """One model process and the worker's end of its pipe."""
+
+    def __init__(self, process: Any, conn: Connection) -> None:
+        self.process = process
+        self.conn = conn
+
+    @classmethod
+    def start(cls, context: Any, index: int, loaded: LoadedModel, config: RunnerConfig, arena: SharedArena) -> _Child:
+        conn, child_conn = context.Pipe()
+        process = context.Process(
+            target=serve, args=(child_conn, str(loaded.model_dir), config, arena.shapes, log.getEffectiveLevel()),
+            name=f"hybridserve-model-{index}", daemon=True,
+        )  # fmt: skip
+        process.start()
+        child_conn.close()
+        child = cls(process, conn)
+        try:
+            for fd in arena.fds:
+                send_handle(conn, fd, process.pid)
+        except BaseException:
+            child.stop()
+            raise
+        return child
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid  # type: ignore[no-any-return]
+
+    def send(self, message: tuple[str, Any]) -> None:
+        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def receive(self, timeout_s: float | None) -> tuple[Any, ...]:
+        if timeout_s is not None and not self.conn.poll(timeout_s):
+            raise ModelProcessError(f"no answer from the model process within {timeout_s:.0f} s")
+        reply = pickle.loads(self.conn.recv_bytes())
+        assert isinstance(reply, tuple)
+        return reply
+
+    def stop(self) -> None:
+        if self.process.pid is None:
             return
         with contextlib.suppress(OSError, ValueError):  # already gone, or the pipe closed
-            self._conn.send_bytes(pickle.dumps(("stop", None)))
-        self._process.join(STOP_TIMEOUT_S)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(STOP_TIMEOUT_S)
-        self._conn.close()
+            self.conn.send_bytes(pickle.dumps(("stop", None)))
+        self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(STOP_TIMEOUT_S)
+        self.conn.close()
+
+
+DECODE_ROW_TOKENS = 3.0  # a decode row costs about as much as this many prefill tokens (bench_decode vs bench_prefill)
+
+
+class Split:
+    """How a step's sequences are shared among the model processes: consecutive runs of sequences (so the
+    logits concatenate in order), sized by an estimate of their cost (tokens, a decode row counting
+    DECODE_ROW_TOKENS), each process's share learned from how long its last parts took."""
+
+    def __init__(self, count: int, min_tokens: int) -> None:
+        self.count = count
+        self.min_tokens = min_tokens
+        self.shares = [1.0 / count] * count
+
+    @staticmethod
+    def cost(seq: Any) -> float:
+        n = len(seq.token_ids)
+        return DECODE_ROW_TOKENS if n == 1 else float(n)
+
+    def parts(self, batch: Batch) -> list[Batch]:
+        seqs = batch.sequences
+        if self.count == 1 or len(seqs) < 2:
+            return [batch]
+        costs = [self.cost(s) for s in seqs]
+        total = sum(costs)
+        if total < self.min_tokens:
+            return [batch]
+        cuts, acc, target, k = [], 0.0, 0.0, 0
+        for share in self.shares[:-1]:
+            target += share * total
+            while k < len(seqs) - 1 and acc + costs[k] / 2 < target:
+                acc += costs[k]
+                k += 1
+            cuts.append(k)
+        bounds = [0, *cuts, len(seqs)]
+        parts = [seqs[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+        return [replace(batch, sequences=p) for p in parts]
+
+    def learn(self, _tokens: list[int], seconds: list[float], parts: list[Batch]) -> None:
+        if len(parts) != self.count:
+            return
+        costs = [sum(self.cost(s) for s in p.sequences) for p in parts]
+        rates = [c / max(t, 1e-6) for c, t in zip(costs, seconds, strict=True)]
+        total = sum(rates)
+        for i, r in enumerate(rates):
+            self.shares[i] = 0.8 * self.shares[i] + 0.2 * (r / total)
 
 
 def _strip_weights(model: torch.nn.Module) -> None:
@@ -264,6 +355,7 @@ def _follow_the_worker() -> None:
 
 
 def _forward(runner: Any, batch: Batch) -> tuple[Any, ...]:
+    started = time.perf_counter()
     try:
         out = runner.forward(batch)
     except InvalidArgumentError as exc:
@@ -273,7 +365,7 @@ def _forward(runner: Any, batch: Batch) -> tuple[Any, ...]:
         return ("error", f"{type(exc).__name__}: {exc}")
     status = runner.decode_compiler.status if runner.decode_compiler is not None else "off"
     all_logits = None if out.all_logits is None else [_array(a) for a in out.all_logits]
-    return ("ok", _array(out.logits), all_logits, status)
+    return ("ok", _array(out.logits), all_logits, status, time.perf_counter() - started)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:

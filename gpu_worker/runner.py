@@ -69,6 +69,10 @@ class RunnerConfig:
     # with a model process: steps of fewer rows than this run in the worker's own process (no hand-off
     # between processes; the worker then keeps a copy of the weights); 0 = every step in the model process
     model_process_min_rows: int = 4
+    # model processes sharing each step (consecutive runs of its sequences, sized to each one's speed)
+    model_processes: int = 1
+    # a step splits among the model processes from this many tokens (a decode row counting 3)
+    model_process_split_min_tokens: int = 48
     # on CPU, build oneDNN's projection kernels for every row bucket up to this many rows in a background
     # thread at start-up (gpu_worker.model.cpu_linear); 0 = each on its first use
     cpu_warm_rows: int = 0

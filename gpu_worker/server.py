@@ -99,6 +99,13 @@ FLAGS = {
         "with a model process, steps of fewer rows than this run in the worker's own process (too small for"
         " the hand-off to pay; the worker then keeps a copy of the weights); 0 = every step in the model process"
     ),
+    "model_processes": Flag(
+        "model processes sharing each step (each takes a consecutive run of the step's sequences, sized to how"
+        " fast it went), on as many cores; 1 = one"
+    ),
+    "model_process_split_min_tokens": Flag(
+        "with several model processes, steps of at least this many tokens (a decode row counting 3) are shared"
+    ),
     "cpu_warm_rows": Flag(
         "on CPU, build oneDNN's projection kernels for every 16-row bucket up to this many rows in the"
         " background at start-up (a first call with a new row count costs ~10-20 ms a forward); 0 = off"
@@ -127,7 +134,7 @@ ENGINE_FIELDS = (
 RUNNER_FIELDS = (
     "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
     "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "model_process",
-    "model_process_min_rows", "cpu_warm_rows",
+    "model_process_min_rows", "model_processes", "model_process_split_min_tokens", "cpu_warm_rows",
 )  # fmt: skip  # the rest follow the config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
