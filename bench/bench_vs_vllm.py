@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -171,7 +172,12 @@ def wait_decode_compile(worker: Any, timeout_s: float) -> str:
 
 
 def start_ours(
-    model: Path, scheduler: str, max_seqs: int, decode_compile: str, workers: int = 1
+    model: Path,
+    scheduler: str,
+    max_seqs: int,
+    decode_compile: str,
+    workers: int = 1,
+    worker_args: tuple[str, ...] = (),
 ) -> tuple[list[Any], str, str]:
     """(children, gRPC address to drive offline, gateway HTTP URL): `workers` workers (the cache memory split
     between them) and a gateway in front of them. With one worker the offline load goes to it directly,
@@ -187,7 +193,7 @@ def start_ours(
             children.append(Child(f"worker{i}", hybridserve_command(
                 "worker", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--no-prefix-caching",
                 "--max-num-seqs", str(max_seqs), "--decode-compile", decode_compile,
-                "--memory-budget-mb", str(SERVER_CACHE_MB // workers),
+                "--memory-budget-mb", str(SERVER_CACHE_MB // workers), *worker_args,
             ), keep_lines=400))  # fmt: skip
         for child in children:
             addresses.append(child.wait_listening(START_TIMEOUT_S))
@@ -320,7 +326,12 @@ def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: st
           f"vocab {args.vocab_size} ==", flush=True)  # fmt: skip
     max_seqs = max(int(c) for c in args.clients.split(","))
     children, worker, gateway = start_ours(
-        model, scheduler, max(max_seqs, args.requests), args.decode_compile, args.workers
+        model,
+        scheduler,
+        max(max_seqs, args.requests),
+        args.decode_compile,
+        args.workers,
+        tuple(shlex.split(args.worker_args)),
     )
     try:
         offline_and_tokens(label, args, vllm, model, worker, tmp)
@@ -349,6 +360,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-compile", default="auto", choices=("auto", "on", "off"),
                         help="the worker's --decode-compile (timed runs start once its compile ended)")  # fmt: skip
     parser.add_argument("--workers", type=int, default=1, help="our side: workers behind the gateway (cache split)")
+    parser.add_argument(
+        "--worker-args", default="", help="our side: more worker flags, e.g. --worker-args='--model-processes 2'"
+    )
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=512)

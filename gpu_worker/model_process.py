@@ -16,6 +16,14 @@ prefix cache reads and writes states and pages there as before. Each step the en
 runner from one thread and waits for each forward, so the two processes never write the pools at the
 same time.
 
+Several model processes (`model_processes`, CPU cores to spare): each step's sequences are cut into
+consecutive runs, one per process (`Split`), sent to all, and the logits concatenated in order. A
+sequence's work touches only its own pages and state slot, so the processes never write the same
+memory. Each run is sized by an estimate of its cost (prefill tokens; a decode row counts
+DECODE_ROW_TOKENS) times each process's share, and the shares follow how fast each process went (its
+core may be busy with the worker's own threads). Small steps (below `model_process_split_min_tokens`)
+go to the first process alone: there the fixed cost of a forward outweighs the split.
+
 The child's weights are its own copy; the worker's copy of the model is stripped of its weights once
 the child is ready (the worker keeps the config, tokenizer and fingerprint). CPU only: a CUDA runner
 stays in the worker's process. Should the child die, every forward fails with UNAVAILABLE-class
@@ -111,7 +119,8 @@ class ProcessRunner(RunnerFacts):
         self._describe: dict[str, Any] = reply[1]
         self._alive = True
         self.steps_here = 0  # steps run in this process (fewer rows than min_rows)
-        self.steps_there = 0  # steps run in the model process
+        self.steps_there = 0  # steps run in the model process(es)
+        self.steps_shared = 0  # of those, steps shared among several model processes
         # What torch work stays here (sampling a step's rows, the prefix cache's copies) is small: one
         # thread, so that no OpenMP thread of this process spins on the core the model runs on.
         torch.set_num_threads(1)
@@ -122,7 +131,8 @@ class ProcessRunner(RunnerFacts):
             self._local = ModelRunner(loaded, local_config, pools=(self.kv_pool, self.state_pool))
         else:
             _strip_weights(loaded.model)  # the child computes with its own copy
-        log.info("model process(es) %s ready", ", ".join(str(c.pid) for c in self._children))
+        pids = ", ".join(str(c.pid) for c in self._children)
+        log.info("model process %s ready" if len(self._children) == 1 else "model processes %s ready", pids)
 
     @property
     def alive(self) -> bool:
@@ -172,7 +182,8 @@ class ProcessRunner(RunnerFacts):
                 raise RuntimeError(f"model process: {reply[1]}")
         self._describe["decode_compile"] = replies[0][3]
         if len(parts) > 1:
-            self._split.learn([p.num_tokens for p in parts], [r[4] for r in replies], parts)
+            self.steps_shared += 1
+            self._split.learn(parts, [r[4] for r in replies])
         logits = [torch.from_numpy(r[1]) for r in replies]
         all_logits = None
         if replies[0][2] is not None:
@@ -262,6 +273,7 @@ class Split:
         return DECODE_ROW_TOKENS if n == 1 else float(n)
 
     def parts(self, batch: Batch) -> list[Batch]:
+        """`batch` as one part per process, or whole (one process, one sequence, or below min_tokens)."""
         seqs = batch.sequences
         if self.count == 1 or len(seqs) < 2:
             return [batch]
@@ -269,7 +281,8 @@ class Split:
         total = sum(costs)
         if total < self.min_tokens:
             return [batch]
-        cuts, acc, target, k = [], 0.0, 0.0, 0
+        cuts: list[int] = []
+        acc, target, k = 0.0, 0.0, 0
         for share in self.shares[:-1]:
             target += share * total
             while k < len(seqs) - 1 and acc + costs[k] / 2 < target:
@@ -280,7 +293,9 @@ class Split:
         parts = [seqs[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
         return [replace(batch, sequences=p) for p in parts]
 
-    def learn(self, _tokens: list[int], seconds: list[float], parts: list[Batch]) -> None:
+    def learn(self, parts: list[Batch], seconds: list[float]) -> None:
+        """Moves each process's share a fifth of the way towards its part of the speed they showed (cost
+        per second of compute) on the step just run."""
         if len(parts) != self.count:
             return
         costs = [sum(self.cost(s) for s in p.sequences) for p in parts]

@@ -86,6 +86,12 @@ class RunnerConfig:
         for name in ("cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "cpu_warm_rows"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
+        if self.model_processes < 1:
+            raise InvalidArgumentError(f"model_processes must be at least 1, got {self.model_processes}")
+        if self.model_process_split_min_tokens < 0:
+            raise InvalidArgumentError(
+                f"model_process_split_min_tokens must be >= 0, got {self.model_process_split_min_tokens}"
+            )
         if self.cpu_prefill_min_tokens <= 0:
             raise InvalidArgumentError(f"cpu_prefill_min_tokens must be positive, got {self.cpu_prefill_min_tokens}")
         if self.num_checkpoint_slots < 0:

@@ -17,8 +17,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from gpu_worker.batch import Batch
-from gpu_worker.model_process import ModelProcessError, ProcessRunner, build_runner, wants_model_process
+from gpu_worker.batch import Batch, SequenceChunk
+from gpu_worker.model_process import ModelProcessError, ProcessRunner, Split, build_runner, wants_model_process
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import generation_pb2 as pb
@@ -176,6 +176,81 @@ def test_small_steps_run_here_over_the_same_pools(checkpoint: Path) -> None:
         mixed.close()
 
 
+def test_steps_shared_among_model_processes_give_the_same_logits(checkpoint: Path) -> None:
+    """Two model processes: each step's sequences are cut between them; the logits come back in the
+    batch's order and equal the in-process runner's, and the states each one wrote are in the pools."""
+    shared = build_runner(checkpoint, replace(CONFIG, model_process="on", model_process_min_rows=0,
+                                              model_processes=2, model_process_split_min_tokens=2))  # fmt: skip
+    here = build_runner(checkpoint, CONFIG)
+    assert isinstance(shared, ProcessRunner) and isinstance(here, ModelRunner)
+    try:
+        assert len({*shared.pids, os.getpid()}) == 3 and shared.describe()["model_processes"] == 2
+        results = []
+        for runner in (here, shared):
+            g = torch.Generator().manual_seed(5)
+            reqs = [Request(runner, torch.randint(3, 120, (n + 6,), generator=g).tolist()) for n in (13, 2, 7, 9)]
+            out = [runner.forward(Batch(tuple(r.chunk(n) for r, n in zip(reqs, (13, 2, 7, 9), strict=True)))).logits]
+            for _ in range(6):
+                out.append(runner.forward(Batch(tuple(r.chunk(1) for r in reqs))).logits)
+            ssm = [layer[1][[r.slot for r in reqs]].clone() for layer in runner.state_pool.layer_states()]
+            results.append((out, ssm))
+            for r in reqs:
+                r.release()
+        for x, y in zip(results[0][0], results[1][0], strict=True):
+            assert y.shape == x.shape
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+        for x, y in zip(results[0][1], results[1][1], strict=True):
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+        assert shared.steps_shared == shared.steps_there == 7
+    finally:
+        shared.close()
+
+
+def test_a_dead_second_model_process_fails_forwards(checkpoint: Path) -> None:
+    runner = build_runner(checkpoint, replace(CONFIG, model_process="on", model_processes=2))
+    assert isinstance(runner, ProcessRunner)
+    try:
+        second = runner.pids[1]
+        assert second is not None
+        os.kill(second, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while runner.alive:
+            assert time.monotonic() < deadline, "a dead second model process still counts as alive"
+            time.sleep(0.01)
+        seq = Request(runner, list(range(3, 40)))
+        with pytest.raises(ModelProcessError, match="restart the worker"):
+            runner.forward(Batch((seq.chunk(37),)))
+    finally:
+        runner.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(runner.pids[0] or 0, 0)
+
+
+def _chunk(num_tokens: int, slot: int) -> SequenceChunk:
+    return SequenceChunk(token_ids=(5,) * num_tokens, start_pos=0, page_ids=(slot,), state_slot=slot)
+
+
+def test_split_cuts_consecutive_runs_by_cost_and_learns_speeds() -> None:
+    batch = Batch(tuple(_chunk(n, i) for i, n in enumerate((100, 1, 1, 1, 50, 60, 1, 1))))
+    split = Split(2, min_tokens=48)
+    parts = split.parts(batch)
+    assert [s for p in parts for s in p.sequences] == list(batch.sequences)  # every sequence, in order
+    costs = [sum(Split.cost(s) for s in p.sequences) for p in parts]
+    assert len(parts) == 2 and abs(costs[0] - costs[1]) <= 100  # the cut nearest half the cost
+    assert Split(2, min_tokens=48).parts(Batch(tuple(_chunk(1, i) for i in range(15)))) == [
+        Batch(tuple(_chunk(1, i) for i in range(15)))
+    ]  # 15 decode rows = 45 < 48: whole
+    assert Split(1, min_tokens=0).parts(batch) == [batch]
+    # the first process took twice as long for the same cost: its share falls towards a third
+    even = Batch(tuple(_chunk(1, i) for i in range(64)))
+    for _ in range(40):
+        parts = split.parts(even)
+        costs = [sum(Split.cost(s) for s in p.sequences) for p in parts]
+        split.learn(parts, [2 * costs[0] / 1000, costs[1] / 1000])
+    assert 0.30 < split.shares[0] < 0.37 and abs(sum(split.shares) - 1) < 1e-9
+    assert len(split.parts(even)[0].sequences) in range(19, 25)
+
+
 def test_close_stops_the_child(checkpoint: Path) -> None:
     runner = build_runner(checkpoint, replace(CONFIG, model_process="on"))
     assert isinstance(runner, ProcessRunner) and runner.pid is not None
@@ -194,6 +269,8 @@ def test_where_the_model_runs() -> None:
         wants_model_process(replace(CONFIG, model_process="on"), cuda)
     with pytest.raises(InvalidArgumentError, match="model_process"):
         RunnerConfig(model_process="sometimes")
+    with pytest.raises(InvalidArgumentError, match="model_processes must be at least 1"):
+        RunnerConfig(model_processes=0)
 
 
 def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> None:
@@ -206,6 +283,10 @@ def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> Non
         common = ["worker", "--model", str(model), "--scheduler", scheduler.address, "--port", "0"]
         with ServerProcess([*common, "--model-process", "off"]) as here:
             expected = serves(here.address, prompt, 8, timeout_s=30)
+        split = ["--model-process", "on", "--model-processes", "2", "--model-process-split-min-tokens", "1"]
+        with ServerProcess([*common, *split, "--model-process-min-rows", "0"]) as two:
+            assert expected is not None and serves(two.address, prompt, 8, timeout_s=30) == expected
+            assert re.search(r"model processes \d+, \d+ ready", two.output), two.output
         with ServerProcess([*common, "--model-process", "on"]) as worker:
             assert expected is not None and serves(worker.address, prompt, 8, timeout_s=30) == expected
             found = re.search(r"model process (\d+) ready", worker.output)
