@@ -16,16 +16,20 @@ prefix cache reads and writes states and pages there as before. Each step the en
 runner from one thread and waits for each forward, so the two processes never write the pools at the
 same time.
 
-Several model processes (`model_processes`, CPU cores to spare): each step's sequences are cut into
-consecutive runs, one per process (`Split`), sent to all, and the logits concatenated in order. A
-sequence's work touches only its own pages and state slot, so the processes never write the same
-memory. Each run is sized by an estimate of its cost (prefill tokens; a decode row counts
-DECODE_ROW_TOKENS) times each process's share, and the shares follow how fast each process went (its
-core may be busy with the worker's own threads). Small steps (below `model_process_split_min_tokens`)
-go to the first process alone: there the fixed cost of a forward outweighs the split.
+Several model processes (`model_processes`, CPU cores to spare): each step's sequences are dealt among
+them (`Split`), sent to all, and the logits put back in batch order. A sequence's work touches only its
+own pages and state slot, so the processes never write the same memory. The decode rows stay together
+in the first process (cut in two, a decode group costs each half nearly what the whole does: the
+weights are read once per forward, whatever the rows), and the prefill chunks are dealt, longest first,
+to whichever process would finish first by an estimate of their cost (tokens, a decode row counting
+DECODE_ROW_TOKENS, plus a forward's fixed cost) over each process's share; the shares follow how fast
+each process went (its core may be busy with the worker's own threads). Small steps (below
+`model_process_split_min_tokens`) go to the first process alone.
 
-The child's weights are its own copy; the worker's copy of the model is stripped of its weights once
-the child is ready (the worker keeps the config, tokenizer and fingerprint). CPU only: a CUDA runner
+The weights are in memory too (`share_weights`): one copy, whatever the number of model processes.
+Each child loads the checkpoint to build its modules, then points every parameter at the worker's
+copy and frees its own; the worker drops its references once the children are ready, unless small
+steps run at home (it keeps the config, tokenizer and fingerprint). CPU only: a CUDA runner
 stays in the worker's process. Should the child die, every forward fails with UNAVAILABLE-class
 errors, `alive` turns false (the worker's health reports NOT_SERVING) and the worker must be restarted.
 """
@@ -54,6 +58,7 @@ import numpy as np
 import torch
 
 from gpu_worker.batch import Batch, ForwardOutput
+from gpu_worker.cpu_alloc import usable_cores
 from gpu_worker.kv_pool import KVPagePool
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.runner import ModelRunner, PoolPlan, RunnerConfig, RunnerFacts
@@ -84,6 +89,17 @@ def wants_model_process(config: RunnerConfig, device: torch.device) -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
 
+def resolve_processes(config: RunnerConfig) -> tuple[int, RunnerConfig]:
+    """How many model processes to start, and the config each one runs. `model_processes` 0 (auto): two
+    when this process may use at least two cores, else one. Torch threads left on auto (`cpu_threads` 0)
+    are shared out: each process gets its part of the cores but one (at least one thread), so that
+    several processes' OpenMP threads never outnumber the cores."""
+    count = config.model_processes or (2 if usable_cores() >= 2 else 1)
+    if count > 1 and config.cpu_threads == 0:
+        config = replace(config, cpu_threads=max(1, (usable_cores() - 1) // count))
+    return count, config
+
+
 class ProcessRunner(RunnerFacts):
     """The ModelRunner surface the engine and the prefix cache use; the forward runs in a child process.
     Not thread-safe: one engine thread calls `forward`."""
@@ -99,13 +115,17 @@ class ProcessRunner(RunnerFacts):
         self.kv_pool: KVPagePool
         self.state_pool: MambaStatePool
         self.kv_pool, self.state_pool = plan.build(arena.zeros)
+        weights = SharedArena("hybridserve-weights")
+        weight_names = share_weights(loaded.model, weights)  # one copy, whatever the number of processes
         context = multiprocessing.get_context("spawn")  # never fork a process that runs torch threads
         self._lock = threading.Lock()
         self._children: list[_Child] = []
         try:
-            for index in range(max(1, config.model_processes)):
-                self._children.append(_Child.start(context, index, loaded, config, arena))
+            count, child_config = resolve_processes(config)
+            for index in range(count):
+                self._children.append(_Child.start(context, index, loaded, child_config, arena, weights, weight_names))
             arena.close()
+            weights.close()
             replies = [child.receive(START_TIMEOUT_S) for child in self._children]
         except BaseException:
             self.close()
@@ -130,7 +150,7 @@ class ProcessRunner(RunnerFacts):
             local_config = replace(config, cpu_threads=1, cpu_prefill_threads=0, decode_compile="off")
             self._local = ModelRunner(loaded, local_config, pools=(self.kv_pool, self.state_pool))
         else:
-            _strip_weights(loaded.model)  # the child computes with its own copy
+            _strip_weights(loaded.model)  # the children map the shared copy
         pids = ", ".join(str(c.pid) for c in self._children)
         log.info("model process %s ready" if len(self._children) == 1 else "model processes %s ready", pids)
 
@@ -164,13 +184,16 @@ class ProcessRunner(RunnerFacts):
                 self.steps_here += 1
                 return self._local.forward(batch, while_waiting)
             self.steps_there += 1
-            parts = self._split.parts(batch)
+            parts = self._split.assign(batch)
+            sends = [batch]
+            if len(parts) > 1:
+                sends = [replace(batch, sequences=tuple(batch.sequences[i] for i in p)) for p in parts]
             try:
-                for child, part in zip(self._children, parts, strict=False):
+                for child, part in zip(self._children, sends, strict=False):
                     child.send(("forward", part))
                 if while_waiting is not None:
                     while_waiting()
-                replies = [child.receive(None) for child, _ in zip(self._children, parts, strict=False)]
+                replies = [child.receive(None) for child, _ in zip(self._children, sends, strict=False)]
             except (OSError, EOFError, ModelProcessError) as exc:
                 self._alive = False
                 codes = [c.process.exitcode for c in self._children if not c.process.is_alive()]
@@ -181,14 +204,21 @@ class ProcessRunner(RunnerFacts):
             if reply[0] == "error":
                 raise RuntimeError(f"model process: {reply[1]}")
         self._describe["decode_compile"] = replies[0][3]
-        if len(parts) > 1:
-            self.steps_shared += 1
-            self._split.learn(parts, [r[4] for r in replies])
-        logits = [torch.from_numpy(r[1]) for r in replies]
+        if len(parts) == 1:
+            all_logits = None if replies[0][2] is None else tuple(torch.from_numpy(a) for a in replies[0][2])
+            return ForwardOutput(logits=torch.from_numpy(replies[0][1]), all_logits=all_logits)
+        self.steps_shared += 1
+        self._split.learn(batch, parts, [r[4] for r in replies])
+        order = [i for p in parts for i in p]
+        joined = torch.cat([torch.from_numpy(r[1]) for r in replies])
+        logits = torch.empty_like(joined)
+        logits[torch.tensor(order)] = joined
         all_logits = None
         if replies[0][2] is not None:
-            all_logits = tuple(torch.from_numpy(a) for r in replies for a in r[2])
-        return ForwardOutput(logits=logits[0] if len(logits) == 1 else torch.cat(logits), all_logits=all_logits)
+            flat = [a for r in replies for a in r[2]]
+            by_index = dict(zip(order, flat, strict=True))
+            all_logits = tuple(torch.from_numpy(by_index[i]) for i in range(len(order)))
+        return ForwardOutput(logits=logits, all_logits=all_logits)
 
     def describe(self) -> dict[str, int | str]:
         return {**self._describe, "model_process": self.pid or 0, "model_processes": len(self._children)}
@@ -211,17 +241,21 @@ class _Child:
         self.conn = conn
 
     @classmethod
-    def start(cls, context: Any, index: int, loaded: LoadedModel, config: RunnerConfig, arena: SharedArena) -> _Child:
+    def start(
+        cls, context: Any, index: int, loaded: LoadedModel, config: RunnerConfig, arena: SharedArena,
+        weights: SharedArena, weight_names: list[str],
+    ) -> _Child:  # fmt: skip
         conn, child_conn = context.Pipe()
         process = context.Process(
-            target=serve, args=(child_conn, str(loaded.model_dir), config, arena.shapes, log.getEffectiveLevel()),
+            target=serve, args=(child_conn, str(loaded.model_dir), config, arena.shapes, weights.shapes, weight_names,
+                                log.getEffectiveLevel()),
             name=f"hybridserve-model-{index}", daemon=True,
         )  # fmt: skip
         process.start()
         child_conn.close()
         child = cls(process, conn)
         try:
-            for fd in arena.fds:
+            for fd in arena.fds + weights.fds:
                 send_handle(conn, fd, process.pid)
         except BaseException:
             child.stop()
@@ -254,13 +288,20 @@ class _Child:
         self.conn.close()
 
 
-DECODE_ROW_TOKENS = 3.0  # a decode row costs about as much as this many prefill tokens (bench_decode vs bench_prefill)
+DECODE_ROW_TOKENS = 2.5  # a decode row costs about as much as this many prefill tokens (bench_decode vs bench_prefill)
+# what any forward costs before its first token, in prefill tokens (weights streamed, per-op overhead): a
+# decode step of the issue's model, one thread, 6.44 ms at 16 rows and 10.94 ms at 32 (bench_decode),
+# a prefill token ~0.11 ms (bench_prefill): ~18 tokens. Cutting a decode group in two pays it twice.
+FORWARD_FIXED_TOKENS = 18.0
 
 
 class Split:
-    """How a step's sequences are shared among the model processes: consecutive runs of sequences (so the
-    logits concatenate in order), sized by an estimate of their cost (tokens, a decode row counting
-    DECODE_ROW_TOKENS), each process's share learned from how long its last parts took."""
+    """How a step's sequences are shared among the model processes, as index lists into the batch (the
+    logits are put back in batch order). The decode rows stay together, in the first part: a decode group
+    cut in two costs each process nearly as much as the whole (the weights are read per forward, not per
+    row). The prefill chunks are then dealt, longest first, to the part whose estimated finish (fixed cost
+    + tokens, a decode row counting DECODE_ROW_TOKENS, over its process's share) is earliest. Shares are
+    learned from how long each process's last part took (its core may be busy with the worker's threads)."""
 
     def __init__(self, count: int, min_tokens: int) -> None:
         self.count = count
@@ -272,37 +313,58 @@ class Split:
         n = len(seq.token_ids)
         return DECODE_ROW_TOKENS if n == 1 else float(n)
 
-    def parts(self, batch: Batch) -> list[Batch]:
-        """`batch` as one part per process, or whole (one process, one sequence, or below min_tokens)."""
+    def assign(self, batch: Batch) -> list[list[int]]:
+        """Index lists, one per process that gets work (one list: the whole batch in the first process)."""
         seqs = batch.sequences
+        whole = [list(range(len(seqs)))]
         if self.count == 1 or len(seqs) < 2:
-            return [batch]
+            return whole
         costs = [self.cost(s) for s in seqs]
-        total = sum(costs)
-        if total < self.min_tokens:
-            return [batch]
-        cuts: list[int] = []
-        acc, target, k = 0.0, 0.0, 0
-        for share in self.shares[:-1]:
-            target += share * total
-            while k < len(seqs) - 1 and acc + costs[k] / 2 < target:
-                acc += costs[k]
-                k += 1
-            cuts.append(k)
-        bounds = [0, *cuts, len(seqs)]
-        parts = [seqs[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
-        return [replace(batch, sequences=p) for p in parts]
+        if sum(costs) < self.min_tokens:
+            return whole
+        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        prefill = sorted((i for i, s in enumerate(seqs) if len(s.token_ids) > 1), key=lambda i: -costs[i])
+        parts: list[list[int]] = [[] for _ in range(self.count)]
+        load = [0.0] * self.count
+        if decode:
+            parts[0] = decode
+            load[0] = FORWARD_FIXED_TOKENS + DECODE_ROW_TOKENS * len(decode)
+        for i in prefill:
+            finish = [(load[k] + (0.0 if parts[k] else FORWARD_FIXED_TOKENS) + costs[i]) / self.shares[k]
+                      for k in range(self.count)]  # fmt: skip
+            k = min(range(self.count), key=finish.__getitem__)
+            load[k] += (0.0 if parts[k] else FORWARD_FIXED_TOKENS) + costs[i]
+            parts[k].append(i)
+        used = [sorted(p) for p in parts if p]
+        return used if len(used) > 1 else whole
 
-    def learn(self, parts: list[Batch], seconds: list[float]) -> None:
+    def part_cost(self, batch: Batch, part: list[int]) -> float:
+        return FORWARD_FIXED_TOKENS + sum(self.cost(batch.sequences[i]) for i in part)
+
+    def learn(self, batch: Batch, parts: list[list[int]], seconds: list[float]) -> None:
         """Moves each process's share a fifth of the way towards its part of the speed they showed (cost
-        per second of compute) on the step just run."""
+        per second of compute) on the step just run; only steps that used every process teach."""
         if len(parts) != self.count:
             return
-        costs = [sum(self.cost(s) for s in p.sequences) for p in parts]
-        rates = [c / max(t, 1e-6) for c, t in zip(costs, seconds, strict=True)]
+        rates = [self.part_cost(batch, p) / max(t, 1e-6) for p, t in zip(parts, seconds, strict=True)]
         total = sum(rates)
         for i, r in enumerate(rates):
             self.shares[i] = 0.8 * self.shares[i] + 0.2 * (r / total)
+
+
+def share_weights(model: torch.nn.Module, arena: SharedArena | AttachedArena) -> list[str]:
+    """Moves every parameter of `model` into `arena`'s memory (the owner copies its values in; a model
+    process, given an AttachedArena, takes the owner's memory in place of its own copy). Returns the
+    parameters' names, in the order the arena handed them out (named_parameters: each tied tensor once)."""
+    names = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shared = arena.zeros(tuple(param.shape), param.dtype)
+            if isinstance(arena, SharedArena):
+                shared.copy_(param)
+            param.data = shared
+            names.append(name)
+    return names
 
 
 def _strip_weights(model: torch.nn.Module) -> None:
@@ -321,9 +383,12 @@ def build_runner(model_dir: str | Path, config: RunnerConfig) -> Any:
 
 
 # ---- the child --------------------------------------------------------------------------------------
+Shapes = list[tuple[tuple[int, ...], torch.dtype]]
+
+
 def serve(
-    conn: Connection, model_dir: str, config: RunnerConfig, shapes: list[tuple[tuple[int, ...], torch.dtype]],
-    log_level: int,
+    conn: Connection, model_dir: str, config: RunnerConfig, shapes: Shapes, weight_shapes: Shapes,
+    weight_names: list[str], log_level: int,
 ) -> None:  # fmt: skip
     """The model process's loop: forward each batch it receives until "stop" or the worker goes away."""
     from gpu_worker.cpu_alloc import keep_freed_memory
@@ -331,14 +396,17 @@ def serve(
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     _follow_the_worker()
     fds = [recv_handle(conn) for _ in shapes]
+    weight_fds = [recv_handle(conn) for _ in weight_shapes]
     keep_freed_memory()
     try:
         loaded = load_model(model_dir, device="cpu", dtype=config.dtype)
+        if share_weights(loaded.model, AttachedArena(weight_fds, weight_shapes)) != weight_names:
+            raise ValueError("the model process built other parameters than the worker's")
         runner = ModelRunner(loaded, replace(config, device="cpu"), alloc=AttachedArena(fds, shapes).zeros)
     except Exception as exc:  # reported to the worker, which fails its start-up with it
         conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}")))
         return
-    for fd in fds:
+    for fd in fds + weight_fds:
         os.close(fd)  # the mappings keep the memory
     conn.send_bytes(pickle.dumps(("ready", runner.describe())))
     while True:

@@ -68,10 +68,11 @@ class RunnerConfig:
     model_process: str = "off"
     # with a model process: steps of fewer rows than this run in the worker's own process (no hand-off
     # between processes; the worker then keeps a copy of the weights); 0 = every step in the model process
-    model_process_min_rows: int = 4
-    # model processes sharing each step (consecutive runs of its sequences, sized to each one's speed)
-    model_processes: int = 1
-    # a step splits among the model processes from this many tokens (a decode row counting 3)
+    model_process_min_rows: int = 0
+    # model processes sharing each step (the decode rows together, prefill chunks dealt by each one's speed);
+    # 0 = auto: two on a CPU with at least two usable cores (gpu_worker.model_process.resolve_processes)
+    model_processes: int = 0
+    # a step splits among the model processes from this many tokens (a decode row counting 2.5)
     model_process_split_min_tokens: int = 48
     # on CPU, build oneDNN's projection kernels for every row bucket up to this many rows in a background
     # thread at start-up (gpu_worker.model.cpu_linear); 0 = each on its first use
@@ -83,11 +84,10 @@ class RunnerConfig:
                 raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
         if self.checkpoint_memory_bytes < 0:
             raise InvalidArgumentError(f"checkpoint_memory_bytes must be >= 0, got {self.checkpoint_memory_bytes}")
-        for name in ("cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "cpu_warm_rows"):
+        names = ("cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "model_processes", "cpu_warm_rows")
+        for name in names:
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
-        if self.model_processes < 1:
-            raise InvalidArgumentError(f"model_processes must be at least 1, got {self.model_processes}")
         if self.model_process_split_min_tokens < 0:
             raise InvalidArgumentError(
                 f"model_process_split_min_tokens must be >= 0, got {self.model_process_split_min_tokens}"

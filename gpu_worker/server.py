@@ -96,15 +96,16 @@ FLAGS = {
         " then never waits for the worker's threads): auto (on CPU) | on | off"
     ),
     "model_process_min_rows": Flag(
-        "with a model process, steps of fewer rows than this run in the worker's own process (too small for"
-        " the hand-off to pay; the worker then keeps a copy of the weights); 0 = every step in the model process"
+        "with a model process, steps of fewer rows than this run in the worker's own process, eagerly (the"
+        " worker then keeps its references to the weights); 0 = every step in the model process (the default)"
     ),
     "model_processes": Flag(
-        "model processes sharing each step (each takes a consecutive run of the step's sequences, sized to how"
-        " fast it went), on as many cores; 1 = one"
+        "model processes sharing each step on as many cores (the decode rows stay together in the first; prefill"
+        " chunks are dealt to whichever would finish first, by how fast each went); 0 = auto: two on a CPU with"
+        " at least two usable cores, else one"
     ),
     "model_process_split_min_tokens": Flag(
-        "with several model processes, steps of at least this many tokens (a decode row counting 3) are shared"
+        "with several model processes, steps of at least this many tokens (a decode row counting 2.5) are shared"
     ),
     "cpu_warm_rows": Flag(
         "on CPU, build oneDNN's projection kernels for every 16-row bucket up to this many rows in the"

@@ -102,9 +102,7 @@ class RequestTable:
             return fetching[0]
         return self.pop_running(request_id) or self.waiting.pop(request_id, None)
 
-    def sched_states(
-        self, yielding_ids: set[str] | None
-    ) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
+    def sched_states(self, yielding_ids: set[str] | None) -> tuple[tuple[RequestState, ...], tuple[RequestState, ...]]:
         """The scheduler's view of running and waiting requests; those in `yielding_ids` (every
         running request when None: a steady decode step) are counted with the token the step in
         flight will add."""

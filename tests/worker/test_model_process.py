@@ -18,7 +18,15 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from gpu_worker.batch import Batch, SequenceChunk
-from gpu_worker.model_process import ModelProcessError, ProcessRunner, Split, build_runner, wants_model_process
+from gpu_worker.cpu_alloc import usable_cores
+from gpu_worker.model_process import (
+    ModelProcessError,
+    ProcessRunner,
+    Split,
+    build_runner,
+    resolve_processes,
+    wants_model_process,
+)
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import generation_pb2 as pb
@@ -29,7 +37,7 @@ from tests.procs import ServerProcess
 
 CONFIG = RunnerConfig(
     memory_budget_bytes=16 << 20, kv_page_size_tokens=4, max_num_seqs=8, num_checkpoint_slots=4, device="cpu",
-    dtype="float32", cpu_threads=1,
+    dtype="float32", cpu_threads=1, model_processes=1,
 )  # fmt: skip
 
 
@@ -177,20 +185,32 @@ def test_small_steps_run_here_over_the_same_pools(checkpoint: Path) -> None:
 
 
 def test_steps_shared_among_model_processes_give_the_same_logits(checkpoint: Path) -> None:
-    """Two model processes: each step's sequences are cut between them; the logits come back in the
-    batch's order and equal the in-process runner's, and the states each one wrote are in the pools."""
+    """Two model processes: prefill chunks are dealt between them, the decode rows stay together; the
+    logits come back in the batch's order and equal the in-process runner's, and the states each one
+    wrote are in the pools."""
     shared = build_runner(checkpoint, replace(CONFIG, model_process="on", model_process_min_rows=0,
                                               model_processes=2, model_process_split_min_tokens=2))  # fmt: skip
     here = build_runner(checkpoint, CONFIG)
     assert isinstance(shared, ProcessRunner) and isinstance(here, ModelRunner)
     try:
         assert len({*shared.pids, os.getpid()}) == 3 and shared.describe()["model_processes"] == 2
+        for pid in shared.pids:  # one copy of the weights, mapped by both (each built and freed its own)
+            assert "/memfd:hybridserve-weights" in Path(f"/proc/{pid}/maps").read_text()
         results = []
         for runner in (here, shared):
             g = torch.Generator().manual_seed(5)
-            reqs = [Request(runner, torch.randint(3, 120, (n + 6,), generator=g).tolist()) for n in (13, 2, 7, 9)]
-            out = [runner.forward(Batch(tuple(r.chunk(n) for r, n in zip(reqs, (13, 2, 7, 9), strict=True)))).logits]
-            for _ in range(6):
+            reqs = [Request(runner, torch.randint(3, 120, (n + 12,), generator=g).tolist()) for n in (13, 2, 7, 9)]
+            a, b, c, d = reqs
+            # prefills only (dealt: two processes); then a and b decode while c and d prefill their next
+            # chunks (a mixed step: decode rows in one process, chunks in the other, logits interleaved);
+            # then all four decode (one process: a decode group is never cut)
+            out = []
+            for chunks in ((a.chunk(13), b.chunk(2)), (c.chunk(7), a.chunk(1), d.chunk(9), b.chunk(1)),
+                           (a.chunk(1), c.chunk(5), b.chunk(1), d.chunk(3))):  # fmt: skip
+                if isinstance(runner, ProcessRunner):  # even shares, whatever the last step's timing taught
+                    runner._split.shares = [0.5, 0.5]
+                out.append(runner.forward(Batch(chunks)).logits)
+            for _ in range(4):
                 out.append(runner.forward(Batch(tuple(r.chunk(1) for r in reqs))).logits)
             ssm = [layer[1][[r.slot for r in reqs]].clone() for layer in runner.state_pool.layer_states()]
             results.append((out, ssm))
@@ -201,7 +221,7 @@ def test_steps_shared_among_model_processes_give_the_same_logits(checkpoint: Pat
             torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
         for x, y in zip(results[0][1], results[1][1], strict=True):
             torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
-        assert shared.steps_shared == shared.steps_there == 7
+        assert (shared.steps_shared, shared.steps_there) == (3, 7)
     finally:
         shared.close()
 
@@ -230,25 +250,26 @@ def _chunk(num_tokens: int, slot: int) -> SequenceChunk:
     return SequenceChunk(token_ids=(5,) * num_tokens, start_pos=0, page_ids=(slot,), state_slot=slot)
 
 
-def test_split_cuts_consecutive_runs_by_cost_and_learns_speeds() -> None:
+def test_split_keeps_decode_rows_together_and_deals_chunks_by_speed() -> None:
     batch = Batch(tuple(_chunk(n, i) for i, n in enumerate((100, 1, 1, 1, 50, 60, 1, 1))))
     split = Split(2, min_tokens=48)
-    parts = split.parts(batch)
-    assert [s for p in parts for s in p.sequences] == list(batch.sequences)  # every sequence, in order
-    costs = [sum(Split.cost(s) for s in p.sequences) for p in parts]
-    assert len(parts) == 2 and abs(costs[0] - costs[1]) <= 100  # the cut nearest half the cost
-    assert Split(2, min_tokens=48).parts(Batch(tuple(_chunk(1, i) for i in range(15)))) == [
-        Batch(tuple(_chunk(1, i) for i in range(15)))
-    ]  # 15 decode rows = 45 < 48: whole
-    assert Split(1, min_tokens=0).parts(batch) == [batch]
-    # the first process took twice as long for the same cost: its share falls towards a third
-    even = Batch(tuple(_chunk(1, i) for i in range(64)))
+    parts = split.assign(batch)
+    assert sorted(i for p in parts for i in p) == list(range(8))  # every sequence once
+    # the decode rows together, with the chunks that even the load; the longest in the second process
+    assert parts == [[1, 2, 3, 4, 5, 6, 7], [0]]
+    # a decode group alone is never cut, however large; small steps and one process: whole
+    assert Split(2, min_tokens=48).assign(Batch(tuple(_chunk(1, i) for i in range(64)))) == [list(range(64))]
+    assert Split(2, min_tokens=200).assign(Batch((_chunk(100, 0), _chunk(90, 1)))) == [[0, 1]]
+    assert Split(1, min_tokens=0).assign(batch) == [list(range(8))]
+    # the second process took twice as long for the same cost: its share falls towards a third, and it
+    # is dealt less
+    chunks = Batch(tuple(_chunk(n, i) for i, n in enumerate((40, 40, 40, 40, 40, 40))))
     for _ in range(40):
-        parts = split.parts(even)
-        costs = [sum(Split.cost(s) for s in p.sequences) for p in parts]
-        split.learn(parts, [2 * costs[0] / 1000, costs[1] / 1000])
-    assert 0.30 < split.shares[0] < 0.37 and abs(sum(split.shares) - 1) < 1e-9
-    assert len(split.parts(even)[0].sequences) in range(19, 25)
+        parts = split.assign(chunks)
+        costs = [split.part_cost(chunks, p) for p in parts]
+        split.learn(chunks, parts, [costs[0] / 1000, 2 * costs[1] / 1000])
+    assert 0.62 < split.shares[0] < 0.70 and abs(sum(split.shares) - 1) < 1e-9
+    assert [len(p) for p in split.assign(chunks)] == [4, 2]
 
 
 def test_close_stops_the_child(checkpoint: Path) -> None:
@@ -269,8 +290,14 @@ def test_where_the_model_runs() -> None:
         wants_model_process(replace(CONFIG, model_process="on"), cuda)
     with pytest.raises(InvalidArgumentError, match="model_process"):
         RunnerConfig(model_process="sometimes")
-    with pytest.raises(InvalidArgumentError, match="model_processes must be at least 1"):
-        RunnerConfig(model_processes=0)
+    with pytest.raises(InvalidArgumentError, match="model_processes must be >= 0"):
+        RunnerConfig(model_processes=-1)
+    # auto: two processes where two cores are usable, each with its share of the torch threads
+    count, child = resolve_processes(RunnerConfig(model_processes=0))
+    assert count == (2 if usable_cores() >= 2 else 1)
+    assert child.cpu_threads == (max(1, (usable_cores() - 1) // 2) if count == 2 else 0)
+    explicit = RunnerConfig(model_processes=3, cpu_threads=4)
+    assert resolve_processes(explicit) == (3, explicit)
 
 
 def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> None:
@@ -287,7 +314,7 @@ def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> Non
         with ServerProcess([*common, *split, "--model-process-min-rows", "0"]) as two:
             assert expected is not None and serves(two.address, prompt, 8, timeout_s=30) == expected
             assert re.search(r"model processes \d+, \d+ ready", two.output), two.output
-        with ServerProcess([*common, "--model-process", "on"]) as worker:
+        with ServerProcess([*common, "--model-process", "on", "--model-processes", "1"]) as worker:
             assert expected is not None and serves(worker.address, prompt, 8, timeout_s=30) == expected
             found = re.search(r"model process (\d+) ready", worker.output)
             assert found, worker.output
