@@ -10,7 +10,9 @@ prefix caching. In one run:
 3. vLLM's OpenAI server and hybridserve's gateway (scheduler + worker + gateway processes), driven by
    the same closed-loop HTTP load (bench/http_load.py: streamed /v1/completions) at each client
    count (1, 8, 32) and prompt mix (16..256 and 1,000..3,000 tokens), the two servers in turn for
-   each cell: output tokens/s, TTFT p50/p95, median inter-token latency, with ratios.
+   each cell: output tokens/s, TTFT p50/p95, median inter-token latency, with ratios. Each run
+   starts once both servers' processes are idle: vLLM's CPU worker spins a core for about a second
+   after each run, which whoever ran next used to share.
 Only ratios measured in one run mean anything.
 
     .venv/bin/python bench/bench_vs_vllm.py [--vllm-python PATH] [--clients 1,8,32]
@@ -275,14 +277,62 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return "-" if not ours or not theirs else f"{ours / theirs:.2f}x"
 
 
-def http_table(args: argparse.Namespace, gateway: str, vllm_url: str) -> None:
-    """Step 3: the same closed-loop HTTP load on both servers, cell by cell."""
+def _process_cpu_s() -> dict[int, tuple[int, float]]:
+    """Every process's (parent pid, CPU seconds used so far), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        out[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _tree_cpu_s(roots: list[int]) -> float:
+    """CPU seconds used so far by the processes `roots` and all their descendants."""
+    procs = _process_cpu_s()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, list(roots)
+    while todo:
+        pid = todo.pop()
+        total += procs.get(pid, (0, 0.0))[1]
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def wait_quiet(roots: list[int], max_cores: float = 0.05, window_s: float = 0.25, timeout_s: float = 15.0) -> float:
+    """Waits until the process trees under `roots` use at most `max_cores` over a `window_s` window (vLLM's
+    CPU worker spins a core for about a second after each run; whoever runs next would share the
+    machine with it); returns the seconds waited. Without /proc, waits 2 s."""
+    if not os.path.isdir("/proc/self"):
+        time.sleep(2.0)
+        return 2.0
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        before = _tree_cpu_s(roots)
+        time.sleep(window_s)
+        if (_tree_cpu_s(roots) - before) / window_s <= max_cores:
+            break
+    return time.monotonic() - started
+
+
+def http_table(args: argparse.Namespace, gateway: str, vllm_url: str, servers: list[int]) -> None:
+    """Step 3: the same closed-loop HTTP load on both servers, cell by cell; each run starts once both
+    servers' processes (`servers`: their root pids) are idle."""
     from http_load import run_http_load
 
     from hybridserve.cli.loadgen import make_prompts
 
     print(f"\nclosed-loop HTTP (streamed /v1/completions, greedy, {args.max_tokens} new tokens, EOS ignored); "
-          f"ratio = hybridserve / vLLM (TTFT, ITL: lower is better)")  # fmt: skip
+          f"ratio = hybridserve / vLLM (TTFT, ITL: lower is better); each run starts once both servers are idle"
+          )  # fmt: skip
     header = (f"{'mix':<11}{'clients':>8}{'side':>13}{'out tok/s':>11}{'ratio':>8}{'TTFT p50 ms':>13}{'ratio':>8}"
               f"{'TTFT p95 ms':>13}{'ratio':>8}{'ITL p50 ms':>12}{'ratio':>8}{'failed':>8}")  # fmt: skip
     print(header, flush=True)
@@ -294,7 +344,9 @@ def http_table(args: argparse.Namespace, gateway: str, vllm_url: str) -> None:
         for clients in (int(c) for c in args.clients.split(",")):
             requests = max(args.min_requests, 2 * clients)
             prompts = make_prompts(requests, lo, hi, args.vocab_size, seed=args.seed + clients)
+            wait_quiet(servers)
             ours = run_http_load(gateway, SERVED_NAME, prompts, clients, args.max_tokens)
+            wait_quiet(servers)
             theirs = run_http_load(vllm_url, SERVED_NAME, prompts, clients, args.max_tokens)
             for side, m in (("hybridserve", ours), ("vLLM", theirs)):
                 print(_row(mix, clients, side, m, ours, theirs if side == "hybridserve" else None), flush=True)
@@ -340,7 +392,7 @@ def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: st
         max_len = max(int(m.split("-")[1]) for m in args.mixes.split(",")) + args.max_tokens
         server, url = start_vllm_server(vllm, model, max_len, max_seqs)
         children.insert(0, server)
-        http_table(args, gateway, url)
+        http_table(args, gateway, url, [child.pid for child in children])
     finally:
         stop_all(children)
 
