@@ -13,7 +13,6 @@ Linux only (/proc). Only figures from one run, side by side, mean anything.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -24,28 +23,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_vs_vllm import SERVED_NAME, start_ours, write_model  # noqa: E402
 from http_load import run_http_load  # noqa: E402
+from proc_cpu import cpu_s, threads_cpu_s  # noqa: E402
 
 from hybridserve.children import Child, hybridserve_command, stop_all  # noqa: E402
 from hybridserve.cli.loadgen import make_prompts  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int, tid: int | None = None) -> float:
-    """User + system CPU seconds of a process (or of one of its threads)."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14, 15 of stat)
-
-
-def threads_cpu_s(pid: int) -> dict[int, float]:
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            out[int(tid)] = cpu_s(pid, int(tid))
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return out
 
 
 def engine_thread_id(pid: int) -> int | None:

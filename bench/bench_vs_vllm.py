@@ -277,56 +277,11 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return "-" if not ours or not theirs else f"{ours / theirs:.2f}x"
 
 
-def _process_cpu_s() -> dict[int, tuple[int, float]]:
-    """Every process's (parent pid, CPU seconds used so far), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, tuple[int, float]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        out[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
-    return out
-
-
-def _tree_cpu_s(roots: list[int]) -> float:
-    """CPU seconds used so far by the processes `roots` and all their descendants."""
-    procs = _process_cpu_s()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in procs.items():
-        children.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, list(roots)
-    while todo:
-        pid = todo.pop()
-        total += procs.get(pid, (0, 0.0))[1]
-        todo.extend(children.get(pid, []))
-    return total
-
-
-def wait_quiet(roots: list[int], max_cores: float = 0.05, window_s: float = 0.25, timeout_s: float = 15.0) -> float:
-    """Waits until the process trees under `roots` use at most `max_cores` over a `window_s` window (vLLM's
-    CPU worker spins a core for about a second after each run; whoever runs next would share the
-    machine with it); returns the seconds waited. Without /proc, waits 2 s."""
-    if not os.path.isdir("/proc/self"):
-        time.sleep(2.0)
-        return 2.0
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        before = _tree_cpu_s(roots)
-        time.sleep(window_s)
-        if (_tree_cpu_s(roots) - before) / window_s <= max_cores:
-            break
-    return time.monotonic() - started
-
-
 def http_table(args: argparse.Namespace, gateway: str, vllm_url: str, servers: list[int]) -> None:
     """Step 3: the same closed-loop HTTP load on both servers, cell by cell; each run starts once both
     servers' processes (`servers`: their root pids) are idle."""
     from http_load import run_http_load
+    from proc_cpu import wait_quiet
 
     from hybridserve.cli.loadgen import make_prompts
 
