@@ -21,8 +21,8 @@ them (`Split`), sent to all, and the logits put back in batch order. A sequence'
 own pages and state slot, so the processes never write the same memory. The decode rows stay together
 in the first process (cut in two, a decode group costs each half nearly what the whole does: the
 weights are read once per forward, whatever the rows), and the prefill chunks are dealt, longest first,
-to whichever process would finish first by an estimate of their cost (tokens, a decode row counting
-DECODE_ROW_TOKENS, plus a forward's fixed cost) over each process's share; the shares follow how fast
+to whichever process would finish first by an estimate of their cost (`gpu_worker.step_split`: tokens,
+a decode row counting 2.5, plus a forward's fixed cost) over each process's share; the shares follow how fast
 each process went (its core may be busy with the worker's own threads). Small steps (below
 `model_process_split_min_tokens`) go to the first process alone.
 
@@ -62,8 +62,9 @@ from gpu_worker.cpu_alloc import usable_cores
 from gpu_worker.kv_pool import KVPagePool
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.runner import ModelRunner, PoolPlan, RunnerConfig, RunnerFacts
-from gpu_worker.shared_memory import AttachedArena, SharedArena
+from gpu_worker.shared_memory import AttachedArena, Shapes, SharedArena
 from gpu_worker.state_pool import MambaStatePool
+from gpu_worker.step_split import Split
 from hybridserve.errors import InvalidArgumentError
 
 log = logging.getLogger("hybridserve.worker.model_process")
@@ -288,70 +289,6 @@ class _Child:
         self.conn.close()
 
 
-DECODE_ROW_TOKENS = 2.5  # a decode row costs about as much as this many prefill tokens (bench_decode vs bench_prefill)
-# what any forward costs before its first token, in prefill tokens (weights streamed, per-op overhead): a
-# decode step of the issue's model, one thread, 6.44 ms at 16 rows and 10.94 ms at 32 (bench_decode),
-# a prefill token ~0.11 ms (bench_prefill): ~18 tokens. Cutting a decode group in two pays it twice.
-FORWARD_FIXED_TOKENS = 18.0
-
-
-class Split:
-    """How a step's sequences are shared among the model processes, as index lists into the batch (the
-    logits are put back in batch order). The decode rows stay together, in the first part: a decode group
-    cut in two costs each process nearly as much as the whole (the weights are read per forward, not per
-    row). The prefill chunks are then dealt, longest first, to the part whose estimated finish (fixed cost
-    + tokens, a decode row counting DECODE_ROW_TOKENS, over its process's share) is earliest. Shares are
-    learned from how long each process's last part took (its core may be busy with the worker's threads)."""
-
-    def __init__(self, count: int, min_tokens: int) -> None:
-        self.count = count
-        self.min_tokens = min_tokens
-        self.shares = [1.0 / count] * count
-
-    @staticmethod
-    def cost(seq: Any) -> float:
-        n = len(seq.token_ids)
-        return DECODE_ROW_TOKENS if n == 1 else float(n)
-
-    def assign(self, batch: Batch) -> list[list[int]]:
-        """Index lists, one per process that gets work (one list: the whole batch in the first process)."""
-        seqs = batch.sequences
-        whole = [list(range(len(seqs)))]
-        if self.count == 1 or len(seqs) < 2:
-            return whole
-        costs = [self.cost(s) for s in seqs]
-        if sum(costs) < self.min_tokens:
-            return whole
-        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-        prefill = sorted((i for i, s in enumerate(seqs) if len(s.token_ids) > 1), key=lambda i: -costs[i])
-        parts: list[list[int]] = [[] for _ in range(self.count)]
-        load = [0.0] * self.count
-        if decode:
-            parts[0] = decode
-            load[0] = FORWARD_FIXED_TOKENS + DECODE_ROW_TOKENS * len(decode)
-        for i in prefill:
-            finish = [(load[k] + (0.0 if parts[k] else FORWARD_FIXED_TOKENS) + costs[i]) / self.shares[k]
-                      for k in range(self.count)]  # fmt: skip
-            k = min(range(self.count), key=finish.__getitem__)
-            load[k] += (0.0 if parts[k] else FORWARD_FIXED_TOKENS) + costs[i]
-            parts[k].append(i)
-        used = [sorted(p) for p in parts if p]
-        return used if len(used) > 1 else whole
-
-    def part_cost(self, batch: Batch, part: list[int]) -> float:
-        return FORWARD_FIXED_TOKENS + sum(self.cost(batch.sequences[i]) for i in part)
-
-    def learn(self, batch: Batch, parts: list[list[int]], seconds: list[float]) -> None:
-        """Moves each process's share a fifth of the way towards its part of the speed they showed (cost
-        per second of compute) on the step just run; only steps that used every process teach."""
-        if len(parts) != self.count:
-            return
-        rates = [self.part_cost(batch, p) / max(t, 1e-6) for p, t in zip(parts, seconds, strict=True)]
-        total = sum(rates)
-        for i, r in enumerate(rates):
-            self.shares[i] = 0.8 * self.shares[i] + 0.2 * (r / total)
-
-
 def share_weights(model: torch.nn.Module, arena: SharedArena | AttachedArena) -> list[str]:
     """Moves every parameter of `model` into `arena`'s memory (the owner copies its values in; a model
     process, given an AttachedArena, takes the owner's memory in place of its own copy). Returns the
@@ -383,9 +320,6 @@ def build_runner(model_dir: str | Path, config: RunnerConfig) -> Any:
 
 
 # ---- the child --------------------------------------------------------------------------------------
-Shapes = list[tuple[tuple[int, ...], torch.dtype]]
-
-
 def serve(
     conn: Connection, model_dir: str, config: RunnerConfig, shapes: Shapes, weight_shapes: Shapes,
     weight_names: list[str], log_level: int,

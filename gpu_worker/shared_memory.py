@@ -19,6 +19,8 @@ import torch
 
 # (shape, dtype) -> a zero tensor: how a pool gets its storage (torch.zeros by default)
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+# what an arena handed out, in order: each tensor's (shape, dtype)
+Shapes = list[tuple[tuple[int, ...], torch.dtype]]
 
 
 def supported() -> bool:
@@ -46,7 +48,7 @@ class SharedArena:
     def __init__(self, name: str = "hybridserve") -> None:
         self.name = name
         self.fds: list[int] = []
-        self.shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.shapes: Shapes = []
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         fd = os.memfd_create(f"{self.name}-{len(self.fds)}", os.MFD_CLOEXEC)
@@ -66,7 +68,7 @@ class AttachedArena:
     """The other side: hands out the owner's tensors, in the owner's allocation order, checking that each
     request asks for the shape and dtype the owner allocated."""
 
-    def __init__(self, fds: list[int], shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+    def __init__(self, fds: list[int], shapes: Shapes) -> None:
         if len(fds) != len(shapes):
             raise ValueError(f"{len(fds)} descriptors for {len(shapes)} tensors")
         self._fds, self._shapes, self._next = fds, shapes, 0

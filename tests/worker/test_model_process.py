@@ -22,12 +22,12 @@ from gpu_worker.cpu_alloc import usable_cores
 from gpu_worker.model_process import (
     ModelProcessError,
     ProcessRunner,
-    Split,
     build_runner,
     resolve_processes,
     wants_model_process,
 )
 from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.step_split import Split
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
