@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -57,15 +58,42 @@ class StepThreads:
     """Torch's intra-op threads per step: `few` for steps of fewer than `min_tokens` tokens (decode:
     small ops, where OpenMP's end-of-op barrier costs more than a second thread gains and the server
     threads need a core), `many` for steps computing at least `min_tokens` tokens (prefill: GEMMs of
-    hundreds of rows that split well). Switching costs some microseconds, paid only on a change."""
+    hundreds of rows that split well). A model process among several (gpu_worker.model_process) also has
+    `lone`: while the other processes are idle (`others_idle`), its step runs on that many threads, their
+    cores too: from the start when they got no part of this step (steps of at least `lone_min_tokens`),
+    or from the block where they have finished theirs (`widen`, called between blocks; steps of at least
+    `widen_min_tokens`). Switching costs some microseconds, paid only on a change."""
 
-    def __init__(self, few: int, many: int, min_tokens: int) -> None:
+    def __init__(
+        self, few: int, many: int, min_tokens: int, lone: int = 0, lone_min_tokens: int = 0, widen_min_tokens: int = 0
+    ) -> None:
         self.few, self.many, self.min_tokens = few, max(few, many), min_tokens
+        self.lone, self.lone_min_tokens, self.widen_min_tokens = lone, lone_min_tokens, widen_min_tokens
+        self.others_idle: Callable[[], bool] | None = None
+        self._tokens = 0
         self.current = set_cpu_threads(few)
+        self.widened = False  # the current step has run on the lone threads (from some block on)
 
     def for_step(self, num_tokens: int) -> int:
+        self._tokens = num_tokens
         wanted = self.many if num_tokens >= self.min_tokens else self.few
-        if wanted != self.current:
-            torch.set_num_threads(wanted)
-            self.current = wanted
+        if self._may_widen(wanted, self.lone_min_tokens):
+            wanted = self.lone
+        self._set(wanted)
+        self.widened = wanted == self.lone and self.lone > max(self.few, self.many)
         return wanted
+
+    def widen(self) -> None:
+        """Between two blocks of a forward: the lone threads, once the other processes are idle."""
+        if self._may_widen(self.current, self.widen_min_tokens):
+            self._set(self.lone)
+            self.widened = True
+
+    def _may_widen(self, threads: int, min_tokens: int) -> bool:
+        idle = self.others_idle
+        return self.lone > threads and self._tokens >= min_tokens and idle is not None and idle()
+
+    def _set(self, threads: int) -> None:
+        if threads != self.current:
+            torch.set_num_threads(threads)
+            self.current = threads

@@ -94,10 +94,15 @@ def resolve_processes(config: RunnerConfig) -> tuple[int, RunnerConfig]:
     """How many model processes to start, and the config each one runs. `model_processes` 0 (auto): two
     when this process may use at least two cores, else one. Torch threads left on auto (`cpu_threads` 0)
     are shared out: each process gets its part of the cores but one (at least one thread), so that
-    several processes' OpenMP threads never outnumber the cores."""
+    several processes' OpenMP threads never outnumber the cores. A step that one process computes alone
+    (the others wait for work: a lone prompt's chunk) may use their threads: `model_process_lone_threads`
+    on auto is the processes' threads together, or the cores but one where that is more."""
     count = config.model_processes or (2 if usable_cores() >= 2 else 1)
     if count > 1 and config.cpu_threads == 0:
         config = replace(config, cpu_threads=max(1, (usable_cores() - 1) // count))
+    if count > 1 and config.model_process_lone_threads == 0:  # a step one computes alone: the others' cores too
+        lone = max(count * (config.cpu_threads or 1), usable_cores() - 1)
+        config = replace(config, model_process_lone_threads=lone)
     return count, config
 
 
@@ -112,17 +117,20 @@ class ProcessRunner(RunnerFacts):
         self.runner_config = plan.config
         self.kv_bytes_per_token = plan.kv_bytes_per_token
         self.state_bytes_per_request = plan.state_bytes_per_request
+        count, child_config = resolve_processes(config)
         arena = SharedArena("hybridserve-pool")
         self.kv_pool: KVPagePool
         self.state_pool: MambaStatePool
         self.kv_pool, self.state_pool = plan.build(arena.zeros)
+        # 1 while a model process computes its part of a step: set here before the parts go out, cleared by
+        # the process when done (the others may then take its cores: StepThreads.widen)
+        self._busy = arena.zeros((count,), torch.int32).numpy()
         weights = SharedArena("hybridserve-weights")
         weight_names = share_weights(loaded.model, weights)  # one copy, whatever the number of processes
         context = multiprocessing.get_context("spawn")  # never fork a process that runs torch threads
         self._lock = threading.Lock()
         self._children: list[_Child] = []
         try:
-            count, child_config = resolve_processes(config)
             for index in range(count):
                 self._children.append(_Child.start(context, index, loaded, child_config, arena, weights, weight_names))
             arena.close()
@@ -142,6 +150,7 @@ class ProcessRunner(RunnerFacts):
         self.steps_here = 0  # steps run in this process (fewer rows than min_rows)
         self.steps_there = 0  # steps run in the model process(es)
         self.steps_shared = 0  # of those, steps shared among several model processes
+        self.lone_parts = 0  # parts of steps run (at least from some block on) on the idle processes' cores too
         # What torch work stays here (sampling a step's rows, the prefix cache's copies) is small: one
         # thread, so that no OpenMP thread of this process spins on the core the model runs on.
         torch.set_num_threads(1)
@@ -189,6 +198,7 @@ class ProcessRunner(RunnerFacts):
             sends = [batch]
             if len(parts) > 1:
                 sends = [replace(batch, sequences=tuple(batch.sequences[i] for i in p)) for p in parts]
+            self._busy[: len(sends)] = 1
             try:
                 for child, part in zip(self._children, sends, strict=False):
                     child.send(("forward", part))
@@ -205,6 +215,7 @@ class ProcessRunner(RunnerFacts):
             if reply[0] == "error":
                 raise RuntimeError(f"model process: {reply[1]}")
         self._describe["decode_compile"] = replies[0][3]
+        self.lone_parts += sum(1 for r in replies if r[5])
         if len(parts) == 1:
             all_logits = None if replies[0][2] is None else tuple(torch.from_numpy(a) for a in replies[0][2])
             return ForwardOutput(logits=torch.from_numpy(replies[0][1]), all_logits=all_logits)
@@ -249,7 +260,7 @@ class _Child:
         conn, child_conn = context.Pipe()
         process = context.Process(
             target=serve, args=(child_conn, str(loaded.model_dir), config, arena.shapes, weights.shapes, weight_names,
-                                log.getEffectiveLevel()),
+                                log.getEffectiveLevel(), index),
             name=f"hybridserve-model-{index}", daemon=True,
         )  # fmt: skip
         process.start()
@@ -322,9 +333,9 @@ def build_runner(model_dir: str | Path, config: RunnerConfig) -> Any:
 # ---- the child --------------------------------------------------------------------------------------
 def serve(
     conn: Connection, model_dir: str, config: RunnerConfig, shapes: Shapes, weight_shapes: Shapes,
-    weight_names: list[str], log_level: int,
+    weight_names: list[str], log_level: int, index: int,
 ) -> None:  # fmt: skip
-    """The model process's loop: forward each batch it receives until "stop" or the worker goes away."""
+    """Model process `index`'s loop: forward each batch it receives until "stop" or the worker goes away."""
     from gpu_worker.cpu_alloc import keep_freed_memory
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -336,10 +347,17 @@ def serve(
         loaded = load_model(model_dir, device="cpu", dtype=config.dtype)
         if share_weights(loaded.model, AttachedArena(weight_fds, weight_shapes)) != weight_names:
             raise ValueError("the model process built other parameters than the worker's")
-        runner = ModelRunner(loaded, replace(config, device="cpu"), alloc=AttachedArena(fds, shapes).zeros)
+        pool = AttachedArena(fds, shapes)
+        runner = ModelRunner(loaded, replace(config, device="cpu"), alloc=pool.zeros)
+        count = shapes[-1][0][0]  # the busy flags, after the pools
+        busy = pool.zeros((count,), torch.int32).numpy()
     except Exception as exc:  # reported to the worker, which fails its start-up with it
         conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}")))
         return
+    others = [i for i in range(count) if i != index]
+    if runner.step_threads is not None and others:
+        runner.step_threads.others_idle = lambda: not busy[others].any()
+        runner.model.between_blocks = runner.step_threads.widen
     for fd in fds + weight_fds:
         os.close(fd)  # the mappings keep the memory
     conn.send_bytes(pickle.dumps(("ready", runner.describe())))
@@ -353,6 +371,7 @@ def serve(
             runner.close()
             return
         reply = pickle.dumps(_forward(runner, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        busy[index] = 0  # before the reply: the worker marks the next step's processes before sending
         try:
             conn.send_bytes(reply)
         except OSError:
@@ -382,7 +401,8 @@ def _forward(runner: Any, batch: Batch) -> tuple[Any, ...]:
         return ("error", f"{type(exc).__name__}: {exc}")
     status = runner.decode_compiler.status if runner.decode_compiler is not None else "off"
     all_logits = None if out.all_logits is None else [_array(a) for a in out.all_logits]
-    return ("ok", _array(out.logits), all_logits, status, time.perf_counter() - started)
+    widened = runner.step_threads is not None and runner.step_threads.widened
+    return ("ok", _array(out.logits), all_logits, status, time.perf_counter() - started, widened)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:

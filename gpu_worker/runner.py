@@ -41,6 +41,14 @@ PAGES_WITHOUT_ATTENTION = 1 << 16
 # 197 -> 174, 4 x 2,000 277 -> 248 and 265 -> 237, 8 x 256 61 -> 56 and 60 -> 59).
 CPU_SCAN_CHUNK_TOKENS = 32  # a pure-Mamba model still gets page ids for accounting (0 bytes each)
 DECODE_COMPILE_MODES = ("auto", "on", "off")
+# A step a model process computes alone on the other processes' threads too (RunnerConfig.
+# model_process_lone_threads) from this many tokens: prefill, whose GEMMs split well. A decode row stays
+# on one thread (two threads made one client's decode slower: 5.3 against 4.2 ms a token).
+LONE_STEP_MIN_TOKENS = 64
+# ... and a step that takes their cores once they have finished their parts, from this many: a long
+# prompt's chunk (8 clients, 1,000..3,000-token prompts: 242.8 against 223.5 tok/s); for the short
+# chunks of 16..256-token prompts beside decode rows it cost 3% (943.9 against 971.9 tok/s).
+WIDEN_MIN_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,10 @@ class RunnerConfig:
     model_processes: int = 0
     # a step splits among the model processes from this many tokens (a decode row counting 2.5)
     model_process_split_min_tokens: int = 48
+    # with several model processes: a step of at least LONE_STEP_MIN_TOKENS that one computes alone (the
+    # others idle: one prompt's chunk) runs on this many threads; 0 = auto (gpu_worker.model_process.
+    # resolve_processes: the cores but one, at least the processes' threads together), 1 = off
+    model_process_lone_threads: int = 0
     # on CPU, build oneDNN's projection kernels for every row bucket up to this many rows in a background
     # thread at start-up (gpu_worker.model.cpu_linear); 0 = each on its first use
     cpu_warm_rows: int = 0
@@ -84,7 +96,10 @@ class RunnerConfig:
                 raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
         if self.checkpoint_memory_bytes < 0:
             raise InvalidArgumentError(f"checkpoint_memory_bytes must be >= 0, got {self.checkpoint_memory_bytes}")
-        names = ("cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "model_processes", "cpu_warm_rows")
+        names = (
+            "cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "model_processes", "cpu_warm_rows",
+            "model_process_lone_threads",
+        )  # fmt: skip
         for name in names:
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
@@ -187,7 +202,8 @@ class ModelRunner(RunnerFacts):
         if self.device.type == "cpu":
             self.step_threads = StepThreads(
                 few := set_cpu_threads(config.cpu_threads), config.cpu_prefill_threads or few,
-                config.cpu_prefill_min_tokens,
+                config.cpu_prefill_min_tokens, config.model_process_lone_threads, LONE_STEP_MIN_TOKENS,
+                WIDEN_MIN_TOKENS,
             )  # fmt: skip
             for module in self.model.modules():
                 if isinstance(module, Mamba2Mixer):

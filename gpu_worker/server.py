@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpu_worker import lifecycle
@@ -20,6 +20,7 @@ from gpu_worker.model_process import build_runner
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from gpu_worker.service import GenerationServicer, add_to_server, server_threads
+from gpu_worker.step_split import prefill_chunk_cap
 from hybridserve import grpc_server
 from hybridserve.auth import load_keys, load_secret
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
@@ -34,7 +35,7 @@ from hybridserve.settings import (
 from hybridserve.settings import settings_from_args as settings_from_args_of
 from hybridserve.tls import TlsSettings, add_tls_arguments
 from scheduler_svc.client import SchedulerClient
-from scheduler_svc.flags import add_config_arguments, config_from_args
+from scheduler_svc.flags import add_config_arguments, chunk_cap_is_auto, config_from_args
 
 log = logging.getLogger("hybridserve.worker")
 
@@ -107,6 +108,11 @@ FLAGS = {
     "model_process_split_min_tokens": Flag(
         "with several model processes, steps of at least this many tokens (a decode row counting 2.5) are shared"
     ),
+    "model_process_lone_threads": Flag(
+        "with several model processes, a step of at least 64 tokens that one computes alone (the others idle:"
+        " a lone prompt's chunk) runs on this many threads; 0 = auto: the processes' threads together, or the"
+        " cores but one where that is more; 1 = off"
+    ),
     "cpu_warm_rows": Flag(
         "on CPU, build oneDNN's projection kernels for every 16-row bucket up to this many rows in the"
         " background at start-up (a first call with a new row count costs ~10-20 ms a forward); 0 = off"
@@ -135,7 +141,8 @@ ENGINE_FIELDS = (
 RUNNER_FIELDS = (
     "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
     "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "model_process",
-    "model_process_min_rows", "model_processes", "model_process_split_min_tokens", "cpu_warm_rows",
+    "model_process_min_rows", "model_processes", "model_process_split_min_tokens", "model_process_lone_threads",
+    "cpu_warm_rows",
 )  # fmt: skip  # the rest follow the config
 OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
@@ -182,6 +189,19 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         RunnerConfig, args, kv_page_size_tokens=scheduler.kv_page_size, max_num_seqs=scheduler.max_num_seqs
     )
     return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner)
+
+
+def with_chunk_cap(settings: EngineSettings, args: argparse.Namespace, runner: object) -> EngineSettings:
+    """The settings with --long-prefill-token-threshold resolved when left on auto: capped so that the
+    model processes share a step's prefill (gpu_worker.step_split.prefill_chunk_cap), else none."""
+    if not chunk_cap_is_auto(args):
+        return settings
+    describe: dict[str, int | str] = getattr(runner, "describe", dict)()
+    processes = int(describe.get("model_processes", 1))
+    cap = prefill_chunk_cap(settings.scheduler, processes)
+    if cap:
+        log.info("prefill chunks capped at %d tokens: a step's prefill shared by %d model processes", cap, processes)
+    return replace(settings, scheduler=replace(settings.scheduler, long_prefill_token_threshold=cap).validate())
 
 
 def build_prefix_cache(
@@ -245,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
     observers = observers_from_settings(observer_settings(server_settings), model_name=Path(server_settings.model).name)
     runner = build_runner(server_settings.model, settings.runner)
     log.info("model %s loaded: %s", server_settings.model, runner.describe())
+    settings = with_chunk_cap(settings, args, runner)
     client = SchedulerClient(
         settings.scheduler_addresses,
         deadline_s=settings.scheduler_deadline_s,

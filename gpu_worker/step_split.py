@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_worker.batch import Batch
+from scheduler_svc.core import SchedulerConfig
 
 DECODE_ROW_TOKENS = 2.5  # a decode row costs about as much as this many prefill tokens (bench_decode vs bench_prefill)
 # what any forward costs before its first token, in prefill tokens (weights streamed, per-op overhead): a
@@ -68,3 +69,17 @@ class Split:
         total = sum(rates)
         for i, r in enumerate(rates):
             self.shares[i] = 0.8 * self.shares[i] + 0.2 * (r / total)
+
+
+def prefill_chunk_cap(config: SchedulerConfig, processes: int) -> int:
+    """The per-request prefill chunk cap (long_prefill_token_threshold) under which `processes` model
+    processes share a step's prefill: one sequence's chunk runs in one process (a Mamba prefill is
+    sequential), so an uncapped long prompt fills a step by itself while the other processes wait for it.
+    Capped, the step's budget holds chunks of several prompts, and Split deals them out. The budget
+    (max_num_batched_tokens) over the processes, down to the block grid where chunks must end on it;
+    0 (no cap) with one process, or where that share would be under one block."""
+    if processes <= 1:
+        return 0
+    grid = config.block_size if config.is_aligned else 1
+    cap = config.max_num_batched_tokens // processes // grid * grid
+    return cap if cap >= grid else 0

@@ -8,13 +8,18 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from hybridserve.errors import InvalidArgumentError
 from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 from scheduler_svc.core import SchedulerConfig
 
 CONFIG_FLAGS = {
     "max_num_batched_tokens": Flag("tokens (prefill + decode) one step may compute"),
     "max_num_seqs": Flag("requests one step may run (also the worker's Mamba state slots)"),
-    "long_prefill_token_threshold": Flag("per-request cap on a prefill chunk, tokens (0 = none)"),
+    "long_prefill_token_threshold": Flag(
+        "per-request cap on a prefill chunk, tokens (0 = none; -1 = auto: with several model processes, the"
+        " step's budget over their number, on the block grid, so that a step holds several prompts' chunks"
+        " for them to share; else none)"
+    ),
     "max_num_prefill_tokens_per_step": Flag(
         "micro-slicing: in a step with decodes, prompts longer than this share at most this many prefill"
         " tokens, in quanta; shorter prompts are planned as without it (0 = off)"
@@ -25,13 +30,30 @@ CONFIG_FLAGS = {
     "kv_page_size": Flag("KV cache page, tokens (divides --block-size)"),
 }
 DERIVED = ("stop_at_last_boundary",)  # set by the worker (off: chunks keep state at every block boundary)
+AUTO_CHUNK_CAP = -1  # --long-prefill-token-threshold: the worker picks it (gpu_worker.step_split.prefill_chunk_cap)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, service: str = "WORKER") -> None:
     group = parser.add_argument_group("scheduler config (sent with every step)")
-    add_settings_arguments(group, SchedulerConfig, service, flags=CONFIG_FLAGS, exclude=DERIVED)
+    add_settings_arguments(
+        group, SchedulerConfig, service, flags=CONFIG_FLAGS, exclude=DERIVED,
+        defaults={"long_prefill_token_threshold": AUTO_CHUNK_CAP},
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace, **derived: Any) -> SchedulerConfig:
-    """The validated config; raises InvalidArgumentError naming the bad flag's field."""
+    """The validated config; raises InvalidArgumentError naming the bad flag's field. A chunk cap left
+    on auto reads 0 here: the worker sets it once it knows how many model processes run
+    (`chunk_cap_is_auto`)."""
+    cap = getattr(args, "long_prefill_token_threshold", 0)
+    if cap < AUTO_CHUNK_CAP:
+        raise InvalidArgumentError(
+            f"config.long_prefill_token_threshold = {cap} must be >= 0 (0 turns it off), or -1 for auto"
+        )
+    if chunk_cap_is_auto(args):
+        derived = {"long_prefill_token_threshold": 0, **derived}
     return settings_from_args(SchedulerConfig, args, **derived).validate()
+
+
+def chunk_cap_is_auto(args: argparse.Namespace) -> bool:
+    return getattr(args, "long_prefill_token_threshold", None) == AUTO_CHUNK_CAP

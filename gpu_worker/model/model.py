@@ -7,6 +7,7 @@ final hidden states; the runner applies `compute_logits` only to the rows it nee
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -58,6 +59,8 @@ class HybridForCausalLM(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config, torch.device("cpu")), persistent=False)
+        # called before each block (a model process among several: take idle cores, cpu_alloc.StepThreads)
+        self.between_blocks: Callable[[], None] | None = None
 
     def forward(
         self, input_ids: torch.Tensor, ctx: ForwardContext, kv_caches: KVCaches, states: StateTensors
@@ -71,7 +74,10 @@ class HybridForCausalLM(nn.Module):
         if c.rotary_dim:
             cos, sin = rope_cos_sin(ctx.positions, self.inv_freq, hidden.dtype)  # [T, rotary_dim]
         attn_i = mamba_i = 0
+        between = self.between_blocks
         for module in self.blocks:
+            if between is not None:
+                between()
             block = cast(Block, module)
             h = block.norm(hidden)
             if block.kind == "mamba":

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from gpu_worker.batch import Batch, SequenceChunk
+from gpu_worker.cpu_alloc import StepThreads, usable_cores
+from gpu_worker.model_process import resolve_processes
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 
@@ -42,3 +44,51 @@ def test_steps_switch_thread_counts_by_their_token_count(small_checkpoint, resto
 def test_thread_settings_are_checked(field) -> None:
     with pytest.raises(InvalidArgumentError, match=field):
         RunnerConfig(**{field: -1})
+
+
+def test_a_step_computed_alone_takes_the_lone_threads(restore_threads) -> None:
+    """A model process among several: a prefill-sized step runs on `lone` threads while the other
+    processes are idle (from its start, or from the block where they have finished); a step they share
+    the whole time, and any decode-sized step, on its own thread."""
+    idle = [False]
+    threads = StepThreads(few=1, many=1, min_tokens=1024, lone=2, lone_min_tokens=64, widen_min_tokens=64)
+    threads.others_idle = lambda: idle[0]
+    assert torch.get_num_threads() == 1
+    assert threads.for_step(300) == 1  # the other process computes its part too
+    threads.widen()
+    assert threads.current == 1 and torch.get_num_threads() == 1
+    idle[0] = True  # ... and has finished it: the next block takes its core
+    threads.widen()
+    assert threads.current == 2 and torch.get_num_threads() == 2
+    assert threads.for_step(8) == 1 and torch.get_num_threads() == 1  # decode rows: one thread
+    threads.widen()
+    assert threads.current == 1
+    assert threads.for_step(300) == 2  # alone from the start
+    off = StepThreads(few=1, many=1, min_tokens=1024, lone=1, lone_min_tokens=64)
+    off.others_idle = lambda: True
+    assert off.for_step(300) == 1
+    # taking the cores mid-step only for steps of at least widen_min_tokens
+    idle[0] = False
+    late = StepThreads(few=1, many=1, min_tokens=1024, lone=2, lone_min_tokens=64, widen_min_tokens=512)
+    late.others_idle = lambda: idle[0]
+    assert late.for_step(300) == 1
+    idle[0] = True
+    late.widen()
+    assert late.current == 1 and not late.widened
+    assert late.for_step(300) == 2 and late.widened  # alone from the start: from lone_min_tokens
+    idle[0] = False
+    assert late.for_step(600) == 1
+    idle[0] = True
+    late.widen()
+    assert late.current == 2 and late.widened
+
+
+def test_several_model_processes_lend_their_threads_to_a_lone_step() -> None:
+    count, child = resolve_processes(RunnerConfig(model_processes=2, cpu_threads=0))
+    assert count == 2 and child.model_process_lone_threads == max(2 * child.cpu_threads, usable_cores() - 1)
+    _, given = resolve_processes(RunnerConfig(model_processes=2, cpu_threads=1, model_process_lone_threads=1))
+    assert given.model_process_lone_threads == 1  # off, as asked
+    _, one = resolve_processes(RunnerConfig(model_processes=1))
+    assert one.model_process_lone_threads == 0  # nobody to borrow from
+    with pytest.raises(InvalidArgumentError, match="model_process_lone_threads"):
+        RunnerConfig(model_process_lone_threads=-1)

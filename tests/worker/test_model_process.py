@@ -27,10 +27,14 @@ from gpu_worker.model_process import (
     wants_model_process,
 )
 from gpu_worker.runner import ModelRunner, RunnerConfig
-from gpu_worker.step_split import Split
+from gpu_worker.server import settings_from_args as worker_settings
+from gpu_worker.server import with_chunk_cap
+from gpu_worker.step_split import Split, prefill_chunk_cap
+from hybridserve.cli import build_parser
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.core import MambaCacheMode, SchedulerConfig
 from tests.faults.stack import health_check_s, serves, write_model
 from tests.model.model_helpers import Request
 from tests.procs import ServerProcess
@@ -212,6 +216,15 @@ def test_steps_shared_among_model_processes_give_the_same_logits(checkpoint: Pat
                 out.append(runner.forward(Batch(chunks)).logits)
             for _ in range(4):
                 out.append(runner.forward(Batch(tuple(r.chunk(1) for r in reqs))).logits)
+            # prefill-sized chunks: alone in a step (>= 64 tokens), the first process takes the second's
+            # core from its first block; beside decode rows (>= 512 tokens), the chunk's process takes the
+            # other's core once that one has finished its rows (if it finishes first)
+            e = Request(runner, torch.randint(3, 120, (680,), generator=g).tolist())
+            out.append(runner.forward(Batch((e.chunk(80),))).logits)
+            if isinstance(runner, ProcessRunner):
+                runner._split.shares = [0.5, 0.5]
+            out.append(runner.forward(Batch((a.chunk(1), e.chunk(600), b.chunk(1)))).logits)
+            reqs.append(e)
             ssm = [layer[1][[r.slot for r in reqs]].clone() for layer in runner.state_pool.layer_states()]
             results.append((out, ssm))
             for r in reqs:
@@ -221,7 +234,8 @@ def test_steps_shared_among_model_processes_give_the_same_logits(checkpoint: Pat
             torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
         for x, y in zip(results[0][1], results[1][1], strict=True):
             torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
-        assert (shared.steps_shared, shared.steps_there) == (3, 7)
+        assert (shared.steps_shared, shared.steps_there) == (4, 9)
+        assert shared.lone_parts >= 1  # at least the lone 80-token step
     finally:
         shared.close()
 
@@ -272,6 +286,39 @@ def test_split_keeps_decode_rows_together_and_deals_chunks_by_speed() -> None:
     assert [len(p) for p in split.assign(chunks)] == [4, 2]
 
 
+def test_the_chunk_cap_lets_the_processes_share_a_steps_prefill() -> None:
+    """--long-prefill-token-threshold on auto (-1, the default): the step's budget over the model
+    processes, down to the block grid; none with one process, or where the share is under a block; a
+    value given stays; below -1 is refused, naming the flag's field and the values it takes."""
+    aligned = SchedulerConfig(max_num_batched_tokens=2048, block_size=256)
+    assert [prefill_chunk_cap(aligned, n) for n in (1, 2, 3, 4, 8, 9)] == [0, 1024, 512, 512, 256, 0]
+    free = SchedulerConfig(max_num_batched_tokens=2048, mamba_cache_mode=MambaCacheMode.NONE)
+    assert [prefill_chunk_cap(free, n) for n in (1, 2, 3)] == [0, 1024, 682]
+
+    class Runner:  # the one fact with_chunk_cap reads of a runner
+        def __init__(self, processes: int) -> None:
+            self.processes = processes
+
+        def describe(self) -> dict[str, int]:
+            return {"model_processes": self.processes}
+
+    parser = build_parser(only="worker")
+    auto = parser.parse_args(["worker"])
+    assert auto.long_prefill_token_threshold == -1
+    settings = worker_settings(auto)
+    assert settings.scheduler.long_prefill_token_threshold == 0  # until the runner says how many processes
+    assert with_chunk_cap(settings, auto, Runner(2)).scheduler.long_prefill_token_threshold == 1024
+    assert with_chunk_cap(settings, auto, Runner(1)).scheduler.long_prefill_token_threshold == 0
+    small = parser.parse_args(["worker", "--max-num-batched-tokens", "384"])
+    assert with_chunk_cap(worker_settings(small), small, Runner(2)).scheduler.long_prefill_token_threshold == 0
+    for given in ("0", "512"):
+        args = parser.parse_args(["worker", "--long-prefill-token-threshold", given])
+        capped = with_chunk_cap(worker_settings(args), args, Runner(2))
+        assert capped.scheduler.long_prefill_token_threshold == int(given)
+    with pytest.raises(InvalidArgumentError, match=r"long_prefill_token_threshold = -2 .*-1 for auto"):
+        worker_settings(parser.parse_args(["worker", "--long-prefill-token-threshold", "-2"]))
+
+
 def test_close_stops_the_child(checkpoint: Path) -> None:
     runner = build_runner(checkpoint, replace(CONFIG, model_process="on"))
     assert isinstance(runner, ProcessRunner) and runner.pid is not None
@@ -296,8 +343,9 @@ def test_where_the_model_runs() -> None:
     count, child = resolve_processes(RunnerConfig(model_processes=0))
     assert count == (2 if usable_cores() >= 2 else 1)
     assert child.cpu_threads == (max(1, (usable_cores() - 1) // 2) if count == 2 else 0)
-    explicit = RunnerConfig(model_processes=3, cpu_threads=4)
-    assert resolve_processes(explicit) == (3, explicit)
+    explicit = RunnerConfig(model_processes=3, cpu_threads=4)  # threads as given; a lone step takes them all
+    lone = max(12, usable_cores() - 1)
+    assert resolve_processes(explicit) == (3, replace(explicit, model_process_lone_threads=lone))
 
 
 def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> None:
@@ -306,14 +354,21 @@ def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> Non
     orchestrator restarts it) and a request ends with a clear error at once; SIGTERM still stops it."""
     model = write_model(tmp_path)
     prompt = list(range(5, 40))
+    long_prompt = [3 + (i * 7) % 250 for i in range(1300)]  # over the two processes' chunk cap (1,024)
     with ServerProcess(["scheduler", "--port", "0"]) as scheduler:
         common = ["worker", "--model", str(model), "--scheduler", scheduler.address, "--port", "0"]
         with ServerProcess([*common, "--model-process", "off"]) as here:
             expected = serves(here.address, prompt, 8, timeout_s=30)
+            expected_long = serves(here.address, long_prompt, 4, timeout_s=60)
+            assert "prefill chunks capped" not in here.output  # one process: nothing to share
         split = ["--model-process", "on", "--model-processes", "2", "--model-process-split-min-tokens", "1"]
         with ServerProcess([*common, *split, "--model-process-min-rows", "0"]) as two:
             assert expected is not None and serves(two.address, prompt, 8, timeout_s=30) == expected
             assert re.search(r"model processes \d+, \d+ ready", two.output), two.output
+            # the chunk cap on auto: half the step's 2,048 tokens, so a long prompt's chunks leave room
+            # for another prompt's in the other process; the same tokens as one uncapped chunk
+            assert "prefill chunks capped at 1024 tokens" in two.output, two.output
+            assert expected_long is not None and serves(two.address, long_prompt, 4, timeout_s=60) == expected_long
         with ServerProcess([*common, "--model-process", "on", "--model-processes", "1"]) as worker:
             assert expected is not None and serves(worker.address, prompt, 8, timeout_s=30) == expected
             found = re.search(r"model process (\d+) ready", worker.output)
