@@ -60,9 +60,9 @@ class StepThreads:
     threads need a core), `many` for steps computing at least `min_tokens` tokens (prefill: GEMMs of
     hundreds of rows that split well). A model process among several (gpu_worker.model_process) also has
     `lone`: while the other processes are idle (`others_idle`), its step runs on that many threads, their
-    cores too: from the start when they got no part of this step (steps of at least `lone_min_tokens`),
-    or from the block where they have finished theirs (`widen`, called between blocks; steps of at least
-    `widen_min_tokens`). Switching costs some microseconds, paid only on a change."""
+    cores too: from the start when they got no part of this step (steps of at least `lone_min_tokens`
+    prefill tokens), or from the block where they have finished theirs (`widen`, called between blocks;
+    at least `widen_min_tokens`). Switching costs some microseconds, paid only on a change."""
 
     def __init__(
         self, few: int, many: int, min_tokens: int, lone: int = 0, lone_min_tokens: int = 0, widen_min_tokens: int = 0
@@ -74,8 +74,11 @@ class StepThreads:
         self.current = set_cpu_threads(few)
         self.widened = False  # the current step has run on the lone threads (from some block on)
 
-    def for_step(self, num_tokens: int) -> int:
-        self._tokens = num_tokens
+    def for_step(self, num_tokens: int, prefill_tokens: int | None = None) -> int:
+        """`prefill_tokens` (the multi-token chunks' tokens; all of them when not given) decide the lone
+        threads: decode rows stay on one thread however many (64 rows on two threads, served at 64
+        clients: 1,323.6 against 1,727.0 tok/s)."""
+        self._tokens = num_tokens if prefill_tokens is None else prefill_tokens
         wanted = self.many if num_tokens >= self.min_tokens else self.few
         if self._may_widen(wanted, self.lone_min_tokens):
             wanted = self.lone

@@ -279,7 +279,7 @@ class ModelRunner(RunnerFacts):
         if packed.fresh_slots is not None:
             self.state_pool.zero_slots(packed.fresh_slots)
         if self.step_threads is not None:
-            self.step_threads.for_step(len(packed.input_ids))
+            self.step_threads.for_step(len(packed.input_ids), batch.num_prefill_tokens)
         hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]
         logits_of = self.model.compute_logits
         self._save_checkpoints(batch)

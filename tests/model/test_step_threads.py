@@ -61,6 +61,7 @@ def test_a_step_computed_alone_takes_the_lone_threads(restore_threads) -> None:
     threads.widen()
     assert threads.current == 2 and torch.get_num_threads() == 2
     assert threads.for_step(8) == 1 and torch.get_num_threads() == 1  # decode rows: one thread
+    assert threads.for_step(100, prefill_tokens=0) == 1  # however many
     threads.widen()
     assert threads.current == 1
     assert threads.for_step(300) == 2  # alone from the start
