@@ -82,9 +82,10 @@ class RunnerConfig:
     model_processes: int = 0
     # a step splits among the model processes from this many tokens (a decode row counting 2.5)
     model_process_split_min_tokens: int = 48
-    # with several model processes: a step of at least LONE_STEP_MIN_TOKENS that one computes alone (the
-    # others idle: one prompt's chunk) runs on this many threads; 0 = auto (gpu_worker.model_process.
-    # resolve_processes: the cores but one, at least the processes' threads together), 1 = off
+    # with several model processes: threads of a process's step while the others are idle (from the start
+    # with the whole step, LONE_STEP_MIN_TOKENS prefill tokens; from the block where they finished,
+    # WIDEN_MIN_TOKENS); 0 = auto (gpu_worker.model_process.resolve_processes: the cores but one, at least
+    # the processes' threads together), 1 = off
     model_process_lone_threads: int = 0
     # on CPU, build oneDNN's projection kernels for every row bucket up to this many rows in a background
     # thread at start-up (gpu_worker.model.cpu_linear); 0 = each on its first use

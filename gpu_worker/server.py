@@ -7,6 +7,7 @@ import logging
 import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from gpu_worker import lifecycle
 from gpu_worker.cache.checkpoint_io import MIN_KEY_BYTES, CheckpointLayout
@@ -109,9 +110,10 @@ FLAGS = {
         "with several model processes, steps of at least this many tokens (a decode row counting 2.5) are shared"
     ),
     "model_process_lone_threads": Flag(
-        "with several model processes, a step of at least 64 tokens that one computes alone (the others idle:"
-        " a lone prompt's chunk) runs on this many threads; 0 = auto: the processes' threads together, or the"
-        " cores but one where that is more; 1 = off"
+        "with several model processes, a process runs its step on this many threads while the others are idle:"
+        " from the start when it has the whole step (at least 64 prefill tokens), or once they finished their"
+        " parts (at least 512); decode rows stay on one thread; 0 = auto: the processes' threads together, or"
+        " the cores but one where that is more; 1 = off"
     ),
     "cpu_warm_rows": Flag(
         "on CPU, build oneDNN's projection kernels for every 16-row bucket up to this many rows in the"
@@ -191,13 +193,12 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner)
 
 
-def with_chunk_cap(settings: EngineSettings, args: argparse.Namespace, runner: object) -> EngineSettings:
+def with_chunk_cap(settings: EngineSettings, args: argparse.Namespace, runner: Any) -> EngineSettings:
     """The settings with --long-prefill-token-threshold resolved when left on auto: capped so that the
     model processes share a step's prefill (gpu_worker.step_split.prefill_chunk_cap), else none."""
     if not chunk_cap_is_auto(args):
         return settings
-    describe: dict[str, int | str] = getattr(runner, "describe", dict)()
-    processes = int(describe.get("model_processes", 1))
+    processes = int(runner.describe().get("model_processes", 1))  # a ModelRunner's names none: one
     cap = prefill_chunk_cap(settings.scheduler, processes)
     if cap:
         log.info("prefill chunks capped at %d tokens: a step's prefill shared by %d model processes", cap, processes)
