@@ -62,7 +62,7 @@ from gpu_worker.cpu_alloc import usable_cores
 from gpu_worker.kv_pool import KVPagePool
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.runner import ModelRunner, PoolPlan, RunnerConfig, RunnerFacts
-from gpu_worker.shared_memory import AttachedArena, Shapes, SharedArena
+from gpu_worker.shared_memory import AttachedArena, Shapes, SharedArena, share_weights
 from gpu_worker.state_pool import MambaStatePool
 from gpu_worker.step_split import Split
 from hybridserve.errors import InvalidArgumentError
@@ -298,21 +298,6 @@ class _Child:
             self.process.kill()
             self.process.join(STOP_TIMEOUT_S)
         self.conn.close()
-
-
-def share_weights(model: torch.nn.Module, arena: SharedArena | AttachedArena) -> list[str]:
-    """Moves every parameter of `model` into `arena`'s memory (the owner copies its values in; a model
-    process, given an AttachedArena, takes the owner's memory in place of its own copy). Returns the
-    parameters' names, in the order the arena handed them out (named_parameters: each tied tensor once)."""
-    names = []
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            shared = arena.zeros(tuple(param.shape), param.dtype)
-            if isinstance(arena, SharedArena):
-                shared.copy_(param)
-            param.data = shared
-            names.append(name)
-    return names
 
 
 def _strip_weights(model: torch.nn.Module) -> None:

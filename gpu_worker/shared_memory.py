@@ -1,5 +1,5 @@
-"""Tensors in memory that two processes map: the worker and its model process share the KV page pool
-and the Mamba state pool this way (gpu_worker.model_process).
+"""Tensors in memory that two processes map: the worker and its model processes share the KV page pool,
+the Mamba state pool and the weights this way (gpu_worker.model_process).
 
 Each tensor is an anonymous memory file (`memfd_create`), mapped shared. Unlike POSIX shared memory
 (`/dev/shm`, which container runtimes cap at 64 MiB by default) a memory file is bounded only by the
@@ -86,3 +86,18 @@ class AttachedArena:
     @property
     def complete(self) -> bool:
         return self._next == len(self._fds)
+
+
+def share_weights(model: torch.nn.Module, arena: SharedArena | AttachedArena) -> list[str]:
+    """Moves every parameter of `model` into `arena`'s memory (the owner copies its values in; a model
+    process, given an AttachedArena, takes the owner's memory in place of its own copy). Returns the
+    parameters' names, in the order the arena handed them out (named_parameters: each tied tensor once)."""
+    names = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shared = arena.zeros(tuple(param.shape), param.dtype)
+            if isinstance(arena, SharedArena):
+                shared.copy_(param)
+            param.data = shared
+            names.append(name)
+    return names
