@@ -3,9 +3,10 @@ bench_vs_vllm.py starts, on the same random Granite-4.0-H checkpoint), driven by
 streamed HTTP load, with each process's CPU time (user + system, from /proc) over the measured run
 divided by the output tokens. The worker's time is split by thread: the engine thread (named by its
 py-spy dump where py-spy is installed, else the busiest thread), the other threads together (gRPC
-streams, planner, health).
+streams, planner, health); its model processes (the forward passes) are a column of their own.
 
     .venv/bin/python bench/bench_served_cpu.py [--clients 8,32] [--mix 16-256] [--max-tokens 64]
+        [--decode-compile auto|on|off]
 
 Linux only (/proc). Only figures from one run, side by side, mean anything.
 """
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_vs_vllm import SERVED_NAME, start_ours, write_model  # noqa: E402
 from http_load import run_http_load  # noqa: E402
-from proc_cpu import cpu_s, threads_cpu_s  # noqa: E402
+from proc_cpu import cpu_s, threads_cpu_s, tree_cpu_s  # noqa: E402
 
 from hybridserve.children import Child, hybridserve_command, stop_all  # noqa: E402
 from hybridserve.cli.loadgen import make_prompts  # noqa: E402
@@ -48,6 +49,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--decode-compile", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--init-std", type=float, default=0.06)
@@ -61,27 +63,29 @@ def main() -> int:
         address = scheduler.wait_listening(120.0)
         with tempfile.TemporaryDirectory() as tmp:
             model = write_model("granitemoehybrid", args, Path(tmp))
-            ours, _, url = start_ours(model, address, max(clients))
+            ours, _, url = start_ours(model, address, max(clients), args.decode_compile)
             children = ours + children
-            gateway, worker = ours[0], ours[1]
+            gateway, worker = ours[0], ours[1]  # start_ours puts the gateway first
             run_http_load(url, SERVED_NAME, make_prompts(8, 16, 64, args.vocab_size, seed=args.seed + 1000), 4, 8)
             engine_tid = engine_thread_id(worker.pid)
             print(f"CPU ms per 1,000 output tokens, prompts {lo}..{hi}, {args.max_tokens} new tokens, streamed HTTP")
-            print(f"{'clients':>8}{'tok/s':>9}{'worker':>9}{'engine':>9}{'others':>9}{'gateway':>9}{'sched':>9}")
+            print(f"{'clients':>8}{'tok/s':>9}{'models':>9}{'worker':>9}{'engine':>9}{'others':>9}{'gateway':>9}{'sched':>9}")
             for n in clients:
                 prompts = make_prompts(n * args.requests_per_client, lo, hi, args.vocab_size, seed=args.seed + n)
                 pids = {"worker": worker.pid, "gateway": gateway.pid, "sched": scheduler.pid}
                 before = {k: cpu_s(p) for k, p in pids.items()}
+                models_before = tree_cpu_s([worker.pid]) - before["worker"]
                 threads_before = threads_cpu_s(worker.pid)
                 summary = run_http_load(url, SERVED_NAME, prompts, n, args.max_tokens)
                 after = {k: cpu_s(p) for k, p in pids.items()}
+                models = tree_cpu_s([worker.pid]) - after["worker"] - models_before
                 threads_after = threads_cpu_s(worker.pid)
                 per_thread = {t: threads_after[t] - threads_before.get(t, 0.0) for t in threads_after}
                 engine = per_thread.get(engine_tid, 0.0) if engine_tid else max(per_thread.values())
                 tokens = summary.output_tokens_per_s * summary.wall_s / 1000.0
                 used = {k: (after[k] - before[k]) * 1000.0 / tokens for k in pids}
                 engine_ms = engine * 1000.0 / tokens
-                row = (summary.output_tokens_per_s, used["worker"], engine_ms, used["worker"] - engine_ms,
+                row = (summary.output_tokens_per_s, models * 1000.0 / tokens, used["worker"], engine_ms, used["worker"] - engine_ms,
                        used["gateway"], used["sched"])  # fmt: skip
                 print(f"{n:>8}{row[0]:>9.1f}" + "".join(f"{v:>9.0f}" for v in row[1:]), flush=True)
     finally:
