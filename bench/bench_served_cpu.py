@@ -85,8 +85,8 @@ def main() -> int:
                 tokens = summary.output_tokens_per_s * summary.wall_s / 1000.0
                 used = {k: (after[k] - before[k]) * 1000.0 / tokens for k in pids}
                 engine_ms = engine * 1000.0 / tokens
-                row = (summary.output_tokens_per_s, models * 1000.0 / tokens, used["worker"], engine_ms, used["worker"] - engine_ms,
-                       used["gateway"], used["sched"])  # fmt: skip
+                row = (summary.output_tokens_per_s, models * 1000.0 / tokens, used["worker"], engine_ms,
+                       used["worker"] - engine_ms, used["gateway"], used["sched"])  # fmt: skip
                 print(f"{n:>8}{row[0]:>9.1f}" + "".join(f"{v:>9.0f}" for v in row[1:]), flush=True)
     finally:
         stop_all(children)
