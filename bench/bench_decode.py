@@ -12,11 +12,13 @@ compiled_decode), interleaved with the eager runs; with --scattered the sequence
 state slot (not one contiguous run); --prompts 1000..3000 sets the prompt lengths (long contexts);
 --padded-attention also runs every mode with decode attention batched over pages padded to the longest
 context for every sequence (the form before gpu_worker.model.decode_attention's per-sequence calls),
-rows marked "/pad".
+rows marked "/pad"; --unpacked also runs every mode with the projections' weights given to oneDNN
+unpacked (from 16 rows, F.linear below: the form before gpu_worker.model.cpu_linear's packs), rows marked
+"/unpacked".
 Absolute times depend on the machine and its load; compare rows measured in one run.
 
     .venv/bin/python bench/bench_decode.py [--batches 8,32,64] [--steps 48] [--compile] [--scattered]
-        [--prompts 16..256] [--padded-attention]
+        [--prompts 16..256] [--padded-attention] [--unpacked]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from gpu_worker.cpu_alloc import keep_freed_memory
 from gpu_worker.init_model import ModelSpec, write_random_checkpoint
 from gpu_worker.input_builder import build_inputs
 from gpu_worker.model.attention import PagedAttention
+from gpu_worker.model.cpu_linear import OneDnnLinear
 from gpu_worker.model.decode_attention import LONG_CONTEXT_TOKENS
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.model.model import Block
@@ -136,6 +139,13 @@ def set_padded_attention(runner: ModelRunner, padded: bool) -> None:
             module.decode_long_context_tokens = 1 << 62 if padded else LONG_CONTEXT_TOKENS
 
 
+def set_packed(runner: ModelRunner, packed: bool) -> None:
+    """Projections with their weights prepacked for oneDNN (the default where packing is on) or not."""
+    for module in runner.model.modules():
+        if isinstance(module, OneDnnLinear):
+            module.packs = packed
+
+
 def set_compiled(runner: ModelRunner, compiled: bool) -> None:
     """Route the Mamba decode rows through the compiled step (attached) or the eager code."""
     compiler = runner.decode_compiler
@@ -155,6 +165,7 @@ def main() -> None:
     parser.add_argument("--scattered", action="store_true", help="every other state slot (gathered state rows)")
     parser.add_argument("--prompts", default="16..256", help="prompt lengths LO..HI (tokens)")
     parser.add_argument("--padded-attention", action="store_true", help="also decode attention padded to the longest")
+    parser.add_argument("--unpacked", action="store_true", help="also the projections' weights unpacked")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.prompts.split(".."))
     keep_freed_memory()
@@ -178,20 +189,23 @@ def main() -> None:
         modes = ("eager", "compiled") if args.compile else ("eager",)
         if args.padded_attention:
             modes = tuple(m for mode in modes for m in (mode, f"{mode}/pad"))
+        if args.unpacked:
+            modes = tuple(m for mode in modes for m in (mode, f"{mode}/unpacked"))
         print(f"prompts {lo}..{hi} tokens")
-        print(f"{'batch':>6}{'mode':>14}" + "".join(f"{c:>10}" for c in cols) + f"{'tok/s':>9}")
+        print(f"{'batch':>6}{'mode':>20}" + "".join(f"{c:>10}" for c in cols) + f"{'tok/s':>9}")
         for b in batches:
             runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for _ in range(args.repeats):  # interleaved, so a load spike hits both alike
                 for mode in modes:
                     if args.compile:
                         set_compiled(runner, mode.startswith("compiled"))
-                    set_padded_attention(runner, mode.endswith("/pad"))
+                    set_padded_attention(runner, "/pad" in mode)
+                    set_packed(runner, "/unpacked" not in mode)
                     runs[mode].append(run_batch(runner, clock, b, args.steps, args.scattered, (lo, hi)))
             for mode in modes:
                 best = min(runs[mode], key=lambda r: r["step"])
                 row = "".join(f"{best.get(c, 0.0):>10.2f}" for c in cols)
-                print(f"{b:>6}{mode:>14}{row}{1000 * b / best['step']:>9.0f}")
+                print(f"{b:>6}{mode:>20}{row}{1000 * b / best['step']:>9.0f}")
         print("forward includes inputs (built again inside it), mixers, norms and logits; mixers are timed by kind")
 
 

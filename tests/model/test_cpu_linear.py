@@ -1,7 +1,8 @@
 """Projections through oneDNN on CPU (gpu_worker.model.cpu_linear): the same results as `F.linear` up to
-float32 rounding, for few and many rows (padded to a row bucket or not), with and without bias; the
-switch keeps parameters, tied weights and the state dict; autograd takes `F.linear`; warming builds
-each shape's kernels once per bucket."""
+float32 rounding, for few and many rows (padded to a row bucket or not), with and without bias, with
+the weight prepacked or not; the pack follows the parameter when its storage or values change, and is
+off for models over the size cap; the switch keeps parameters, tied weights and the state dict;
+autograd takes `F.linear`; warming packs every weight and builds each shape's kernels once per bucket."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from torch import nn
 
 from gpu_worker.model.cpu_linear import (
     ONEDNN_MIN_ROWS,
+    PACKED_MIN_ROWS,
     ROW_BUCKET,
     OneDnnLinear,
     bucket_rows,
     onednn_available,
+    pack_available,
     use_onednn_linears,
     warm_onednn_linears,
 )
@@ -23,14 +26,20 @@ from gpu_worker.model.cpu_linear import (
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
 
-@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, ONEDNN_MIN_ROWS + 1, 47, 700])
+@pytest.mark.parametrize(
+    "rows",
+    [1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 8, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, ONEDNN_MIN_ROWS + 1, 47, 700],
+)
 @pytest.mark.parametrize("bias", [True, False])
-def test_onednn_linear_matches_f_linear(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("packs", [True, False])
+def test_onednn_linear_matches_f_linear(rows: int, bias: bool, packs: bool) -> None:
     torch.manual_seed(rows)
     layer = nn.Linear(96, 40, bias=bias)
     reference = F.linear(x := torch.randn(rows, 96), layer.weight, layer.bias)
     use_onednn_linears(layer)
     assert isinstance(layer, OneDnnLinear)
+    assert layer.packs == pack_available()  # a small model packs
+    layer.packs = packs and pack_available()
     with torch.inference_mode():
         got = layer(x)
         batched = layer(x.view(1, rows, 96))  # leading dims are kept
@@ -78,14 +87,56 @@ def test_rows_padded_to_a_bucket_give_each_row_its_own_result() -> None:
             assert not torch.allclose(moved[-1], part[-1])
 
 
-def test_warming_calls_each_shape_once_per_bucket() -> None:
-    """One call per distinct projection shape and row bucket (shared shapes warm once); the layers are
-    left as they were."""
+@pytest.mark.parametrize("packs", [True, False])
+def test_warming_calls_each_shape_once_per_bucket(packs: bool) -> None:
+    """One call per distinct projection shape and row bucket from the fewest rows oneDNN takes (shared
+    shapes warm once); every weight is packed where packing is on; the layers are left as they were."""
     model = nn.Sequential(nn.Linear(64, 24), nn.Linear(24, 64), nn.Linear(64, 24), nn.Linear(64, 24, bias=False))
     use_onednn_linears(model)
+    packs = packs and pack_available()
+    for layer in model:
+        layer.packs = packs
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    buckets = len({bucket_rows(rows) for rows in range(ONEDNN_MIN_ROWS, 128 + 1)})
-    assert buckets == len(range(16, 64, 8)) + len(range(64, 129, 16))  # 8-row buckets below 64, then 16
+    fewest = PACKED_MIN_ROWS if packs else ONEDNN_MIN_ROWS
+    buckets = len({bucket_rows(rows) for rows in range(fewest, 128 + 1)})
+    assert buckets == len(range(-(-fewest // 8) * 8, 64, 8)) + len(range(64, 129, 16))  # 8-row buckets below 64
     assert warm_onednn_linears(model, 128) == 3 * buckets  # (64, 24, bias) twice: warmed once
-    assert warm_onednn_linears(model, ONEDNN_MIN_ROWS - 1) == 0
+    assert warm_onednn_linears(model, fewest - 1) == 0
+    assert all((layer._pack is not None) == packs for layer in model)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.skipif(not pack_available(), reason="this torch build cannot pack a weight for oneDNN")
+def test_the_pack_follows_the_parameter() -> None:
+    """A pack made from one weight is not used once the parameter's storage is swapped (as a model
+    process swaps its weights for the worker's shared ones) or its values change in place."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16)
+    use_onednn_linears(layer)
+    x = torch.randn(8, 32)
+    with torch.inference_mode():
+        layer(x)
+    first = layer._pack
+    with torch.no_grad():
+        layer.weight.data = torch.randn(16, 32)  # a new storage
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert layer._pack is not first
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # same storage, new values
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_models_over_the_cap_keep_their_weights_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each process running the model would hold its own pack: over PACK_MAX_BYTES of projection
+    weights, none is made, and few rows take F.linear as before."""
+    import gpu_worker.model.cpu_linear as cpu_linear
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    monkeypatch.setattr(cpu_linear, "PACK_MAX_BYTES", 64 * 64 * 4)  # one layer's weight fits, two do not
+    use_onednn_linears(model)
+    assert not any(layer.packs for layer in model)
+    with torch.inference_mode():
+        model(torch.randn(8, 64))
+    assert all(layer._pack is None for layer in model)
