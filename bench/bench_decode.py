@@ -143,7 +143,7 @@ def set_packed(runner: ModelRunner, packed: bool) -> None:
     """Projections with their weights prepacked for oneDNN (the default where packing is on) or not."""
     for module in runner.model.modules():
         if isinstance(module, OneDnnLinear):
-            module.packs = packed
+            module.set_packing(packed)
 
 
 def set_compiled(runner: ModelRunner, compiled: bool) -> None:

@@ -15,18 +15,23 @@ build routes the same layers through oneDNN. Results differ from `F.linear` by f
 
 Prepacked weights. Given the weight as a plain dense tensor, oneDNN reorders it into its blocked layout on
 every call, which is most of a few-row call's cost. Reordered once (`torch.ops.mkldnn.
-_reorder_linear_weight`) and kept beside the parameter, the same projections on one core, us per call:
+_reorder_linear_weight`) and kept beside the parameter, the same projection on one core, us per call
+with the weight hot in cache:
 
     rows                       1      3      8     16     32    128   2048
     F.linear (MKL)            17     43     69    111    196    710  11150   (256 -> 1160)
     oneDNN, plain weight      25     43     54     72    112    331   4930
     oneDNN, prepacked         25     26     36     53     93    313   4730
 
-so with the pack a decode step's projections from three rows on take about half of `F.linear`'s time.
-The pack is a private copy of the weight (model processes share the parameters, not the packs), so it
-is made only while the model's projection weights total at most PACK_MAX_BYTES; it is rebuilt when the
-parameter's storage or version changes (a model process swaps its parameters for the worker's shared
-ones after load).
+and in a forward, where each weight is read once per step from the last-level cache (24 weights of one
+shape in turn), us per call at 1 / 2 rows, F.linear against prepacked: 256 -> 1160 47.6 / 29.6 and
+61.5 / 35.9, 256 -> 1024 40.1 / 26.5, 256 -> 512 23.0 / 18.7, 512 -> 256 17.2 / 18.7 and 23.6 / 19.5,
+256 -> 256 11.3 / 14.2, 256 -> 128 7.4 / 12.1. So a decode step's projections take the pack from one
+row on where the weight has at least PACK_FEW_ROWS_BYTES, from PACKED_MIN_ROWS rows on where it is
+smaller (one call's fixed cost outweighs reading it). The pack is a private copy of the weight (model
+processes share the parameters, not the packs), so it is made only while the model's projection
+weights total at most PACK_MAX_BYTES; it is rebuilt when the parameter's storage or version changes (a
+model process swaps its parameters for the worker's shared ones after load).
 
 `use_onednn_linears(model)` switches every plain `nn.Linear` of a model to `OneDnnLinear` in place
 (same parameters, same state dict); the CPU runner calls it at load."""
@@ -45,9 +50,12 @@ from torch import nn
 # buckets below 64), three rounds: 16 sequences 7.35-8.59 / 6.98-7.65, 24: 9.31-9.50 / 7.90-8.41,
 # 8 and 12 (F.linear either way, or oneDNN from 8 rows: no better) unchanged.
 ONEDNN_MIN_ROWS = 16
-# With the weight prepacked, oneDNN wins from three rows (the table above; whole decode steps: two rows
-# 2.92 vs 2.84 ms unpacked, three 3.08 vs 3.33); fewer keep F.linear.
+# With the weight prepacked, small weights go to oneDNN from this many rows, those of at least
+# PACK_FEW_ROWS_BYTES from one (the tables above). Whole decode steps of the issue's model, compiled Mamba
+# step, ms, packed / unpacked (bench_decode --unpacked): 1 row 2.23 / 2.39, 2 rows 2.56 / 2.82, 4 rows
+# 3.31 / 3.84, 8 rows 3.75 / 4.79, 16 rows 5.41 / 6.98, 32 rows 8.03 / 8.77.
 PACKED_MIN_ROWS = 3
+PACK_FEW_ROWS_BYTES = 512 << 10
 # The most projection-weight bytes a model may have for its projections to be packed (one private copy
 # per process that runs the model: the issue's 6.4M-parameter model has 25 MB).
 PACK_MAX_BYTES = 256 << 20
@@ -58,14 +66,17 @@ PACK_ROWS_HINT = 64
 # 0.3-1 ms more per projection, ~10-20 ms for a forward of the issue's model, and a serving step's row
 # count (a prefill chunk plus the decoding rows) is new nearly every step. Rows are padded up to a
 # multiple of ROW_BUCKET (of SMALL_ROW_BUCKET below SMALL_ROWS, where padding would cost most), so
-# shapes repeat.
+# shapes repeat; up to EXACT_ROWS (a decode step's few rows, where a padded row costs most) not at all.
 ROW_BUCKET = 16
 SMALL_ROW_BUCKET = 8
 SMALL_ROWS = 64
+EXACT_ROWS = 8
 
 
 def bucket_rows(rows: int) -> int:
-    """The row count `rows` runs padded to."""
+    """The row count `rows` runs padded to (up to EXACT_ROWS, none: a decode step's few rows)."""
+    if rows <= EXACT_ROWS:
+        return rows
     step = SMALL_ROW_BUCKET if rows < SMALL_ROWS else ROW_BUCKET
     return -(-rows // step) * step
 
@@ -79,20 +90,28 @@ def onednn_available() -> bool:
 
 
 class OneDnnLinear(nn.Linear):
-    """An `nn.Linear` whose forward sends inputs of at least `ONEDNN_MIN_ROWS` rows to oneDNN on CPU, of at
-    least `PACKED_MIN_ROWS` once `packs` is set (the weight then goes to oneDNN prepacked).
+    """An `nn.Linear` whose forward sends inputs of at least `min_rows` rows to oneDNN on CPU: ONEDNN_MIN_ROWS,
+    or fewer once `set_packing(True)` has given oneDNN the weight prepacked.
 
     Anything else (few rows, another device or dtype, autograd recording) takes `F.linear`, so the
     module stays a drop-in `nn.Linear`."""
 
-    packs = False  # set per module by use_onednn_linears (the class is switched in place, no __init__ runs)
+    # set per module by set_packing (the class is switched in place: no __init__ runs)
+    packs = False
+    min_rows = ONEDNN_MIN_ROWS
     _pack: torch.Tensor | None = None
     _pack_of: tuple[int, int] | None = None  # (data pointer, version) of the weight `_pack` was made from
+
+    def set_packing(self, on: bool) -> None:
+        """Prepacked weight (from one row where the weight is large) or the plain one (from ONEDNN_MIN_ROWS)."""
+        self.packs = on
+        large = self.weight.numel() * self.weight.element_size() >= PACK_FEW_ROWS_BYTES
+        self.min_rows = (1 if large else PACKED_MIN_ROWS) if on else ONEDNN_MIN_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (
-            rows < (PACKED_MIN_ROWS if self.packs else ONEDNN_MIN_ROWS)
+            rows < self.min_rows
             or x.device.type != "cpu"
             or x.dtype not in _DTYPES
             or x.dtype != self.weight.dtype
@@ -129,7 +148,7 @@ def use_onednn_linears(model: nn.Module) -> int:
     packs = pack_available() and sum(m.weight.numel() * m.weight.element_size() for m in switched) <= PACK_MAX_BYTES
     for module in switched:
         module.__class__ = OneDnnLinear
-        typing.cast(OneDnnLinear, module).packs = packs
+        typing.cast(OneDnnLinear, module).set_packing(packs)
     return len(switched)
 
 
@@ -143,17 +162,17 @@ def warm_onednn_linears(model: nn.Module, max_rows: int, stop: threading.Event |
     bucket from the fewest rows oneDNN takes up to `max_rows`, once per distinct projection shape of
     `model` (the kernels are cached by shape, not by weights), so that no serving step pays for a first
     call; ends early once `stop` is set. Returns the number of kernel-building calls made."""
-    shapes: dict[tuple[int, int, bool, bool], OneDnnLinear] = {}
+    shapes: dict[tuple[int, int, bool, bool, int], OneDnnLinear] = {}
     for module in model.modules():
         if isinstance(module, OneDnnLinear):
             if module.packs:
                 module.packed_weight()
-            shapes.setdefault((module.in_features, module.out_features, module.bias is not None, module.packs), module)
+            key = (module.in_features, module.out_features, module.bias is not None, module.packs, module.min_rows)
+            shapes.setdefault(key, module)
     calls = 0
     with torch.inference_mode():
         for layer in shapes.values():
-            fewest = PACKED_MIN_ROWS if layer.packs else ONEDNN_MIN_ROWS
-            for rows in sorted({bucket_rows(rows) for rows in range(fewest, max_rows + 1)}):
+            for rows in sorted({bucket_rows(rows) for rows in range(layer.min_rows, max_rows + 1)}):
                 if stop is not None and stop.is_set():
                     return calls
                 layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device))

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.model.cpu_linear import (
+    EXACT_ROWS,
     ONEDNN_MIN_ROWS,
+    PACK_FEW_ROWS_BYTES,
     PACKED_MIN_ROWS,
     ROW_BUCKET,
     OneDnnLinear,
@@ -39,7 +41,7 @@ def test_onednn_linear_matches_f_linear(rows: int, bias: bool, packs: bool) -> N
     use_onednn_linears(layer)
     assert isinstance(layer, OneDnnLinear)
     assert layer.packs == pack_available()  # a small model packs
-    layer.packs = packs and pack_available()
+    layer.set_packing(packs and pack_available())
     with torch.inference_mode():
         got = layer(x)
         batched = layer(x.view(1, rows, 96))  # leading dims are kept
@@ -95,15 +97,33 @@ def test_warming_calls_each_shape_once_per_bucket(packs: bool) -> None:
     use_onednn_linears(model)
     packs = packs and pack_available()
     for layer in model:
-        layer.packs = packs
+        layer.set_packing(packs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fewest = PACKED_MIN_ROWS if packs else ONEDNN_MIN_ROWS
+    fewest = PACKED_MIN_ROWS if packs else ONEDNN_MIN_ROWS  # small weights: not from one row
+    assert all(layer.min_rows == fewest for layer in model)
     buckets = len({bucket_rows(rows) for rows in range(fewest, 128 + 1)})
-    assert buckets == len(range(-(-fewest // 8) * 8, 64, 8)) + len(range(64, 129, 16))  # 8-row buckets below 64
+    exact = len(range(fewest, EXACT_ROWS + 1))  # few rows run unpadded, then 8-row buckets below 64
+    assert buckets == exact + len(range(16 if packs else fewest, 64, 8)) + len(range(64, 129, 16))
     assert warm_onednn_linears(model, 128) == 3 * buckets  # (64, 24, bias) twice: warmed once
     assert warm_onednn_linears(model, fewest - 1) == 0
     assert all((layer._pack is not None) == packs for layer in model)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.skipif(not pack_available(), reason="this torch build cannot pack a weight for oneDNN")
+def test_large_weights_take_the_pack_from_one_row() -> None:
+    """A weight of PACK_FEW_ROWS_BYTES or more goes to oneDNN packed from one row (reading it dominates), a
+    smaller one from PACKED_MIN_ROWS; one row gives F.linear's result either way."""
+    out_features = PACK_FEW_ROWS_BYTES // 4 // 64
+    model = nn.Sequential(nn.Linear(64, out_features), nn.Linear(out_features, 8))
+    use_onednn_linears(model)
+    assert [layer.min_rows for layer in model] == [1, PACKED_MIN_ROWS]
+    x = torch.randn(1, 64)
+    with torch.inference_mode():
+        hidden = model[0](x)
+        assert model[0]._pack is not None and model[1]._pack is None
+        torch.testing.assert_close(hidden, F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model[1](hidden), F.linear(hidden, model[1].weight, model[1].bias))
 
 
 @pytest.mark.skipif(not pack_available(), reason="this torch build cannot pack a weight for oneDNN")
