@@ -26,7 +26,8 @@ a decode row counting 2.5, plus a forward's fixed cost) over each process's shar
 each process went (its core may be busy with the worker's own threads). Small steps (below
 `model_process_split_min_tokens`) go to the first process alone.
 
-The weights are in memory too (`share_weights`): one copy, whatever the number of model processes.
+The weights are in memory too (`share_weights`): one copy, whatever the number of model processes (each
+process may add its own prepacked copy of the projections: gpu_worker.model.cpu_linear).
 Each child loads the checkpoint to build its modules, then points every parameter at the worker's
 copy and frees its own; the worker drops its references once the children are ready, unless small
 steps run at home (it keeps the config, tokenizer and fingerprint). CPU only: a CUDA runner
