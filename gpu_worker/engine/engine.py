@@ -33,7 +33,8 @@ from gpu_worker.engine.finish import FinishReason
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.output import Ending, OutputProcessor
 from gpu_worker.engine.planning import PlanFn, Planned, Planning
-from gpu_worker.engine.prepared import PreparedStep, Row, make_row
+from gpu_worker.engine.prepare import preempt, prepare_step
+from gpu_worker.engine.prepared import PreparedStep
 from gpu_worker.engine.records import FirstToken, Occupancy, StepRecord
 from gpu_worker.engine.request import Request
 from gpu_worker.engine.settings import EngineSettings
@@ -240,53 +241,8 @@ class Engine:
 
     # ---- 2. prepare ------------------------------------------------------------------------------
     def _prepare(self, plan: StepPlan) -> PreparedStep:
-        """Preempts, admits and allocates what the plan asks; a slice whose request ended since it
-        was planned (async scheduling) or that found no pages is skipped. Preempted requests are
-        queued again only after the step's pages are taken: queueing attaches a request's cached
-        prefix, which would pin again the pages its preemption freed for this step's plan."""
-        requeue = [r for rid in plan.preempted_request_ids if (r := self._preempt(rid)) is not None]
-        rows: list[Row] = []
-        running, page_size = self.table.running, self.allocator.kv_pool.page_size_tokens
-        block = self.settings.scheduler.block_size  # the prefix cache's checkpoint grid
-        checkpoints_for = self.allocator.checkpoints_for
-        for planned in plan.slices:  # every row of every step: attribute reads kept in locals
-            request = running.get(planned.request_id) or self._admit(planned.request_id)
-            if request is None:
-                continue
-            start = request.num_computed_tokens
-            end = start + planned.num_tokens
-            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-            if end > num_tokens:
-                continue
-            covered = end <= len(request.page_ids) * page_size  # most decodes: no new page, no call
-            if not covered and not self.allocator.ensure_pages(request, end):
-                log.warning("no KV pages for %s although planned; preempting it", request.request_id)
-                self._preempt(request.request_id)
-                requeue.append(request)
-                continue
-            # Checkpoints sit on the block grid: a chunk that reaches no boundary in (start, end]
-            # (most decodes) has none to ask for.
-            checkpoints = checkpoints_for(request, start, end) if end // block > start // block else []
-            rows.append(make_row(request, planned, checkpoints, end == num_tokens))
-            request.num_computed_tokens = end
-        for request in requeue:
-            self._enqueue(request)
-        return PreparedStep(tuple(rows), tuple(r.request_id for r in requeue))
-
-    def _admit(self, request_id: str) -> Request | None:
-        request = self.table.pop_waiting(request_id)
-        if request is not None:
-            self.allocator.assign_slot(request)
-            self.table.add_running(request)
-        return request
-
-    def _preempt(self, request_id: str) -> Request | None:
-        """Frees a running request to recompute everything it knows; the caller queues it again."""
-        request = self.table.pop_running(request_id)
-        if request is not None:
-            self.allocator.release(request)
-            request.fold_for_recompute()
-        return request
+        """The plan's rows, with its preemptions, admissions and pages (gpu_worker.engine.prepare)."""
+        return prepare_step(plan, self.table, self.allocator, self.settings.scheduler.block_size, self._enqueue)
 
     def _unstall(self) -> tuple[tuple[str, ...], list[Ending]]:
         """Applies one remedy for an empty plan (gpu_worker/engine/unstall.py); returns the
@@ -297,7 +253,7 @@ class Engine:
             self.allocator.drop_prefix(self.table.waiting[remedy.request_id])
             return (), []
         if remedy.remedy is Remedy.PREEMPT:
-            preempted = self._preempt(remedy.request_id)
+            preempted = preempt(self.table, self.allocator, remedy.request_id)
             if preempted is not None:
                 self._enqueue(preempted)
             return ((remedy.request_id,) if preempted is not None else ()), []
