@@ -14,7 +14,7 @@ build routes the same layers through oneDNN. Results differ from `F.linear` by f
 (another summation order: ~2e-6 on values of order 1).
 
 Prepacked weights. Given the weight as a plain dense tensor, oneDNN reorders it into its blocked layout on
-every call, which is most of a few-row call's cost. Reordered once (`torch.ops.mkldnn.
+every call, a third or more of a few-row call's cost. Reordered once (`torch.ops.mkldnn.
 _reorder_linear_weight`) and kept beside the parameter, the same projection on one core, us per call
 with the weight hot in cache:
 
