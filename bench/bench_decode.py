@@ -11,8 +11,8 @@ With --compile the same steps also run with the Mamba decode step compiled (gpu_
 compiled_decode), interleaved with the eager runs; with --scattered the sequences hold every other
 state slot (not one contiguous run); --prompts 1000..3000 sets the prompt lengths (long contexts);
 --padded-attention also runs every mode with decode attention batched over pages padded to the longest
-context for every sequence (the form before gpu_worker.model.decode_attention's per-sequence calls),
-rows marked "/pad"; --unpacked also runs every mode with the projections' weights given to oneDNN
+context for every sequence in one call (the form before gpu_worker.model.decode_attention's per-sequence
+calls and groups), rows marked "/pad"; --unpacked also runs every mode with the projections' weights given to oneDNN
 unpacked (from 16 rows, F.linear below: the form before gpu_worker.model.cpu_linear's packs), rows marked
 "/unpacked".
 Absolute times depend on the machine and its load; compare rows measured in one run.
@@ -39,7 +39,7 @@ from gpu_worker.init_model import ModelSpec, write_random_checkpoint
 from gpu_worker.input_builder import build_inputs
 from gpu_worker.model.attention import PagedAttention
 from gpu_worker.model.cpu_linear import OneDnnLinear
-from gpu_worker.model.decode_attention import LONG_CONTEXT_TOKENS
+from gpu_worker.model.decode_attention import DECODE_GROUP_BYTES, LONG_CONTEXT_TOKENS
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.model.model import Block
 from gpu_worker.runner import ModelRunner, RunnerConfig
@@ -133,10 +133,12 @@ def run_batch(
 
 
 def set_padded_attention(runner: ModelRunner, padded: bool) -> None:
-    """Decode attention batched over padded pages for every sequence, or long contexts one by one."""
+    """Decode attention batched over padded pages for every sequence in one call, or long contexts one by
+    one and many short ones in groups."""
     for module in runner.model.modules():
         if isinstance(module, PagedAttention):
             module.decode_long_context_tokens = 1 << 62 if padded else LONG_CONTEXT_TOKENS
+            module.decode_group_bytes = 1 << 62 if padded else DECODE_GROUP_BYTES
 
 
 def set_packed(runner: ModelRunner, packed: bool) -> None:

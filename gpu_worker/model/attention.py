@@ -17,6 +17,7 @@ from gpu_worker.model.chunk_attention import can_use_flash, chunk_attention
 from gpu_worker.model.config import BambaConfig
 from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.decode_attention import (
+    DECODE_GROUP_BYTES,
     LONG_CONTEXT_TOKENS,
     batched_decode_attention,
     plan_decode_attention,
@@ -35,6 +36,7 @@ class PagedAttention(nn.Module):
     ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.kernels)
     # decode sequences with at least this many context tokens attend one by one, on their own pages
     decode_long_context_tokens = LONG_CONTEXT_TOKENS
+    decode_group_bytes = DECODE_GROUP_BYTES  # short rows' padded K/V gather above this: attended in groups
 
     def __init__(self, config: BambaConfig) -> None:
         super().__init__()
@@ -82,10 +84,12 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, ctx: ForwardContext, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         """q [b, heads, d] -> [b, heads * d]; short contexts batched over their pages padded to the
-        longest, long ones one by one on their own pages (gpu_worker.model.decode_attention)."""
+        longest (in groups when many), long ones one by one on their own pages
+        (gpu_worker.model.decode_attention)."""
         b = q.shape[0]
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)  # [b, kvh, g, d]
-        plan = plan_decode_attention(ctx, self.decode_long_context_tokens)
+        token_bytes = 2 * k_cache[0].numel() * k_cache.element_size()  # K and V of one context token
+        plan = plan_decode_attention(ctx, self.decode_long_context_tokens, self.decode_group_bytes // token_bytes)
         if plan is None:
             table, mask, ps = ctx.decode_page_table, ctx.decode_kv_mask, ctx.kv_page_size_tokens
             out = batched_decode_attention(qg, table, mask, k_cache, v_cache, ps, self.scale)  # [b, kvh, g, d]

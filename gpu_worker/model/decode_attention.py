@@ -15,6 +15,14 @@ and shared by every attention layer):
 Measured per layer, one thread (2 KV heads of 64, groups of 2, 16-token pages; sequences' pages in
 order / scattered): 64 x 1,000..3,000 tokens 37.5 ms batched, 14.6 / 21.2 ms per sequence; 32 x 200..600
 3.1 against 1.5 / 2.1 ms; 32 x 16..256 0.8 against 1.0 / 1.5 ms (short stays batched).
+
+Many short contexts are batched in groups: once the padded gather of the short rows would pass
+`group_bytes` (it then no longer stays in the core's caches between the copy and SDPA), they are sorted
+by context length and attended DECODE_GROUP_ROWS at a time, each group padded to its own longest
+(less padding too). Per layer, one thread, scattered pages, one batch / groups of 16 (ms): 48 x
+16..256 (+32 decoded) 1.04 / 0.69, 64 x 16..256 1.85 / 1.10, 32 x 200..380 1.24 / 0.93, 64 x 200..380
+3.64 / 2.34; under the budget one batch stays (64 x 16..64: 0.35 against 0.45 in groups; 32 x 16..256
+0.49 / 0.47).
 """
 
 from __future__ import annotations
@@ -29,29 +37,43 @@ from gpu_worker.model.context import ForwardContext
 # Fewest context tokens a sequence needs to get its own SDPA call (the crossover above: one call
 # costs ~25 us, the padded batched form grows with the batch's longest context).
 LONG_CONTEXT_TOKENS = 384
+# Most bytes of K and V the short rows' padded gather may take before they go in groups (see above), and
+# the rows per group.
+DECODE_GROUP_BYTES = 8 << 20
+DECODE_GROUP_ROWS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ShortGroup:
+    """Short-context decode rows attended in one batched call."""
+
+    rows: torch.Tensor  # [s] int64 decode rows
+    table: torch.Tensor  # [s, pages] their page tables, cut to the group's longest
+    mask: torch.Tensor  # [s, 1, 1, pages * page size] bool, True at real positions
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeAttentionPlan:
     """The decode group split by context length; shared by every attention layer of one forward."""
 
-    short_rows: torch.Tensor | None  # [s] int64 decode rows attended batched (None: every row is long)
-    short_table: torch.Tensor | None  # [s, pages] the short rows' page tables, cut to their longest
-    short_mask: torch.Tensor | None  # [s, 1, 1, pages * page size] bool, True at real positions
+    short_groups: tuple[ShortGroup, ...]  # the short rows, batched in one group or several (none: all long)
     long_rows: tuple[tuple[int, int, int | None], ...]  # (row, context tokens, first KV slot if pages are consecutive)
 
 
-def plan_decode_attention(ctx: ForwardContext, min_long_tokens: int) -> DecodeAttentionPlan | None:
-    """None when every decode sequence is short (the batched form over the whole group)."""
-    key = (plan_decode_attention, min_long_tokens)
+def plan_decode_attention(
+    ctx: ForwardContext, min_long_tokens: int, max_padded_tokens: int = 1 << 62
+) -> DecodeAttentionPlan | None:
+    """None when every decode sequence is short and their padded gather holds at most
+    `max_padded_tokens` tokens (the batched form over the whole group)."""
+    key = (plan_decode_attention, min_long_tokens, max_padded_tokens)
     if key in ctx.derived:
         return ctx.derived[key]  # type: ignore[return-value]
     nd, ps, table = ctx.num_decode, ctx.kv_page_size_tokens, ctx.decode_page_table
     lengths = ctx.positions[:nd] + 1  # context tokens, the new one included
     is_long = lengths >= min_long_tokens
     plan: DecodeAttentionPlan | None = None
-    if bool(is_long.any()):
-        num_pages = (lengths + ps - 1) // ps
+    num_pages = (lengths + ps - 1) // ps
+    if bool(is_long.any()) or nd * int(num_pages.max()) * ps > max_padded_tokens:
         col = torch.arange(1, table.shape[1], device=table.device)
         steps_ok = (table[:, 1:] - table[:, :-1] == 1) | (col[None, :] >= num_pages[:, None])
         consecutive = steps_ok.all(dim=1)
@@ -62,15 +84,22 @@ def plan_decode_attention(ctx: ForwardContext, min_long_tokens: int) -> DecodeAt
         runs = consecutive[long_idx].tolist()
         long_rows = tuple((r, n, f if ok else None) for r, n, f, ok in zip(rows, lens, firsts, runs, strict=True))
         short_idx = (~is_long).nonzero()[:, 0]
-        short_rows = short_table = short_mask = None
+        groups: list[torch.Tensor] = []
         if short_idx.numel():
-            width_pages = int(num_pages[short_idx].max())
-            short_rows = short_idx
-            short_table = table[short_idx, :width_pages]
-            short_mask = ctx.decode_kv_mask[short_idx][..., : width_pages * ps]
-        plan = DecodeAttentionPlan(short_rows, short_table, short_mask, long_rows)
+            if short_idx.numel() * int(num_pages[short_idx].max()) * ps <= max_padded_tokens:
+                groups = [short_idx]
+            else:  # shortest first, so that each group pads little
+                by_length = short_idx[torch.argsort(lengths[short_idx], stable=True)]
+                groups = [by_length[i : i + DECODE_GROUP_ROWS] for i in range(0, by_length.numel(), DECODE_GROUP_ROWS)]
+        plan = DecodeAttentionPlan(tuple(_short_group(ctx, rows, num_pages) for rows in groups), long_rows)
     ctx.derived[key] = plan
     return plan
+
+
+def _short_group(ctx: ForwardContext, rows: torch.Tensor, num_pages: torch.Tensor) -> ShortGroup:
+    width_pages = int(num_pages[rows].max())
+    mask = ctx.decode_kv_mask[rows][..., : width_pages * ctx.kv_page_size_tokens]
+    return ShortGroup(rows, ctx.decode_page_table[rows, :width_pages], mask)
 
 
 def batched_decode_attention(
@@ -91,16 +120,15 @@ def split_decode_attention(
     qg: torch.Tensor, plan: DecodeAttentionPlan, ctx: ForwardContext, k_cache: torch.Tensor,
     v_cache: torch.Tensor, scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    """qg [b, kvh, g, d] -> [b, kvh, g, d]: the short rows batched, each long row on its own."""
+    """qg [b, kvh, g, d] -> [b, kvh, g, d]: the short rows batched by group, each long row on its own."""
     _, kvh, _, d = qg.shape
     ps = ctx.kv_page_size_tokens
     out = torch.empty_like(qg)
-    if plan.short_rows is not None:
-        assert plan.short_table is not None and plan.short_mask is not None
+    for group in plan.short_groups:
         short = batched_decode_attention(
-            qg.index_select(0, plan.short_rows), plan.short_table, plan.short_mask, k_cache, v_cache, ps, scale
+            qg.index_select(0, group.rows), group.table, group.mask, k_cache, v_cache, ps, scale
         )
-        out.index_copy_(0, plan.short_rows, short)
+        out.index_copy_(0, group.rows, short)
     for row, length, first_slot in plan.long_rows:
         if first_slot is not None:  # consecutive pages: the cache rows themselves
             k, v = k_cache[first_slot : first_slot + length], v_cache[first_slot : first_slot + length]
