@@ -1,6 +1,6 @@
 """Where each served token's CPU goes: scheduler, worker and gateway processes (the same stack as
-bench_vs_vllm.py starts, on the same random Granite-4.0-H checkpoint), driven by the same closed-loop
-streamed HTTP load, with each process's CPU time (user + system, from /proc) over the measured run
+bench_vs_vllm.py starts, bench/our_stack.py, on the same random Granite-4.0-H checkpoint), driven by the
+same closed-loop streamed HTTP load, with each process's CPU time (user + system, from /proc) over the measured run
 divided by the output tokens. The worker's time is split by thread: the engine thread (named by its
 py-spy dump where py-spy is installed, else the busiest thread), the other threads together (gRPC
 streams, planner, health); its model processes (the forward passes) are a column of their own.
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_vs_vllm import SERVED_NAME, start_ours, write_model  # noqa: E402
 from http_load import run_http_load  # noqa: E402
+from our_stack import SERVED_NAME, start_ours, write_model  # noqa: E402
 from proc_cpu import cpu_s, threads_cpu_s, tree_cpu_s  # noqa: E402
 
 from hybridserve.children import Child, hybridserve_command, stop_all  # noqa: E402
@@ -69,7 +69,9 @@ def main() -> int:
             run_http_load(url, SERVED_NAME, make_prompts(8, 16, 64, args.vocab_size, seed=args.seed + 1000), 4, 8)
             engine_tid = engine_thread_id(worker.pid)
             print(f"CPU ms per 1,000 output tokens, prompts {lo}..{hi}, {args.max_tokens} new tokens, streamed HTTP")
-            print(f"{'clients':>8}{'tok/s':>9}{'models':>9}{'worker':>9}{'engine':>9}{'others':>9}{'gateway':>9}{'sched':>9}")
+            print(
+                f"{'clients':>8}{'tok/s':>9}{'models':>9}{'worker':>9}{'engine':>9}{'others':>9}{'gateway':>9}{'sched':>9}"
+            )
             for n in clients:
                 prompts = make_prompts(n * args.requests_per_client, lo, hi, args.vocab_size, seed=args.seed + n)
                 pids = {"worker": worker.pid, "gateway": gateway.pid, "sched": scheduler.pid}

@@ -1,0 +1,100 @@
+"""Our side of the served benchmarks (bench_vs_vllm.py, bench_served_cpu.py): the random checkpoint of
+the issue's size, and workers plus a gateway started on it, as processes. Only the standard library at
+import: bench_vs_vllm.py imports this module under vLLM's interpreter too."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+FAMILIES = {  # label -> (init-model arch, MoE)
+    "granitemoehybrid": ("granitemoehybrid", False),
+    "granitemoehybrid-moe": ("granitemoehybrid", True),
+    "nemotron_h": ("nemotron_h", False),
+    "nemotron_h-moe": ("nemotron_h", True),
+}
+SERVED_NAME = "bench"  # the model name both OpenAI servers answer to
+START_TIMEOUT_S = 300.0
+SERVER_CACHE_MB = 2048  # both servers' cache memory: vLLM's KV space (GiB), our worker's budget (KV + states)
+COMPILED_LINE = "compiled the Mamba decode step"  # gpu_worker.model.compiled_decode logs it when ready
+
+
+def write_model(label: str, args: argparse.Namespace, tmp: Path) -> Path:
+    from gpu_worker.init_model import ModelSpec, write_random_checkpoint
+
+    arch, moe = FAMILIES[label]
+    spec = ModelSpec(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+                     num_hidden_layers=args.layers, attn_layer_indices=(3, args.layers - 1), num_attention_heads=4,
+                     num_key_value_heads=2, mamba_n_heads=8, mamba_d_state=64, mamba_chunk_size=256, arch=arch,
+                     moe=moe, num_experts=8, num_experts_per_tok=2, init_std=args.init_std)  # fmt: skip
+    return write_random_checkpoint(tmp / label, spec, seed=0, with_tokenizer=False)
+
+
+def wait_decode_compile(worker: Any, timeout_s: float) -> str:
+    """The worker's decode compile outcome ('compiled', 'failed', 'off'), read from its log: compiling
+    runs in the background, and the timed runs should not straddle the switch."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and worker.is_running():
+        text = worker.output
+        if COMPILED_LINE in text:
+            return "compiled"
+        if "decode compile failed" in text:
+            return "failed"
+        if "'decode_compile': 'off'" in text:
+            return "off"
+        time.sleep(0.5)
+    return "still compiling"
+
+
+def start_ours(
+    model: Path,
+    scheduler: str,
+    max_seqs: int,
+    decode_compile: str,
+    workers: int = 1,
+    worker_args: tuple[str, ...] = (),
+) -> tuple[list[Any], str, str]:
+    """(children, gRPC address to drive offline, gateway HTTP URL): `workers` workers (the cache memory split
+    between them) and a gateway in front of them. With one worker the offline load goes to it directly,
+    with several through the gateway's gRPC port (the gateway routes, as it does HTTP)."""
+    from http_load import wait_http_ready
+
+    from hybridserve.children import Child, hybridserve_command, stop_all
+
+    children: list[Child] = []
+    try:
+        addresses = []
+        for i in range(workers):
+            children.append(Child(f"worker{i}", hybridserve_command(
+                "worker", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--no-prefix-caching",
+                "--max-num-seqs", str(max_seqs), "--decode-compile", decode_compile,
+                "--memory-budget-mb", str(SERVER_CACHE_MB // workers), *worker_args,
+            ), keep_lines=400))  # fmt: skip
+        for child in children:
+            addresses.append(child.wait_listening(START_TIMEOUT_S))
+        for child in children:
+            print(
+                f"hybridserve decode compile ({child.name}): {wait_decode_compile(child, START_TIMEOUT_S)}", flush=True
+            )
+        gateway = Child("gateway", hybridserve_command(
+            "gateway", "--workers", ",".join(addresses), "--port", "0", "--grpc-port", "0",
+            "--served-model-name", SERVED_NAME,
+        ))  # fmt: skip
+        children.insert(0, gateway)
+        url = "http://" + gateway.wait_listening(START_TIMEOUT_S)
+        if not wait_http_ready(url, START_TIMEOUT_S):
+            raise RuntimeError("the gateway did not become ready")
+        offline = addresses[0]
+        if workers > 1:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not (grpc := [ln for ln in list(gateway.lines) if ln.startswith("grpc listening on ")]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the gateway did not print its gRPC address")
+                time.sleep(0.1)
+            offline = "127.0.0.1:" + grpc[0].rsplit(":", 1)[1]
+    except BaseException:
+        stop_all(children)
+        raise
+    return children, offline, url
