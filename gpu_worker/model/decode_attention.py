@@ -68,38 +68,51 @@ def plan_decode_attention(
     key = (plan_decode_attention, min_long_tokens, max_padded_tokens)
     if key in ctx.derived:
         return ctx.derived[key]  # type: ignore[return-value]
-    nd, ps, table = ctx.num_decode, ctx.kv_page_size_tokens, ctx.decode_page_table
+    nd, ps = ctx.num_decode, ctx.kv_page_size_tokens
     lengths = ctx.positions[:nd] + 1  # context tokens, the new one included
-    is_long = lengths >= min_long_tokens
-    plan: DecodeAttentionPlan | None = None
     num_pages = (lengths + ps - 1) // ps
-    if bool(is_long.any()) or nd * int(num_pages.max()) * ps > max_padded_tokens:
-        col = torch.arange(1, table.shape[1], device=table.device)
-        steps_ok = (table[:, 1:] - table[:, :-1] == 1) | (col[None, :] >= num_pages[:, None])
-        consecutive = steps_ok.all(dim=1)
-        long_idx = is_long.nonzero()[:, 0]
-        rows = long_idx.tolist()
-        lens = lengths[long_idx].tolist()
-        firsts = (table[long_idx, 0] * ps).tolist()
-        runs = consecutive[long_idx].tolist()
-        long_rows = tuple((r, n, f if ok else None) for r, n, f, ok in zip(rows, lens, firsts, runs, strict=True))
-        short_idx = (~is_long).nonzero()[:, 0]
-        groups: list[torch.Tensor] = []
-        if short_idx.numel():
-            if short_idx.numel() * int(num_pages[short_idx].max()) * ps <= max_padded_tokens:
-                groups = [short_idx]
-            else:  # shortest first, so that each group pads little
-                by_length = short_idx[torch.argsort(lengths[short_idx], stable=True)]
-                groups = [by_length[i : i + DECODE_GROUP_ROWS] for i in range(0, by_length.numel(), DECODE_GROUP_ROWS)]
-        plan = DecodeAttentionPlan(tuple(_short_group(ctx, rows, num_pages) for rows in groups), long_rows)
+    is_long = lengths >= min_long_tokens
+    any_long = bool(is_long.any())
+    plan: DecodeAttentionPlan | None = None
+    if any_long or nd * int(num_pages.max()) * ps > max_padded_tokens:
+        long_rows = _long_rows(ctx, is_long.nonzero()[:, 0], lengths, num_pages) if any_long else ()
+        short = _short_groups(ctx, (~is_long).nonzero()[:, 0], lengths, num_pages, max_padded_tokens)
+        plan = DecodeAttentionPlan(short, long_rows)
     ctx.derived[key] = plan
     return plan
 
 
-def _short_group(ctx: ForwardContext, rows: torch.Tensor, num_pages: torch.Tensor) -> ShortGroup:
-    width_pages = int(num_pages[rows].max())
-    mask = ctx.decode_kv_mask[rows][..., : width_pages * ctx.kv_page_size_tokens]
-    return ShortGroup(rows, ctx.decode_page_table[rows, :width_pages], mask)
+def _long_rows(
+    ctx: ForwardContext, rows: torch.Tensor, lengths: torch.Tensor, num_pages: torch.Tensor
+) -> tuple[tuple[int, int, int | None], ...]:
+    """(row, context tokens, first KV slot when the row's pages are consecutive in the pool, else None)."""
+    table, ps = ctx.decode_page_table[rows], ctx.kv_page_size_tokens
+    col = torch.arange(1, table.shape[1], device=table.device)
+    steps_ok = (table[:, 1:] - table[:, :-1] == 1) | (col[None, :] >= num_pages[rows][:, None])
+    firsts = (table[:, 0] * ps).tolist()
+    return tuple(
+        (r, n, f if ok else None)
+        for r, n, f, ok in zip(rows.tolist(), lengths[rows].tolist(), firsts, steps_ok.all(dim=1).tolist(), strict=True)
+    )
+
+
+def _short_groups(
+    ctx: ForwardContext, rows: torch.Tensor, lengths: torch.Tensor, num_pages: torch.Tensor, max_padded_tokens: int
+) -> tuple[ShortGroup, ...]:
+    """The short rows in one group, or, past `max_padded_tokens` padded, shortest first in groups of
+    DECODE_GROUP_ROWS (each group pads little); each group cut to its own longest."""
+    if not rows.numel():
+        return ()
+    groups = [rows]
+    if rows.numel() * int(num_pages[rows].max()) * ctx.kv_page_size_tokens > max_padded_tokens:
+        by_length = rows[torch.argsort(lengths[rows], stable=True)]
+        groups = [by_length[i : i + DECODE_GROUP_ROWS] for i in range(0, by_length.numel(), DECODE_GROUP_ROWS)]
+    out = []
+    for group in groups:
+        width_pages = int(num_pages[group].max())
+        mask = ctx.decode_kv_mask[group][..., : width_pages * ctx.kv_page_size_tokens]
+        out.append(ShortGroup(group, ctx.decode_page_table[group, :width_pages], mask))
+    return tuple(out)
 
 
 def batched_decode_attention(
