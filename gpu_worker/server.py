@@ -36,7 +36,7 @@ from hybridserve.settings import (
 from hybridserve.settings import settings_from_args as settings_from_args_of
 from hybridserve.tls import TlsSettings, add_tls_arguments
 from scheduler_svc.client import SchedulerClient
-from scheduler_svc.flags import add_config_arguments, chunk_cap_is_auto, config_from_args, lanes_are_auto
+from scheduler_svc.flags import add_config_arguments, chunk_cap_is_auto, config_from_args
 
 log = logging.getLogger("hybridserve.worker")
 
@@ -194,22 +194,15 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
 
 
 def with_chunk_cap(settings: EngineSettings, args: argparse.Namespace, runner: Any) -> EngineSettings:
-    """The settings with --long-prefill-token-threshold and --micro-slice-lanes resolved where left on
-    auto: chunks capped so that the model processes share a step's prefill
-    (gpu_worker.step_split.prefill_chunk_cap), else none; a micro-sliced step's lanes one per model
-    process, so that each computes one long prompt's slice while the step lasts as long as one slice."""
+    """The settings with --long-prefill-token-threshold resolved when left on auto: capped so that the
+    model processes share a step's prefill (gpu_worker.step_split.prefill_chunk_cap), else none."""
+    if not chunk_cap_is_auto(args):
+        return settings
     processes = int(runner.describe().get("model_processes", 1))  # a ModelRunner's names none: one
-    scheduler = settings.scheduler
-    if chunk_cap_is_auto(args):
-        cap = prefill_chunk_cap(scheduler, processes)
-        if cap:
-            log.info(
-                "prefill chunks capped at %d tokens: a step's prefill shared by %d model processes", cap, processes
-            )
-        scheduler = replace(scheduler, long_prefill_token_threshold=cap)
-    if lanes_are_auto(args):
-        scheduler = replace(scheduler, micro_slice_lanes=processes if processes > 1 else 0)
-    return replace(settings, scheduler=scheduler.validate())
+    cap = prefill_chunk_cap(settings.scheduler, processes)
+    if cap:
+        log.info("prefill chunks capped at %d tokens: a step's prefill shared by %d model processes", cap, processes)
+    return replace(settings, scheduler=replace(settings.scheduler, long_prefill_token_threshold=cap).validate())
 
 
 def build_prefix_cache(

@@ -46,7 +46,6 @@ def config_from_pb(msg: pb.SchedulerConfig) -> SchedulerConfig:
         mamba_cache_mode=mode,
         kv_page_size=msg.kv_page_size,
         stop_at_last_boundary=msg.stop_at_last_boundary,
-        micro_slice_lanes=msg.micro_slice_lanes,
     )
 
 
@@ -61,7 +60,6 @@ def config_to_pb(config: SchedulerConfig) -> pb.SchedulerConfig:
         mamba_cache_mode=int(config.mamba_cache_mode),  # type: ignore[arg-type]
         kv_page_size=config.kv_page_size,
         stop_at_last_boundary=config.stop_at_last_boundary,
-        micro_slice_lanes=config.micro_slice_lanes,
     )
 
 

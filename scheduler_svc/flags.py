@@ -24,11 +24,6 @@ CONFIG_FLAGS = {
         "micro-slicing: in a step with decodes, prompts longer than this share at most this many prefill"
         " tokens, in quanta; shorter prompts are planned as without it (0 = off)"
     ),
-    "micro_slice_lanes": Flag(
-        "micro-slicing: long prompts' slices a micro-sliced step may carry side by side, each at most"
-        " --max-num-prefill-tokens-per-step (0 or 1 = one; -1 = auto: the worker's model processes, each"
-        " computing one slice in the time one slice takes)"
-    ),
     "block_size": Flag("checkpoint / prefix-cache grid, tokens"),
     "mamba_block_size": Flag("recurrent block, tokens (divides --block-size)"),
     "mamba_cache_mode": Flag("align: non-final prefill chunks end on the block grid (hybrid models); none: no grid"),
@@ -36,34 +31,29 @@ CONFIG_FLAGS = {
 }
 DERIVED = ("stop_at_last_boundary",)  # set by the worker (off: chunks keep state at every block boundary)
 AUTO_CHUNK_CAP = -1  # --long-prefill-token-threshold: the worker picks it (gpu_worker.step_split.prefill_chunk_cap)
-AUTO_LANES = -1  # --micro-slice-lanes: the worker's model processes
-AUTO_FIELDS = {"long_prefill_token_threshold": "0 turns it off", "micro_slice_lanes": "0 or 1: one lane"}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, service: str = "WORKER") -> None:
     group = parser.add_argument_group("scheduler config (sent with every step)")
     add_settings_arguments(
         group, SchedulerConfig, service, flags=CONFIG_FLAGS, exclude=DERIVED,
-        defaults={"long_prefill_token_threshold": AUTO_CHUNK_CAP, "micro_slice_lanes": AUTO_LANES},
+        defaults={"long_prefill_token_threshold": AUTO_CHUNK_CAP},
     )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace, **derived: Any) -> SchedulerConfig:
-    """The validated config; raises InvalidArgumentError naming the bad flag's field. A chunk cap or
-    lane count left on auto reads 0 here: the worker sets it once it knows how many model processes
-    run (`chunk_cap_is_auto`, `lanes_are_auto`)."""
-    for name, off in AUTO_FIELDS.items():
-        value = getattr(args, name, 0)
-        if value < -1:
-            raise InvalidArgumentError(f"config.{name} = {value} must be >= 0 ({off}), or -1 for auto")
-        if value == -1:
-            derived = {name: 0, **derived}
+    """The validated config; raises InvalidArgumentError naming the bad flag's field. A chunk cap left
+    on auto reads 0 here: the worker sets it once it knows how many model processes run
+    (`chunk_cap_is_auto`)."""
+    cap = getattr(args, "long_prefill_token_threshold", 0)
+    if cap < AUTO_CHUNK_CAP:
+        raise InvalidArgumentError(
+            f"config.long_prefill_token_threshold = {cap} must be >= 0 (0 turns it off), or -1 for auto"
+        )
+    if chunk_cap_is_auto(args):
+        derived = {"long_prefill_token_threshold": 0, **derived}
     return settings_from_args(SchedulerConfig, args, **derived).validate()
 
 
 def chunk_cap_is_auto(args: argparse.Namespace) -> bool:
     return getattr(args, "long_prefill_token_threshold", None) == AUTO_CHUNK_CAP
-
-
-def lanes_are_auto(args: argparse.Namespace) -> bool:
-    return getattr(args, "micro_slice_lanes", None) == AUTO_LANES

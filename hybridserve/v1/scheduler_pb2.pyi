@@ -15,7 +15,7 @@ MAMBA_CACHE_MODE_NONE: MambaCacheMode
 MAMBA_CACHE_MODE_ALIGN: MambaCacheMode
 
 class SchedulerConfig(_message.Message):
-    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_num_prefill_tokens_per_step", "block_size", "mamba_block_size", "mamba_cache_mode", "kv_page_size", "stop_at_last_boundary", "micro_slice_lanes")
+    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_num_prefill_tokens_per_step", "block_size", "mamba_block_size", "mamba_cache_mode", "kv_page_size", "stop_at_last_boundary")
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     LONG_PREFILL_TOKEN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
@@ -25,7 +25,6 @@ class SchedulerConfig(_message.Message):
     MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     STOP_AT_LAST_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
-    MICRO_SLICE_LANES_FIELD_NUMBER: _ClassVar[int]
     max_num_batched_tokens: int
     max_num_seqs: int
     long_prefill_token_threshold: int
@@ -35,8 +34,7 @@ class SchedulerConfig(_message.Message):
     mamba_cache_mode: MambaCacheMode
     kv_page_size: int
     stop_at_last_boundary: bool
-    micro_slice_lanes: int
-    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., max_num_prefill_tokens_per_step: _Optional[int] = ..., block_size: _Optional[int] = ..., mamba_block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., kv_page_size: _Optional[int] = ..., stop_at_last_boundary: _Optional[bool] = ..., micro_slice_lanes: _Optional[int] = ...) -> None: ...
+    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., max_num_prefill_tokens_per_step: _Optional[int] = ..., block_size: _Optional[int] = ..., mamba_block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., kv_page_size: _Optional[int] = ..., stop_at_last_boundary: _Optional[bool] = ...) -> None: ...
 
 class RequestState(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "max_tokens", "priority", "arrival_time")

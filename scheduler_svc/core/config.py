@@ -33,9 +33,6 @@ class SchedulerConfig:
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
     kv_page_size: int = 16  # KV capacity unit, tokens
     stop_at_last_boundary: bool = False  # ALIGN: the prompt-finishing chunk stops at its last block boundary
-    # micro-slicing: long prompts' slices a micro-sliced step may carry side by side, each at most
-    # max_num_prefill_tokens_per_step (a worker with several model processes: their number); 0 or 1 = one
-    micro_slice_lanes: int = 0
 
     @property
     def is_aligned(self) -> bool:
@@ -55,11 +52,6 @@ class SchedulerConfig:
         )
 
     @property
-    def micro_lanes(self) -> int:
-        """How many max_num_prefill_tokens_per_step slices a micro-sliced step may carry (at least one)."""
-        return max(1, self.micro_slice_lanes)
-
-    @property
     def quantum(self) -> int:
         """The allocation unit of micro-slicing, tokens (see rules.quantum_tokens)."""
         return rules.quantum_tokens(self.is_aligned, self.sub_block_exception, self.block_size, self.mamba_block_size)
@@ -70,9 +62,6 @@ class SchedulerConfig:
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         for name in ("long_prefill_token_threshold", "max_num_prefill_tokens_per_step"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0 (0 turns it off)")
-        _require(
-            self.micro_slice_lanes >= 0, "micro_slice_lanes", self.micro_slice_lanes, "must be >= 0 (0 or 1: one lane)"
-        )
         _require(
             self.block_size % self.kv_page_size == 0,
             "kv_page_size",

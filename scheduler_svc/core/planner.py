@@ -14,10 +14,7 @@ Algorithm (DESIGN §2):
    (rules.split_quanta); each share is capped by the prompt left, the long-prefill threshold and the
    free pages, then aligned (rules.align_chunk). Budget a share could not use is offered again, in
    quanta, in rotation order (work conserving). Then the other running prefills take what is left
-   of the step's budget first come first served, as plain chunked prefill does. With micro_slice_lanes
-   N > 1 the sliced prompts' budget is N times max_num_prefill_tokens_per_step and each prompt takes at
-   most one lane's (a worker with N model processes computes the N slices side by side, so the step
-   lasts about as long as one slice); with one lane every plan is as described above.
+   of the step's budget first come first served, as plain chunked prefill does.
 4. Waiting requests are admitted in queue order with what is left (a sliced prompt in whole quanta
    of the sliced budget left), within max_num_seqs, and not in a step that preempted.
 5. Stall breaker: if running prefills are pending and none could start for lack of pages that other
@@ -167,13 +164,13 @@ def _schedule_prefills(
     of those tokens, split in quanta; the others are planned as without micro-slicing."""
     grants = [_Grant(r) for r in running]
     quantum = config.quantum
-    sliced_left = min(budget, micro_cap * config.micro_lanes)  # what the sliced prompts may still take
+    sliced_left = min(budget, micro_cap)  # what the sliced prompts may still take
     plain = grants
     if micro_cap:
         sliced = [g for g in grants if rules.is_sliced_prompt(g.request.num_prompt_tokens, micro_cap)]
         if sliced:
             plain = [g for g in grants if not rules.is_sliced_prompt(g.request.num_prompt_tokens, micro_cap)]
-            took = _share_in_quanta(sliced, sliced_left, micro_cap, quantum, config, ledger, step_index)
+            took = _share_in_quanta(sliced, sliced_left, quantum, config, ledger, step_index)
             budget -= took
             sliced_left -= took
     for grant in plain:
@@ -183,13 +180,13 @@ def _schedule_prefills(
             break
         is_sliced = micro_cap > 0 and rules.is_sliced_prompt(request.num_prompt_tokens, micro_cap)
         unit = quantum if is_sliced else 1
+        offer = (min(budget, sliced_left) if is_sliced else budget) // unit * unit
         grant = _Grant(request)
-        offer = (min(budget, sliced_left, micro_cap) if is_sliced else budget) // unit * unit
         while offer > 0 and (took := _grow(grant, offer, config, ledger)):  # re-offer what alignment left
             budget -= took
             if is_sliced:
                 sliced_left -= took
-            offer = (min(budget, sliced_left, micro_cap - grant.num_tokens) if is_sliced else budget) // unit * unit
+            offer = (min(budget, sliced_left) if is_sliced else budget) // unit * unit
         if grant.num_tokens:
             ledger.seats_left -= 1
             grants.append(grant)
@@ -197,29 +194,22 @@ def _schedule_prefills(
 
 
 def _share_in_quanta(
-    grants: list[_Grant],
-    budget: int,
-    cap: int,
-    quantum: int,
-    config: SchedulerConfig,
-    ledger: _Ledger,
-    step_index: int,
+    grants: list[_Grant], budget: int, quantum: int, config: SchedulerConfig, ledger: _Ledger, step_index: int
 ) -> int:
     """Splits `budget` among the grants in whole quanta, remainder quanta rotating with the step
-    index, then offers what alignment (or a grant's `cap`, one lane) left unused again, in quanta, in
-    rotation order (work conserving). Returns the tokens taken."""
+    index, then offers what alignment left unused again, in quanta, in rotation order (work
+    conserving). Returns the tokens taken."""
     num_quanta = budget // quantum
     shares = rules.split_quanta(num_quanta, len(grants), step_index)
     order = rules.rotation_order(len(grants), num_quanta, step_index)
     left = budget
     for index in order:
-        left -= _grow(grants[index], min(shares[index] * quantum, cap), config, ledger)
+        left -= _grow(grants[index], shares[index] * quantum, config, ledger)
     taken = left
     while taken and left >= quantum:
         taken = 0
         for index in order:
-            grant = grants[index]
-            took = _grow(grant, min(left, cap - grant.num_tokens) // quantum * quantum, config, ledger)
+            took = _grow(grants[index], left // quantum * quantum, config, ledger)
             left -= took
             taken += took
     return budget - left

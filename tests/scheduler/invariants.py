@@ -125,11 +125,8 @@ def check_limits(f: Facts) -> None:
     assert len(f.plan.slices) <= cfg.max_num_seqs
     assert len(f.running_ids) - len(f.preempted) + len(f.admitted) <= cfg.max_num_seqs
     assert f.plan.stats.micro_sliced == f.micro
-    if f.micro:  # the prompts longer than the micro budget share it (a lane each); the others are not capped by it
-        assert f.sliced_prefill_tokens <= cfg.max_num_prefill_tokens_per_step * cfg.micro_lanes
-        for rid, s in f.slices.items():
-            if s.is_prefill and f.is_sliced(f.by_id[rid]):
-                assert s.num_tokens <= cfg.max_num_prefill_tokens_per_step, ("a slice over one lane", s)
+    if f.micro:  # the prompts longer than the micro budget share it; the others are not capped by it
+        assert f.sliced_prefill_tokens <= cfg.max_num_prefill_tokens_per_step
     assert f.pages == f.plan.stats.num_kv_pages_allocated
     assert f.pages <= f.step.num_free_kv_pages + f.freed_pages
 
@@ -197,7 +194,7 @@ def check_work_conserving(f: Facts) -> None:
     at its prompt end, threshold, or alignment cap)."""
     cfg = f.step.config
     leftover = f.plan.stats.prefill_budget_tokens - f.prefill_tokens
-    sliced_leftover = min(leftover, cfg.max_num_prefill_tokens_per_step * cfg.micro_lanes - f.sliced_prefill_tokens)
+    sliced_leftover = min(leftover, cfg.max_num_prefill_tokens_per_step - f.sliced_prefill_tokens)
     if leftover < 1 or len(f.plan.slices) >= cfg.max_num_seqs:
         return
     pages_left, seats_left = f.pages_left, f.seats_left
@@ -209,8 +206,6 @@ def check_work_conserving(f: Facts) -> None:
         # step's budget, token by token, as plain chunked prefill offers it.
         unit, left = (f.plan.quantum, sliced_leftover) if f.is_sliced(r) else (1, leftover)
         offer = min(got + left // unit * unit, r.num_prefill_tokens_left)
-        if f.is_sliced(r):  # one lane's budget at most
-            offer = min(offer, cfg.max_num_prefill_tokens_per_step)
         if cfg.long_prefill_token_threshold:
             offer = min(offer, cfg.long_prefill_token_threshold)
         if cfg.is_aligned:

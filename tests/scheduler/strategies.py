@@ -28,8 +28,7 @@ def configs(draw: st.DrawFn, max_block: int = 512) -> SchedulerConfig:
     micro = draw(st.one_of(st.just(0), st.integers(1, 6).map(lambda k: k * base.quantum)))
     from dataclasses import replace
 
-    lanes = draw(st.sampled_from([0, 0, 1, 2, 3]))
-    return replace(base, max_num_prefill_tokens_per_step=micro, micro_slice_lanes=lanes).validate()
+    return replace(base, max_num_prefill_tokens_per_step=micro).validate()
 
 
 @st.composite

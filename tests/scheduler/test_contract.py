@@ -55,7 +55,6 @@ def _bad_inputs() -> dict[str, pb.PlanStepRequest]:
     variant("zero mamba block in ALIGN", mamba_block_size=0)
     variant("unknown cache mode", mamba_cache_mode=7)
     variant("micro budget off the quantum", max_num_prefill_tokens_per_step=2304)
-    variant("negative micro-slicing lanes", micro_slice_lanes=-1)
     no_config = pb.PlanStepRequest()
     no_config.CopyFrom(good)
     no_config.ClearField("config")

@@ -62,35 +62,6 @@ def test_a_waiting_long_prompt_is_admitted_within_the_budget_left_and_short_ones
     assert slices == {"l0": 256, "l1": 256, "c0": 100}  # l0's tail leaves a quantum to l1
 
 
-def test_with_two_lanes_each_long_prompt_takes_at_most_one_lanes_budget() -> None:
-    """micro_slice_lanes 2 (a worker with two model processes): two long prompts get a 512-token slice
-    each, one alone gets 512 (not 1,024) and the short prompts take the rest; four share 1,024 in
-    quanta; a waiting long prompt is admitted into the lane left free."""
-    lanes = replace(CONVOY, micro_slice_lanes=2).validate()
-    decodes = [decode(f"d{i}") for i in range(8)]
-    two = [prefill("l0", 6000, arrival=0.0), prefill("l1", 6000, computed=1024, arrival=1.0)]
-    assert prefills_of(step(lanes, decodes + two)) == {"l0": 512, "l1": 512}
-    assert prefills_of(step(CONVOY, decodes + two, step_index=0)) == {"l0": 256, "l1": 256}  # one lane: shared
-    shorts = [prefill(f"c{i}", 250, arrival=float(i + 2)) for i in range(6)]
-    slices = prefills_of(step(lanes, decodes + two[:1], shorts))
-    assert slices == {"l0": 512, **{f"c{i}": 250 for i in range(6)}}  # the other lane's budget went to chats
-    four = [prefill(f"l{i}", 6000, arrival=float(i)) for i in range(4)]
-    for index in range(4):
-        slices = prefills_of(step(lanes, decodes + four, step_index=index))
-        assert sorted(slices.values()) == [256, 256, 256, 256]
-    waiting = [prefill("l1", 6000, arrival=1.0), prefill("l2", 6000, arrival=2.0)]
-    assert prefills_of(step(lanes, decodes + two[:1], waiting)) == {"l0": 512, "l1": 512}  # l2 waits
-
-
-def test_one_lane_plans_are_those_without_lanes() -> None:
-    """micro_slice_lanes 0 and 1 both mean one lane: the sliced prompts share the budget."""
-    running = [decode("d0")] + [prefill(f"l{i}", 6000, arrival=float(i)) for i in range(3)]
-    for lanes in (0, 1):
-        cfg = replace(CONVOY, micro_slice_lanes=lanes).validate()
-        assert cfg.micro_lanes == 1
-        assert sorted(prefills_of(step(cfg, running, step_index=1)).values()) == [256, 256]
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(step_inputs(), st.integers(0, 3))
 def test_with_no_prompt_above_the_budget_plans_are_plain_chunked_prefills(step_input: StepInput, extra: int) -> None:

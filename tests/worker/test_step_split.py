@@ -72,28 +72,3 @@ def test_the_chunk_cap_lets_the_processes_share_a_steps_prefill() -> None:
         assert capped.scheduler.long_prefill_token_threshold == int(given)
     with pytest.raises(InvalidArgumentError, match=r"long_prefill_token_threshold = -2 .*-1 for auto"):
         worker_settings(parser.parse_args(["worker", "--long-prefill-token-threshold", "-2"]))
-
-
-def test_micro_slicing_lanes_on_auto_are_the_model_processes() -> None:
-    """--micro-slice-lanes on auto (-1, the default): one lane per model process (0, one lane, with a
-    single process); a value given stays; below -1 is refused, naming the field."""
-
-    class Runner:
-        def __init__(self, processes: int) -> None:
-            self.processes = processes
-
-        def describe(self) -> dict[str, int]:
-            return {"model_processes": self.processes}
-
-    parser = build_parser(only="worker")
-    auto = parser.parse_args(["worker", "--max-num-prefill-tokens-per-step", "512"])
-    assert auto.micro_slice_lanes == -1
-    settings = worker_settings(auto)
-    assert settings.scheduler.micro_slice_lanes == 0
-    assert with_chunk_cap(settings, auto, Runner(2)).scheduler.micro_slice_lanes == 2
-    assert with_chunk_cap(settings, auto, Runner(3)).scheduler.micro_slice_lanes == 3
-    assert with_chunk_cap(settings, auto, Runner(1)).scheduler.micro_slice_lanes == 0
-    given = parser.parse_args(["worker", "--micro-slice-lanes", "1"])
-    assert with_chunk_cap(worker_settings(given), given, Runner(2)).scheduler.micro_slice_lanes == 1
-    with pytest.raises(InvalidArgumentError, match=r"micro_slice_lanes = -2 .*-1 for auto"):
-        worker_settings(parser.parse_args(["worker", "--micro-slice-lanes", "-2"]))

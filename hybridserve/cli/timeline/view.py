@@ -35,7 +35,7 @@ class StepView:
     num_prefill_tokens: int  # executed prefill tokens
     budget_tokens: int  # max_num_batched_tokens
     prefill_budget_tokens: int  # what prefills could use after decodes
-    micro_budget_tokens: int  # max_num_prefill_tokens_per_step times its lanes: what long prompts may take (0 = off)
+    micro_budget_tokens: int  # max_num_prefill_tokens_per_step (0 = off)
     block_size: int  # the checkpoint grid, tokens
     quantum: int  # micro-slicing unit, tokens
     stalled: bool  # prefills pending, budget >= one quantum, none scheduled
@@ -260,7 +260,7 @@ def step_view(
         num_prefill_tokens=sum(s.token_end - s.token_start for s in executed if s.kind == "prefill"),
         budget_tokens=config.max_num_batched_tokens,
         prefill_budget_tokens=stats.prefill_budget_tokens,
-        micro_budget_tokens=config.max_num_prefill_tokens_per_step * config.micro_lanes,
+        micro_budget_tokens=config.max_num_prefill_tokens_per_step,
         block_size=config.block_size,
         quantum=record.plan.quantum,
         stalled=stats.stalled,
