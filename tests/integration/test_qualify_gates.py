@@ -31,6 +31,7 @@ def test_measure_from_known_traces() -> None:
     assert m.ttft_p50_s == pytest.approx(1.0)
     assert m.ttft_p95_s == pytest.approx(1.0 + 0.9 * (2.0 - 1.0))  # linear between the ranks of 1.0 and 2.0
     assert m.long_ttft_p50_s == pytest.approx(2.0)
+    assert m.chat_ttft_p95_s == pytest.approx(0.5 + 0.95 * (1.0 - 0.5))  # the chats' only: the long one's 2.0 is out
     assert m.worst_stall_s == pytest.approx(0.2)
     assert m.itl_p99_s == pytest.approx(0.2)
     assert (m.requests_ok, m.requests_failed, m.preemptions, m.stalled_steps) == (3, 1, 1, 0)
@@ -88,3 +89,15 @@ def test_warmup_runs_are_a_setting_that_rejects_negatives() -> None:
     assert QualifySettings().warmup_runs == 1 and QualifySettings(warmup_runs=0).warmup_runs == 0
     with pytest.raises(ValueError, match="--warmup-runs must be >= 0"):
         QualifySettings(warmup_runs=-1)
+
+
+def test_with_long_prompts_the_report_shows_their_ttft_and_the_chats_p95_apart() -> None:
+    """Not gated: a convoy's report carries the long prompts' median TTFT and the chats' own p95 TTFT
+    (the p95 over every request is a long prompt's where they are over 5% of the requests)."""
+    convoy = replace(BASE, long_ttft_p50_s=3.0, chat_ttft_p95_s=0.4)
+    slower = replace(convoy, long_ttft_p50_s=3.6, chat_ttft_p95_s=0.3)
+    rows = [line.split() for line in format_report([(convoy, slower)]).splitlines()]
+    assert ["long-prompt", "TTFT", "p50", "s", "16", "3.000", "3.600", "1.200", "(not", "gated)"] in rows
+    assert ["chat", "TTFT", "p95", "s", "16", "0.400", "0.300", "0.750", "(not", "gated)"] in rows
+    assert "chat TTFT p95" not in format_report([(BASE, BASE)])  # chats only: the same as p95 TTFT
+    assert all(verdicts(slower).values())
