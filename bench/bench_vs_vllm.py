@@ -9,10 +9,11 @@ prefix caching. In one run:
    under as many streaming gRPC clients (the earlier form of this benchmark);
 3. vLLM's OpenAI server and hybridserve's gateway (scheduler + worker + gateway processes), driven by
    the same closed-loop HTTP load (bench/http_load.py: streamed /v1/completions) at each client
-   count (1, 8, 32) and prompt mix (16..256 and 1,000..3,000 tokens), the two servers in turn for
-   each cell: output tokens/s, TTFT p50/p95, median inter-token latency, with ratios. Each run
-   starts once both servers' processes are idle: vLLM's CPU worker spins a core for about a second
-   after each run, which whoever ran next used to share.
+   count (1, 8, 32) and prompt mix (16..256 and 1,000..3,000 tokens), max(16, 2 x clients) requests
+   a cell (--min-requests), the two servers in turn for each cell: output tokens/s, TTFT p50/p95,
+   median inter-token latency, with ratios. Each run starts once both servers' processes are idle:
+   vLLM's CPU worker spins a core for about a second after each run, which whoever ran next used to
+   share.
 Only ratios measured in one run mean anything.
 
     .venv/bin/python bench/bench_vs_vllm.py [--vllm-python PATH] [--clients 1,8,32]
@@ -276,7 +277,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
     parser.add_argument("--mixes", default="16-256,1000-3000", help="prompt length ranges MIN-MAX, comma-separated")
     parser.add_argument("--clients", default="1,8,32", help="closed-loop HTTP client counts")
-    parser.add_argument("--min-requests", type=int, default=4, help="HTTP requests per cell: max(this, 2 x clients)")
+    parser.add_argument(
+        "--min-requests", type=int, default=16, help="HTTP requests per cell: max(this, 2 x clients)"
+    )  # 4 made one client's p95 TTFT the slowest of four requests
     parser.add_argument("--skip-http", action="store_true", help="only the token comparison and the offline run")
     parser.add_argument("--decode-compile", default="auto", choices=("auto", "on", "off"),
                         help="the worker's --decode-compile (timed runs start once its compile ended)")  # fmt: skip

@@ -149,5 +149,9 @@ def split_decode_attention(
             pages = ctx.decode_page_table[row, : (length + ps - 1) // ps]
             k = k_cache.view(-1, ps * kvh * d).index_select(0, pages).view(-1, kvh, d)[:length]
             v = v_cache.view(-1, ps * kvh * d).index_select(0, pages).view(-1, kvh, d)[:length]
-        out[row] = F.scaled_dot_product_attention(qg[row], k.transpose(0, 1), v.transpose(0, 1), scale=scale)
+        # 4-D (a batch of one): CPU SDPA runs its flash kernel on 4-D inputs and the plain math on 3-D
+        # ones, 2.5-4x slower here (one row, 2 KV heads of 64 in groups of 2, one thread, us per call:
+        # 1,000 keys 157 -> 38, 3,000 keys 918 -> 271, 6,000 keys 2,172 -> 759).
+        k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        out[row] = F.scaled_dot_product_attention(qg[row : row + 1], k4, v4, scale=scale)[0]
     return out
