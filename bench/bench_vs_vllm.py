@@ -10,14 +10,16 @@ prefix caching. In one run:
 3. vLLM's OpenAI server and hybridserve's gateway (scheduler + worker + gateway processes), driven by
    the same closed-loop HTTP load (bench/http_load.py: streamed /v1/completions) at each client
    count (1, 8, 32) and prompt mix (16..256 and 1,000..3,000 tokens), max(16, 2 x clients) requests
-   a cell (--min-requests), the two servers in turn for each cell: output tokens/s, TTFT p50/p95,
-   median inter-token latency, with ratios. Each run starts once both servers' processes are idle:
-   vLLM's CPU worker spins a core for about a second after each run, which whoever ran next used to
-   share.
+   a cell (--min-requests), the two servers in turn for each cell, --rounds times (3 by default; who
+   goes first alternates round by round): output tokens/s, TTFT p50/p95, median inter-token latency,
+   each the median over the rounds, with ratios, and each round's throughput and TTFT p50 ratios
+   beneath (a noisy machine moves one round by a third; the rounds show whether a ratio is the
+   machine's or ours). Each run starts once both servers' processes are idle: vLLM's CPU worker
+   spins a core for about a second after each run, which whoever ran next used to share.
 Only ratios measured in one run mean anything.
 
     .venv/bin/python bench/bench_vs_vllm.py [--vllm-python PATH] [--clients 1,8,32]
-        [--mixes 16-256,1000-3000] [--max-tokens 64] [--families granitemoehybrid[,...]] [--skip-http]
+        [--mixes 16-256,1000-3000] [--rounds 3] [--max-tokens 64] [--families granitemoehybrid[,...]] [--skip-http]
         [--decode-compile auto|on|off]
 
 vLLM lives in its own virtual environment, never in the project's (found by --vllm-python, else
@@ -195,13 +197,14 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 def http_table(args: argparse.Namespace, gateway: str, vllm_url: str, servers: list[int]) -> None:
     """Step 3: the same closed-loop HTTP load on both servers, cell by cell; each run starts once both
     servers' processes (`servers`: their root pids) are idle."""
-    from http_load import run_http_load
+    from http_load import median_summary, run_http_load
     from proc_cpu import wait_quiet
 
     from hybridserve.cli.loadgen import make_prompts
 
     print(f"\nclosed-loop HTTP (streamed /v1/completions, greedy, {args.max_tokens} new tokens, EOS ignored); "
-          f"ratio = hybridserve / vLLM (TTFT, ITL: lower is better); each run starts once both servers are idle"
+          f"ratio = hybridserve / vLLM (TTFT, ITL: lower is better); each run starts once both servers are idle; "
+          f"{args.rounds} round(s) a cell, who goes first alternating, figures the median over them"
           )  # fmt: skip
     header = (f"{'mix':<11}{'clients':>8}{'side':>13}{'out tok/s':>11}{'ratio':>8}{'TTFT p50 ms':>13}{'ratio':>8}"
               f"{'TTFT p95 ms':>13}{'ratio':>8}{'ITL p50 ms':>12}{'ratio':>8}{'failed':>8}")  # fmt: skip
@@ -214,12 +217,19 @@ def http_table(args: argparse.Namespace, gateway: str, vllm_url: str, servers: l
         for clients in (int(c) for c in args.clients.split(",")):
             requests = max(args.min_requests, 2 * clients)
             prompts = make_prompts(requests, lo, hi, args.vocab_size, seed=args.seed + clients)
-            wait_quiet(servers)
-            ours = run_http_load(gateway, SERVED_NAME, prompts, clients, args.max_tokens)
-            wait_quiet(servers)
-            theirs = run_http_load(vllm_url, SERVED_NAME, prompts, clients, args.max_tokens)
+            runs: dict[str, list[HttpSummary]] = {gateway: [], vllm_url: []}
+            for round_index in range(args.rounds):
+                for url in (gateway, vllm_url) if round_index % 2 == 0 else (vllm_url, gateway):
+                    wait_quiet(servers)
+                    runs[url].append(run_http_load(url, SERVED_NAME, prompts, clients, args.max_tokens))
+            ours, theirs = median_summary(runs[gateway]), median_summary(runs[vllm_url])
             for side, m in (("hybridserve", ours), ("vLLM", theirs)):
                 print(_row(mix, clients, side, m, ours, theirs if side == "hybridserve" else None), flush=True)
+            if args.rounds > 1:
+                pairs = list(zip(runs[gateway], runs[vllm_url], strict=True))
+                tps = " ".join(_ratio(a.output_tokens_per_s, b.output_tokens_per_s) for a, b in pairs)
+                ttft = " ".join(_ratio(a.ttft_p50_s, b.ttft_p50_s) for a, b in pairs)
+                print(f"{'':<19}rounds: out tok/s {tps}; TTFT p50 {ttft}", flush=True)
             for error in ours.errors + theirs.errors:
                 print(f"  error: {error}")
 
@@ -280,6 +290,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--min-requests", type=int, default=16, help="HTTP requests per cell: max(this, 2 x clients)"
     )  # 4 made one client's p95 TTFT the slowest of four requests
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="HTTP runs a cell per side, alternating who goes first; medians"
+    )
     parser.add_argument("--skip-http", action="store_true", help="only the token comparison and the offline run")
     parser.add_argument("--decode-compile", default="auto", choices=("auto", "on", "off"),
                         help="the worker's --decode-compile (timed runs start once its compile ended)")  # fmt: skip
@@ -301,6 +314,9 @@ def main() -> int:
     if args.vllm_side:
         vllm_side(args.vllm_side)
         return 0
+    if args.rounds < 1:
+        print(f"--rounds must be at least 1, got {args.rounds}", file=sys.stderr)
+        return 2
     unknown = [f for f in args.families.split(",") if f not in FAMILIES]
     if unknown:
         print(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}", file=sys.stderr)

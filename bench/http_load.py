@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,6 +102,24 @@ async def _run(url: str, model: str, prompts: Sequence[list[int]], clients: int,
         clients=clients, requests_ok=len(ok), requests_failed=len(results) - len(ok), wall_s=wall_s,
         output_tokens_per_s=sum(r.completion_tokens for r in ok) / wall_s, ttft_p50_s=_percentile(ttfts, 50),
         ttft_p95_s=_percentile(ttfts, 95), itl_median_s=_percentile(itls, 50), errors=errors,
+    )  # fmt: skip
+
+
+def median_summary(runs: Sequence[HttpSummary]) -> HttpSummary:
+    """Several runs of one cell as one: each figure the median over the runs that have it (a machine's
+    slow minute then moves one run, not the cell), requests and failures summed, errors joined."""
+
+    def median(values: Sequence[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    return HttpSummary(
+        clients=runs[0].clients, requests_ok=sum(r.requests_ok for r in runs),
+        requests_failed=sum(r.requests_failed for r in runs), wall_s=sum(r.wall_s for r in runs),
+        output_tokens_per_s=statistics.median(r.output_tokens_per_s for r in runs),
+        ttft_p50_s=median([r.ttft_p50_s for r in runs]), ttft_p95_s=median([r.ttft_p95_s for r in runs]),
+        itl_median_s=median([r.itl_median_s for r in runs]),
+        errors=tuple(dict.fromkeys(e for r in runs for e in r.errors))[:3],
     )  # fmt: skip
 
 

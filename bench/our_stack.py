@@ -32,13 +32,24 @@ def write_model(label: str, args: argparse.Namespace, tmp: Path) -> Path:
     return write_random_checkpoint(tmp / label, spec, seed=0, with_tokenizer=False)
 
 
+def model_processes(log_text: str) -> int:
+    """How many processes run the worker's model, from its log ("model processes 101, 102 ready"; one when
+    the model runs in the worker's own process)."""
+    for line in log_text.splitlines():
+        for lead in ("model processes ", "model process "):
+            if lead in line and line.rstrip().endswith(" ready"):
+                return len(line.split(lead, 1)[1].rsplit(" ready", 1)[0].split(","))
+    return 1
+
+
 def wait_decode_compile(worker: Any, timeout_s: float) -> str:
     """The worker's decode compile outcome ('compiled', 'failed', 'off'), read from its log: compiling
-    runs in the background, and the timed runs should not straddle the switch."""
+    runs in the background in every model process, and the timed runs should not straddle the switch
+    (nor share the cores with a process still compiling: the first process done is not the last)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and worker.is_running():
         text = worker.output
-        if COMPILED_LINE in text:
+        if text.count(COMPILED_LINE) >= model_processes(text):
             return "compiled"
         if "decode compile failed" in text:
             return "failed"
