@@ -2,16 +2,18 @@
 
 Eager torch runs a decode step of the mixer as ~30 small ops, three of them full passes over the SSM
 state (decay, rank-1 update, readout: 4 MiB each at 32 sequences of the tiny model). Compiled by
-inductor, the same math becomes a few loops: the state is read once and written once, the conv window,
-dt, the gate and the grouped RMS norm fuse around it. `gpu_worker.model.compiled_decode` compiles it;
-the mixer's eager `_decode` stays the reference (same equations, `ssd.ssm_step_`).
+inductor, the same math becomes a few loops: the state is read by the readout and updated in place
+(no copy of it), the conv window, dt, the gate and the grouped RMS norm fuse around it.
+`gpu_worker.model.compiled_decode` compiles it; the mixer's eager `_decode` stays the reference (same
+equations, `ssd.ssm_step_`).
 
 Per sequence i of the decode group (pool row r = rows[i]), heads h of P channels, state size N:
     z, xBC, dt      = split(zxbcdt[i])
     window          = [conv[r] | xBC]  (conv_dim x K);  conv[r] <- window[:, 1:]
     x, B, C         = split(silu(sum_k window[:, k] w[:, k] + b))
     dt              = clamp(softplus(dt + dt_bias), dt_min, dt_max);  dA = exp(dt * -exp(A_log))
-    S[r, h]         <- dA_h S[r, h] + dt_h x_h B^T;   y_h = S[r, h] C + D_h x_h
+    y_h             = dA_h S[r, h] C + dt_h x_h (B . C) + D_h x_h   (= S'[r, h] C + D_h x_h, read off the old S)
+    S[r, h]         <- S' = dA_h S[r, h] + dt_h x_h B^T
     out             = norm_w * group_rms_norm(y * silu(z))
 """
 
@@ -71,10 +73,13 @@ def mamba_decode_step(
     B = B.expand(b, d.num_groups, heads_per_group, 1, d.state_size).reshape(b, d.num_heads, 1, d.state_size)
     C = C.expand(b, d.num_groups, heads_per_group, 1, d.state_size).reshape(b, d.num_heads, 1, d.state_size)
     dt = torch.clamp(F.softplus(dt.float() + dt_bias.float()), d.dt_min, d.dt_max)  # [b, H]
-    decay = torch.exp(dt * -torch.exp(A_log.float()))[:, :, None, None]  # [b, H, 1, 1]
-    state = ssm_rows * decay + (x * dt[:, :, None])[:, :, :, None] * B  # [b, H, P, N]
-    y = (state * C).sum(dim=-1) + x * D.float()[None, :, None]  # [b, H, P]
-    ssm_rows.copy_(state)  # compiled: the state is read once and written once, in one loop
+    decay = torch.exp(dt * -torch.exp(A_log.float()))[:, :, None]  # [b, H, 1]
+    dtx = x * dt[:, :, None]  # [b, H, P]
+    # y = (decay S + dtx B) . C, read off the old state: decay (S . C) + dtx (B . C). Computed from the new
+    # state, inductor keeps that state in a buffer of its own (written twice, read again: four passes
+    # over it); this way the readout is one read, the update one read and one write in place, no buffer
+    y = decay * (ssm_rows * C).sum(dim=-1) + dtx * (B * C).sum(dim=-1) + x * D.float()[None, :, None]  # [b, H, P]
+    ssm_rows.copy_(ssm_rows * decay[..., None] + dtx[..., None] * B)  # [b, H, P, N]
     h = y.view(b, d.d_inner) * F.silu(z.float())
     g = h.view(b, d.num_groups, d.d_inner // d.num_groups)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + d.eps)
