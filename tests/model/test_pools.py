@@ -35,6 +35,22 @@ def test_kv_pool_allocate_share_free() -> None:
     assert KVPagePool.bytes_per_token(2, 2, 8, torch.bfloat16) == 2 * 2 * 2 * 8 * 2
 
 
+def test_kv_pool_hands_freed_pages_back_in_order() -> None:
+    """A freed page table comes back in the order it was held, so consecutive pages stay consecutive and
+    ascending (the decode attention reads such a sequence's pages in place)."""
+    pool = KVPagePool(16, 16, num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=CPU)
+    first = pool.allocate(6)
+    assert first == [0, 1, 2, 3, 4, 5]
+    pool.free(first)
+    again = pool.allocate(8)
+    assert again[:6] == first and again == list(range(again[0], again[0] + 8))
+    pool.free([again[2], again[1]])  # freed out of order: handed back in the order given
+    assert pool.allocate(2) == [again[2], again[1]]
+    with pytest.raises(InvalidArgumentError):
+        pool.free([again[3], 15])  # page 15 was never allocated: page again[3] is free all the same
+    assert pool.ref_count(again[3]) == 0 and pool.allocate(1) == [again[3]]
+
+
 def test_state_pool_checkpoints_round_trip() -> None:
     pool = MambaStatePool(2, 2, num_layers=3, conv_shape=(5, 3), ssm_shape=(2, 4, 6), conv_dtype=torch.float32,
                           device=CPU)  # fmt: skip
