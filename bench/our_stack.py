@@ -5,6 +5,7 @@ import: bench_vs_vllm.py imports this module under vLLM's interpreter too."""
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,10 @@ def write_model(label: str, args: argparse.Namespace, tmp: Path) -> Path:
 
 
 def model_processes(log_text: str) -> int:
-    """How many processes run the worker's model, from its log ("model processes 101, 102 ready"; one when
-    the model runs in the worker's own process)."""
-    for line in log_text.splitlines():
-        for lead in ("model processes ", "model process "):
-            if lead in line and line.rstrip().endswith(" ready"):
-                return len(line.split(lead, 1)[1].rsplit(" ready", 1)[0].split(","))
-    return 1
+    """How many processes run the worker's model, from the description its log prints once loaded
+    (`'model_processes': 2`; none named when the model runs in the worker's own process: one)."""
+    found = re.search(r"'model_processes': (\d+)", log_text)
+    return int(found.group(1)) if found else 1
 
 
 def wait_decode_compile(worker: Any, timeout_s: float) -> str:

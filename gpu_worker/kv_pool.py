@@ -85,8 +85,8 @@ class KVPagePool:
         """Drop one reference per page; a page returns to the free list at zero. Freed pages go back so
         that the next `allocate` hands them out in the order they were held: a page table of consecutive
         pages comes back consecutive and ascending, and a long sequence's decode attention reads such
-        pages in place (`decode_attention.split_decode_attention`) instead of gathering them (1,000 keys:
-        ~0.2 ms a layer). Handed out highest first, as a stack would, they never were."""
+        pages in place (`decode_attention.split_decode_attention`) instead of gathering them (2,000 keys:
+        85 against 281 us a layer). Handed out highest first, as a stack would, they never were."""
         released = []
         try:
             for p in page_ids:
