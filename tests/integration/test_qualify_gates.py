@@ -6,7 +6,16 @@ from dataclasses import replace
 
 import pytest
 
-from hybridserve.cli.qualify.gates import Measurement, RequestTrace, Tolerances, evaluate, format_report, measure
+from hybridserve.cli.qualify.gates import (
+    Measurement,
+    RequestTrace,
+    Tolerances,
+    evaluate,
+    format_report,
+    measure,
+    median_measurement,
+    round_ratios,
+)
 
 
 def trace(
@@ -101,3 +110,56 @@ def test_with_long_prompts_the_report_shows_their_ttft_and_the_chats_p95_apart()
     assert ["chat", "TTFT", "p95", "s", "16", "0.400", "0.300", "0.750", "(not", "gated)"] in rows
     assert "chat TTFT p95" not in format_report([(BASE, BASE)])  # chats only: the same as p95 TTFT
     assert all(verdicts(slower).values())
+
+
+def test_rounds_give_the_median_of_each_figure_and_the_sum_of_each_count() -> None:
+    """`--rounds`: a profile's rounds at one client count gate as their medians (one slow minute moves
+    one round, not the verdict); a preemption, stall or failure in any round still fails its gate."""
+    rounds = [
+        replace(BASE, output_tokens_per_s=900.0, ttft_p95_s=0.3, worst_stall_s=0.5, long_ttft_p50_s=2.0),
+        replace(BASE, output_tokens_per_s=1000.0, ttft_p95_s=0.1, worst_stall_s=0.2, long_ttft_p50_s=None),
+        replace(BASE, output_tokens_per_s=1300.0, ttft_p95_s=0.2, worst_stall_s=0.4, preemptions=2,
+                requests_failed=1, long_ttft_p50_s=4.0),
+    ]  # fmt: skip
+    m = median_measurement(rounds)
+    assert (m.output_tokens_per_s, m.ttft_p95_s, m.worst_stall_s) == (1000.0, 0.2, 0.4)
+    assert m.long_ttft_p50_s == 3.0  # the median of the rounds that measured one
+    assert m.chat_ttft_p95_s is None  # no round measured it
+    assert (m.output_tokens, m.requests_ok, m.requests_failed, m.preemptions) == (30_000, 192, 1, 2)
+    verdict = {g.name: g.passed for g in evaluate(BASE, m)}
+    assert verdict["aggregate output tok/s"] and verdict["p95 TTFT s"]
+    assert not verdict["preemptions"] and not verdict["failed requests"]
+    assert median_measurement([BASE]) == BASE  # one round: the run itself
+    with pytest.raises(ValueError, match="different client counts"):
+        median_measurement([BASE, replace(BASE, clients=32)])
+    ratios = round_ratios([(BASE, rounds[0]), (BASE, rounds[1])])
+    assert ratios.startswith("aggregate 0.90 1.00; median decode 1.00 1.00; p95 TTFT 1.50 0.50; ")
+    assert ratios.endswith("worst stall 1.67 0.67")
+
+
+def test_rounds_is_a_setting_of_at_least_one() -> None:
+    from hybridserve.cli.qualify.command import QualifySettings
+
+    assert QualifySettings().rounds == 1 and QualifySettings(rounds=5).rounds == 5
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        QualifySettings(rounds=0)
+
+
+def test_the_report_of_several_rounds_shows_each_rounds_ratios_under_the_medians_gates() -> None:
+    from dataclasses import asdict
+
+    from hybridserve.cli.qualify.command import QualifySettings, report_text
+
+    slow, fast = replace(BASE, output_tokens_per_s=800.0), replace(BASE, output_tokens_per_s=1100.0)
+    rounds = [{"baseline": asdict(BASE), "candidate": asdict(slow)},
+              {"baseline": asdict(BASE), "candidate": asdict(fast)},
+              {"baseline": asdict(BASE), "candidate": asdict(BASE)}]  # fmt: skip
+    summary = median_measurement([slow, fast, BASE])
+    result = {"runs": [{"clients": 16, "baseline": asdict(BASE), "candidate": asdict(summary), "rounds": rounds}]}
+    text = report_text(QualifySettings(rounds=3, baseline="--a", candidate="--b"), result)
+    lines = text.splitlines()
+    assert lines[1] == "3 rounds a client count, who goes first alternating; figures: each profile's median"
+    assert format_report([(BASE, summary)]) in text and "verdict: PASS" in text  # the median round: 1000
+    assert lines[-1].startswith("rounds at 16 clients, candidate / baseline: aggregate 0.80 1.10 1.00; ")
+    assert "rounds" not in report_text(QualifySettings(), {"runs": [{"clients": 16, "baseline": asdict(BASE),
+                                                                      "candidate": asdict(BASE)}]})  # fmt: skip

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.cli.qualify.gates import Measurement, evaluate
+from hybridserve.cli.qualify.gates import Measurement, evaluate, median_measurement
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_two_profiles_on_one_workload_give_gates_per_client_count(tiny_model: Pa
         [sys.executable, "-m", "hybridserve.cli", "qualify", "--model", str(tiny_model),
          "--baseline=--max-num-prefill-tokens-per-step 0", "--candidate=--max-num-prefill-tokens-per-step 64",
          "--common=--no-prefix-caching --max-num-batched-tokens 128 --block-size 64 --mamba-block-size 32",
-         "--workload", "convoy", "--clients", "2,3", "--requests", "6", "--prompt-len-max", "48",
+         "--workload", "convoy", "--clients", "2,3", "--rounds", "2", "--requests", "6", "--prompt-len-max", "48",
          "--max-tokens", "6", "--long-prompts", "1", "--long-prompt-len", "300", "--long-max-tokens", "3",
          "--long-after-s", "0.05", "--warmup-requests", "2", "--json", "--plot", str(plots)],
         capture_output=True, text=True, timeout=180, check=False,
@@ -39,11 +39,19 @@ def test_two_profiles_on_one_workload_give_gates_per_client_count(tiny_model: Pa
         assert f"qualify: warm-up run of {profile} at 3 clients" in done.stderr
     result = json.loads(done.stdout)
     assert [run["clients"] for run in result["runs"]] == [2, 3]
+    order = [line.split(" at ")[0].removeprefix("qualify: ") for line in done.stderr.splitlines()
+             if " clients (round " in line]  # fmt: skip
+    assert order == ["baseline", "candidate", "candidate", "baseline"] * 2  # who goes first alternates
     for run in result["runs"]:
+        assert len(run["rounds"]) == 2
+        for profile in ("baseline", "candidate"):  # the gated figures summarize the rounds
+            each = [Measurement(**r[profile]) for r in run["rounds"]]
+            assert Measurement(**run[profile]) == median_measurement(each)
+            assert all(m.requests_ok == 6 + 1 and m.output_tokens == 6 * 6 + 3 for m in each)
         baseline, candidate = Measurement(**run["baseline"]), Measurement(**run["candidate"])
         for m in (baseline, candidate):
-            assert m.requests_failed == 0 and m.requests_ok == 6 + 1  # the chats and the long prompt
-            assert m.output_tokens == 6 * 6 + 3
+            assert m.requests_failed == 0 and m.requests_ok == 2 * (6 + 1)  # the chats and the long prompt, twice
+            assert m.output_tokens == 2 * (6 * 6 + 3)
             assert m.output_tokens_per_s > 0 and m.median_decode_tokens_per_s > 0
             assert 0 < m.ttft_p50_s <= m.ttft_p95_s and m.long_ttft_p50_s is not None
             assert 0 < m.itl_p99_s <= m.worst_stall_s
@@ -53,5 +61,10 @@ def test_two_profiles_on_one_workload_give_gates_per_client_count(tiny_model: Pa
                               "stalled steps"}  # fmt: skip
     assert result["passed"] == all(g["passed"] for run in result["runs"] for g in run["gates"])
     assert (done.returncode == 0) == result["passed"]
+    report = subprocess.run(  # a bad setting: exit 2 with what to change, before anything starts
+        [sys.executable, "-m", "hybridserve.cli", "qualify", "--baseline-worker", "x", "--candidate-worker", "y",
+         "--rounds", "0"], capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert report.returncode == 2 and "--rounds must be >= 1" in report.stderr
     for name in ("ttft.png", "itl.png", "tokens_per_step.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -3,8 +3,9 @@
 Starts one scheduler and two workers on the same model, one per profile (worker flags: `--common`
 then the profile's own), or uses two running workers (`--baseline-worker`, `--candidate-worker`);
 drives the same seeded workload (hybridserve.cli.qualify.workload) at each client count, the two
-profiles in turn (who goes first alternates); reads each worker's preemption and stall counters
-around every run; prints the gates (hybridserve.cli.qualify.gates) with pass/fail, or `--json`;
+profiles in turn (who goes first alternates), `--rounds` times (the gates read each profile's
+medians over its rounds; a line a client count shows every round's ratios); reads each worker's
+preemption and stall counters around every run; prints the gates (hybridserve.cli.qualify.gates) with pass/fail, or `--json`;
 `--plot DIR` writes PNG charts (matplotlib, an optional extra). Exit 0 when every gate passes, 1 when
 one fails, 2 when the runs could not be made.
 
@@ -26,7 +27,16 @@ import grpc
 
 from gpu_worker.client import describe_rpc_error, generation_stub
 from hybridserve.children import Child, ChildExited, hybridserve_command, stop_all
-from hybridserve.cli.qualify.gates import Measurement, RequestTrace, Tolerances, evaluate, format_report, measure
+from hybridserve.cli.qualify.gates import (
+    Measurement,
+    RequestTrace,
+    Tolerances,
+    evaluate,
+    format_report,
+    measure,
+    median_measurement,
+    round_ratios,
+)
 from hybridserve.cli.qualify.workload import Workload, run_workload
 from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 from hybridserve.v1 import generation_pb2
@@ -57,6 +67,7 @@ class QualifySettings:
     seed: int = 0
     warmup_requests: int = 8  # per worker before the measured runs
     warmup_runs: int = 1  # untimed runs of the whole workload per profile (most clients) before measuring
+    rounds: int = 1  # measured runs per profile and client count, who goes first alternating; medians gated
     max_throughput_loss: float = 0.03
     max_decode_loss: float = 0.0
     max_ttft_p95_increase: float = 0.05
@@ -70,6 +81,8 @@ class QualifySettings:
             raise ValueError("give both --baseline-worker and --candidate-worker, or neither")
         if self.warmup_runs < 0:
             raise ValueError(f"--warmup-runs must be >= 0, got {self.warmup_runs}")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
         if not self.client_counts or min(self.client_counts) < 1:
             raise ValueError(f"--clients needs positive counts, got {self.clients!r}")
 
@@ -98,6 +111,10 @@ FLAGS = {
     "candidate_worker": Flag("use this running worker as the candidate (host:port)"),
     "workload": Flag("chat (closed-loop chats) | convoy (chats + long prompts arriving mid-run)"),
     "warmup_runs": Flag("untimed runs of the whole workload on each profile before the measured ones"),
+    "rounds": Flag(
+        "measured runs of each profile per client count, who goes first alternating; the gates "
+        "read the medians (a noisy machine moves one run's figures by more than a 3%% gate)"
+    ),
     "json": Flag("print the measurements and gates as JSON", switch=True),
     "plot": Flag("write PNG charts to this folder (needs matplotlib)", metavar="DIR"),
 }
@@ -178,18 +195,44 @@ def qualify(s: QualifySettings, addresses: dict[str, str]) -> dict[str, object]:
             run_workload(addresses[profile], replace(workload, seed=s.seed + 2), max(s.client_counts), vocab)
     runs: list[dict[str, object]] = []
     traces: dict[str, dict[int, list[RequestTrace]]] = {p: {} for p in PROFILES}
-    for i, clients in enumerate(s.client_counts):
-        order = PROFILES if i % 2 == 0 else PROFILES[::-1]  # alternate who runs first
-        measured: dict[str, Measurement] = {}
-        for profile in order:
-            print(f"qualify: {profile} at {clients} clients ...", file=sys.stderr, flush=True)
-            measured[profile], traces[profile][clients] = run_profile(addresses[profile], workload, clients, vocab)
-        gates = evaluate(measured["baseline"], measured["candidate"], s.tolerances())
-        runs.append({"clients": clients, "baseline": asdict(measured["baseline"]),
-                     "candidate": asdict(measured["candidate"]), "gates": [asdict(g) for g in gates]})  # fmt: skip
+    turn = 0
+    for clients in s.client_counts:
+        rounds: list[dict[str, Measurement]] = []
+        for r in range(s.rounds):
+            order = PROFILES if turn % 2 == 0 else PROFILES[::-1]  # alternate who runs first
+            turn += 1
+            measured: dict[str, Measurement] = {}
+            for profile in order:
+                of = f" (round {r + 1} of {s.rounds})" if s.rounds > 1 else ""
+                print(f"qualify: {profile} at {clients} clients{of} ...", file=sys.stderr, flush=True)
+                measured[profile], got = run_profile(addresses[profile], workload, clients, vocab)
+                traces[profile].setdefault(clients, []).extend(got)
+            rounds.append(measured)
+        summary = {p: median_measurement([m[p] for m in rounds]) for p in PROFILES}
+        gates = evaluate(summary["baseline"], summary["candidate"], s.tolerances())
+        run: dict[str, object] = {"clients": clients, **{p: asdict(summary[p]) for p in PROFILES},
+                                  "gates": [asdict(g) for g in gates]}  # fmt: skip
+        if s.rounds > 1:
+            run["rounds"] = [{p: asdict(m[p]) for p in PROFILES} for m in rounds]
+        runs.append(run)
     passed = all(g["passed"] for run in runs for g in run["gates"])  # type: ignore[attr-defined]
     return {"workload": asdict(workload), "baseline": s.baseline, "candidate": s.candidate, "common": s.common,
             "runs": runs, "passed": passed, "_traces": traces}  # fmt: skip
+
+
+def report_text(s: QualifySettings, result: dict[str, object]) -> str:
+    """The gates table of `qualify`'s result and, with several rounds, each round's ratios."""
+    runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
+    lines = [f"workload {s.workload}: baseline [{s.baseline}] vs candidate [{s.candidate}] (both: [{s.common}])"]
+    if s.rounds > 1:
+        lines.append(f"{s.rounds} rounds a client count, who goes first alternating; figures: each profile's median")
+    pairs = [(Measurement(**r["baseline"]), Measurement(**r["candidate"])) for r in runs]  # type: ignore[arg-type]
+    lines.append(format_report(pairs, s.tolerances()))
+    for r in runs:
+        if "rounds" in r:
+            each = [(Measurement(**x["baseline"]), Measurement(**x["candidate"])) for x in r["rounds"]]  # type: ignore[attr-defined]
+            lines.append(f"rounds at {r['clients']} clients, candidate / baseline: {round_ratios(each)}")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,10 +262,5 @@ def run(args: argparse.Namespace) -> int:
 
             for path in write_plots(s.plot, traces, Path(tmp)):  # type: ignore[arg-type]
                 print(f"wrote {path}", file=sys.stderr)
-    pairs = [(Measurement(**r["baseline"]), Measurement(**r["candidate"])) for r in result["runs"]]  # type: ignore[attr-defined]
-    if s.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(f"workload {s.workload}: baseline [{s.baseline}] vs candidate [{s.candidate}] (both: [{s.common}])")
-        print(format_report(pairs, s.tolerances()))
+    print(json.dumps(result, indent=2) if s.json else report_text(s, result))
     return 0 if result["passed"] else 1

@@ -7,15 +7,18 @@ Gates (candidate vs baseline):
     p95 TTFT                    at most `max_ttft_p95_increase` higher (the seed: 5%)
     preemptions, stalled steps  zero in the candidate's run
     failed requests             zero in the candidate's run
-Beside them, not gated: the inter-token latency tail (p99 gap between streamed tokens and the worst
-stall) that micro-slicing exists to cut, the long prompts' median TTFT and, with long prompts, the
-chats' own p95 TTFT (a convoy's four long prompts are 6% of its requests: the p95 over all is theirs).
+With several rounds a client count (`qualify --rounds`), a profile's figures are the medians over its
+rounds and its counts the sums (`median_measurement`). Beside the gates, not gated: the inter-token
+latency tail (p99 gap between streamed tokens and the worst stall) that micro-slicing exists to cut,
+the long prompts' median TTFT and, with long prompts, the chats' own p95 TTFT (a convoy's four long
+prompts are 6% of its requests: the p95 over all is theirs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +124,43 @@ def measure(traces: Sequence[RequestTrace], clients: int, wall_s: float, preempt
         worst_stall_s=max(gaps, default=0.0), preemptions=preemptions, stalled_steps=stalled,
         requests_ok=len(ok), requests_failed=len(traces) - len(ok), chat_ttft_p95_s=percentile(chat_ttfts, 95),
     )  # fmt: skip
+
+
+# Summed over rounds: a gate of zero must see a preemption, stall or failure in any round.
+_SUMMED = frozenset({"output_tokens", "preemptions", "stalled_steps", "requests_ok", "requests_failed"})
+
+
+def median_measurement(rounds: Sequence[Measurement]) -> Measurement:
+    """One profile's rounds at one client count as one measurement: the median of each rate and time
+    (a round's minute of a noisy machine moves every figure of it alike), the sum of each count
+    (output tokens, requests, and the preemptions, stalls and failures the zero gates read)."""
+    if not rounds:
+        raise ValueError("no rounds to summarize")
+    if len({m.clients for m in rounds}) != 1:
+        raise ValueError(f"rounds of different client counts: {sorted({m.clients for m in rounds})}")
+    values: dict[str, object] = {"clients": rounds[0].clients}
+    for field in fields(Measurement):
+        name = field.name
+        if name == "clients":
+            continue
+        got = [v for m in rounds if (v := getattr(m, name)) is not None]
+        if name in _SUMMED:
+            values[name] = sum(got)
+        else:
+            values[name] = statistics.median(got) if got else None
+    return Measurement(**values)  # type: ignore[arg-type]
+
+
+def round_ratios(pairs: Sequence[tuple[Measurement, Measurement]]) -> str:
+    """Each round's candidate / baseline on the figures that move most, for a reader to see the spread
+    the medians summarize: `aggregate 0.97 1.02 0.99; median decode ...; p95 TTFT ...; worst stall ...`."""
+    figures: list[tuple[str, Callable[[Measurement], float]]] = [
+        ("aggregate", lambda m: m.output_tokens_per_s), ("median decode", lambda m: m.median_decode_tokens_per_s),
+        ("p95 TTFT", lambda m: m.ttft_p95_s), ("worst stall", lambda m: m.worst_stall_s),
+    ]  # fmt: skip
+    return "; ".join(
+        f"{name} " + " ".join(f"{get(c) / get(b):.2f}" if get(b) else "-" for b, c in pairs) for name, get in figures
+    )
 
 
 def evaluate(baseline: Measurement, candidate: Measurement, tol: Tolerances = Tolerances()) -> list[Gate]:
