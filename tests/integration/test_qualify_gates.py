@@ -140,7 +140,7 @@ def test_rounds_give_the_median_of_each_figure_and_the_sum_of_each_count() -> No
 def test_rounds_is_a_setting_of_at_least_one() -> None:
     from hybridserve.cli.qualify.command import QualifySettings
 
-    assert QualifySettings().rounds == 1 and QualifySettings(rounds=5).rounds == 5
+    assert QualifySettings().rounds == 3 and QualifySettings(rounds=1).rounds == 1
     with pytest.raises(ValueError, match="--rounds must be >= 1"):
         QualifySettings(rounds=0)
 
@@ -161,5 +161,5 @@ def test_the_report_of_several_rounds_shows_each_rounds_ratios_under_the_medians
     assert lines[1] == "3 rounds a client count, who goes first alternating; figures: each profile's median"
     assert format_report([(BASE, summary)]) in text and "verdict: PASS" in text  # the median round: 1000
     assert lines[-1].startswith("rounds at 16 clients, candidate / baseline: aggregate 0.80 1.10 1.00; ")
-    assert "rounds" not in report_text(QualifySettings(), {"runs": [{"clients": 16, "baseline": asdict(BASE),
+    assert "rounds" not in report_text(QualifySettings(rounds=1), {"runs": [{"clients": 16, "baseline": asdict(BASE),
                                                                       "candidate": asdict(BASE)}]})  # fmt: skip

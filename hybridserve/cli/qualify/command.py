@@ -5,9 +5,9 @@ then the profile's own), or uses two running workers (`--baseline-worker`, `--ca
 drives the same seeded workload (hybridserve.cli.qualify.workload) at each client count, the two
 profiles in turn (who goes first alternates), `--rounds` times (the gates read each profile's
 medians over its rounds; a line a client count shows every round's ratios); reads each worker's
-preemption and stall counters around every run; prints the gates (hybridserve.cli.qualify.gates) with pass/fail, or `--json`;
-`--plot DIR` writes PNG charts (matplotlib, an optional extra). Exit 0 when every gate passes, 1 when
-one fails, 2 when the runs could not be made.
+preemption and stall counters around every run; prints the gates (hybridserve.cli.qualify.gates)
+with pass/fail, or `--json`; `--plot DIR` writes PNG charts (matplotlib, an optional extra). Exit 0
+when every gate passes, 1 when one fails, 2 when the runs could not be made.
 
     hybridserve qualify --baseline="--max-num-prefill-tokens-per-step 0" \\
         --candidate="--max-num-prefill-tokens-per-step 512" --workload convoy
@@ -67,7 +67,7 @@ class QualifySettings:
     seed: int = 0
     warmup_requests: int = 8  # per worker before the measured runs
     warmup_runs: int = 1  # untimed runs of the whole workload per profile (most clients) before measuring
-    rounds: int = 1  # measured runs per profile and client count, who goes first alternating; medians gated
+    rounds: int = 3  # measured runs per profile and client count, who goes first alternating; medians gated
     max_throughput_loss: float = 0.03
     max_decode_loss: float = 0.0
     max_ttft_p95_increase: float = 0.05
