@@ -163,3 +163,22 @@ def test_the_report_of_several_rounds_shows_each_rounds_ratios_under_the_medians
     assert lines[-1].startswith("rounds at 16 clients, candidate / baseline: aggregate 0.80 1.10 1.00; ")
     assert "rounds" not in report_text(QualifySettings(rounds=1), {"runs": [{"clients": 16, "baseline": asdict(BASE),
                                                                       "candidate": asdict(BASE)}]})  # fmt: skip
+
+
+def test_chats_may_ask_for_seeded_varied_lengths_with_the_same_prompts() -> None:
+    """--max-tokens-min: each chat's new tokens seeded uniform in [min, --max-tokens] (chats of one
+    length finish together and a closed loop sends the next ones in a wave); the prompts stay those
+    of the fixed-length workload; 0 (the default) is every chat at --max-tokens."""
+    from hybridserve.cli.qualify.command import QualifySettings
+    from hybridserve.cli.qualify.workload import Workload
+
+    fixed, varied = Workload(requests=200, max_tokens=64), Workload(requests=200, max_tokens=64, max_tokens_min=16)
+    assert fixed.chat_max_tokens() == [64] * 200
+    lengths = varied.chat_max_tokens()
+    assert lengths == varied.chat_max_tokens() and min(lengths) >= 16 and max(lengths) <= 64
+    assert len(set(lengths)) > 30 and min(lengths) < 24 and max(lengths) > 56  # spread over the range
+    assert varied.prompts(512) == fixed.prompts(512)
+    assert QualifySettings(max_tokens_min=16).workload_spec().chat_max_tokens() == lengths[:64]
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="--max-tokens-min must be 0"):
+            QualifySettings(max_tokens_min=bad)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hybridserve.cli.qualify.gates import Measurement, evaluate, median_measurement
+from hybridserve.cli.qualify.workload import Workload
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +31,15 @@ def test_two_profiles_on_one_workload_give_gates_per_client_count(tiny_model: Pa
          "--baseline=--max-num-prefill-tokens-per-step 0", "--candidate=--max-num-prefill-tokens-per-step 64",
          "--common=--no-prefix-caching --max-num-batched-tokens 128 --block-size 64 --mamba-block-size 32",
          "--workload", "convoy", "--clients", "2,3", "--rounds", "2", "--requests", "6", "--prompt-len-max", "48",
-         "--max-tokens", "6", "--long-prompts", "1", "--long-prompt-len", "300", "--long-max-tokens", "3",
-         "--long-after-s", "0.05", "--warmup-requests", "2", "--json", "--plot", str(plots)],
+         "--max-tokens", "6", "--max-tokens-min", "3", "--long-prompts", "1", "--long-prompt-len", "300",
+         "--long-max-tokens", "3", "--long-after-s", "0.05", "--warmup-requests", "2", "--json", "--plot", str(plots)],
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert done.returncode in (0, 1), done.stderr[-3000:]  # 0: every gate passed, 1: one failed; 2 = no run
     for profile in ("baseline", "candidate"):  # the untimed pass of the workload before the measured runs
         assert f"qualify: warm-up run of {profile} at 3 clients" in done.stderr
     result = json.loads(done.stdout)
+    chat_tokens = sum(Workload(requests=6, max_tokens=6, max_tokens_min=3).chat_max_tokens())  # 3..6 each
     assert [run["clients"] for run in result["runs"]] == [2, 3]
     order = [line.split(" at ")[0].removeprefix("qualify: ") for line in done.stderr.splitlines()
              if " clients (round " in line]  # fmt: skip
@@ -47,11 +49,11 @@ def test_two_profiles_on_one_workload_give_gates_per_client_count(tiny_model: Pa
         for profile in ("baseline", "candidate"):  # the gated figures summarize the rounds
             each = [Measurement(**r[profile]) for r in run["rounds"]]
             assert Measurement(**run[profile]) == median_measurement(each)
-            assert all(m.requests_ok == 6 + 1 and m.output_tokens == 6 * 6 + 3 for m in each)
+            assert all(m.requests_ok == 6 + 1 and m.output_tokens == chat_tokens + 3 for m in each)
         baseline, candidate = Measurement(**run["baseline"]), Measurement(**run["candidate"])
         for m in (baseline, candidate):
             assert m.requests_failed == 0 and m.requests_ok == 2 * (6 + 1)  # the chats and the long prompt, twice
-            assert m.output_tokens == 2 * (6 * 6 + 3)
+            assert m.output_tokens == 2 * (chat_tokens + 3)
             assert m.output_tokens_per_s > 0 and m.median_decode_tokens_per_s > 0
             assert 0 < m.ttft_p50_s <= m.ttft_p95_s and m.long_ttft_p50_s is not None
             assert 0 < m.itl_p99_s <= m.worst_stall_s

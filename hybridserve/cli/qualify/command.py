@@ -59,6 +59,7 @@ class QualifySettings:
     prompt_len_min: int = 16
     prompt_len_max: int = 256
     max_tokens: int = 64
+    max_tokens_min: int = 0  # > 0: each chat's new tokens seeded uniform in [max_tokens_min, max_tokens]
     long_prompts: int = 4  # convoy only
     long_prompt_len: int = 6000
     long_max_tokens: int = 16
@@ -81,6 +82,11 @@ class QualifySettings:
             raise ValueError("give both --baseline-worker and --candidate-worker, or neither")
         if self.warmup_runs < 0:
             raise ValueError(f"--warmup-runs must be >= 0, got {self.warmup_runs}")
+        if not 0 <= self.max_tokens_min <= self.max_tokens:
+            raise ValueError(
+                f"--max-tokens-min must be 0 (every chat asks for --max-tokens) or 1..{self.max_tokens}, "
+                f"got {self.max_tokens_min}"
+            )
         if self.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
         if not self.client_counts or min(self.client_counts) < 1:
@@ -93,8 +99,8 @@ class QualifySettings:
     def workload_spec(self) -> Workload:
         return Workload(
             kind=self.workload, requests=self.requests, prompt_len_min=self.prompt_len_min,
-            prompt_len_max=self.prompt_len_max, max_tokens=self.max_tokens, long_prompts=self.long_prompts,
-            long_prompt_len=self.long_prompt_len, long_max_tokens=self.long_max_tokens,
+            prompt_len_max=self.prompt_len_max, max_tokens=self.max_tokens, max_tokens_min=self.max_tokens_min,
+            long_prompts=self.long_prompts, long_prompt_len=self.long_prompt_len, long_max_tokens=self.long_max_tokens,
             long_after_s=self.long_after_s, long_interval_s=self.long_interval_s, seed=self.seed,
         )  # fmt: skip
 
@@ -111,6 +117,10 @@ FLAGS = {
     "candidate_worker": Flag("use this running worker as the candidate (host:port)"),
     "workload": Flag("chat (closed-loop chats) | convoy (chats + long prompts arriving mid-run)"),
     "warmup_runs": Flag("untimed runs of the whole workload on each profile before the measured ones"),
+    "max_tokens_min": Flag(
+        "0: every chat asks for --max-tokens; else each chat's count seeded uniform from this to --max-tokens"
+        " (chats of one length finish together, so a closed loop sends the next prompts in waves)"
+    ),
     "rounds": Flag(
         "measured runs of each profile per client count, who goes first alternating; the gates "
         "read the medians (a noisy machine moves one run's figures by more than a 3%% gate)"

@@ -1,7 +1,9 @@
 """The seeded workloads `qualify` drives, and the driver that records every streamed message's time.
 
     chat    `clients` closed-loop clients serve `requests` prompts of lengths uniform in
-            [prompt_len_min, prompt_len_max], `max_tokens` new tokens each (EOS ignored, greedy)
+            [prompt_len_min, prompt_len_max], `max_tokens` new tokens each (EOS ignored, greedy), or
+            with `max_tokens_min` > 0 each chat's own count uniform in [max_tokens_min, max_tokens]
+            (chats of one length finish together, so a closed loop sends the next ones in waves)
     convoy  the chats, plus `long_prompts` prompts of `long_prompt_len` tokens that arrive one every
             `long_interval_s` from `long_after_s` on (each on its own client), `long_max_tokens` new tokens
 
@@ -30,6 +32,7 @@ class Workload:
     prompt_len_min: int = 16
     prompt_len_max: int = 256
     max_tokens: int = 64
+    max_tokens_min: int = 0  # > 0: each chat's new tokens uniform in [max_tokens_min, max_tokens]
     long_prompts: int = 0  # convoy: long prompts arriving mid-run
     long_prompt_len: int = 6000
     long_max_tokens: int = 16
@@ -49,6 +52,14 @@ class Workload:
         chats = [prompt(rng.randint(self.prompt_len_min, self.prompt_len_max)) for _ in range(self.requests)]
         longs = [prompt(self.long_prompt_len) for _ in range(self.long_prompts if self.kind == "convoy" else 0)]
         return chats, longs
+
+    def chat_max_tokens(self) -> list[int]:
+        """Each chat's new tokens: max_tokens, or seeded uniform from max_tokens_min (an RNG of its own,
+        so the prompts are the same either way)."""
+        if self.max_tokens_min <= 0:
+            return [self.max_tokens] * self.requests
+        rng = random.Random(f"{self.seed}-max-tokens")
+        return [rng.randint(self.max_tokens_min, self.max_tokens) for _ in range(self.requests)]
 
 
 def one_request(stub: object, prompt: list[int], max_tokens: int, kind: str, origin: float, timeout_s: float,
@@ -77,6 +88,7 @@ def run_workload(address: str, workload: Workload, clients: int, vocab_size: int
     """Runs the workload against the worker at `address`; returns every request's trace and the wall
     time from the first call to the last stream's end (seconds)."""
     chats, longs = workload.prompts(vocab_size)
+    chat_tokens = workload.chat_max_tokens()
     traces: list[RequestTrace] = []
     lock = threading.Lock()
     next_chat = iter(range(len(chats)))
@@ -94,7 +106,7 @@ def run_workload(address: str, workload: Workload, clients: int, vocab_size: int
                 index = next(next_chat, None)
             if index is None:
                 return
-            record(one_request(stub, chats[index], workload.max_tokens, "chat", origin, workload.timeout_s, address))
+            record(one_request(stub, chats[index], chat_tokens[index], "chat", origin, workload.timeout_s, address))
 
     def long_client(channel: grpc.Channel, index: int) -> None:
         delay = workload.long_after_s + index * workload.long_interval_s - (time.perf_counter() - origin)
