@@ -230,17 +230,21 @@ def qualify(s: QualifySettings, addresses: dict[str, str]) -> dict[str, object]:
             "runs": runs, "passed": passed, "_traces": traces}  # fmt: skip
 
 
+def _pair(run: dict[str, object]) -> tuple[Measurement, Measurement]:
+    """(baseline, candidate) of one run or round of `qualify`'s result."""
+    return Measurement(**run["baseline"]), Measurement(**run["candidate"])  # type: ignore[arg-type]
+
+
 def report_text(s: QualifySettings, result: dict[str, object]) -> str:
     """The gates table of `qualify`'s result and, with several rounds, each round's ratios."""
     runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
     lines = [f"workload {s.workload}: baseline [{s.baseline}] vs candidate [{s.candidate}] (both: [{s.common}])"]
     if s.rounds > 1:
         lines.append(f"{s.rounds} rounds a client count, who goes first alternating; figures: each profile's median")
-    pairs = [(Measurement(**r["baseline"]), Measurement(**r["candidate"])) for r in runs]  # type: ignore[arg-type]
-    lines.append(format_report(pairs, s.tolerances()))
+    lines.append(format_report([_pair(r) for r in runs], s.tolerances()))
     for r in runs:
         if "rounds" in r:
-            each = [(Measurement(**x["baseline"]), Measurement(**x["candidate"])) for x in r["rounds"]]  # type: ignore[attr-defined]
+            each = [_pair(x) for x in r["rounds"]]  # type: ignore[attr-defined]
             lines.append(f"rounds at {r['clients']} clients, candidate / baseline: {round_ratios(each)}")
     return "\n".join(lines)
 
