@@ -43,18 +43,18 @@ from cache_svc import keys  # noqa: E402
 from cache_svc.embedded_redis import RedisProcess  # noqa: E402
 from cache_svc.server import create_server as create_cache_server  # noqa: E402
 from cache_svc.store import StoreConfig  # noqa: E402
-from gpu_worker.cache.checkpoint_io import BlockCheckpoint, BlockIdentity, CheckpointLayout, TensorSpec, seal  # noqa: E402
+from gpu_worker.api.server import build_prefix_cache  # noqa: E402
+from gpu_worker.api.service import GenerationServicer, add_to_server  # noqa: E402
 from gpu_worker.cache.manager import PrefixCacheManager  # noqa: E402
 from gpu_worker.cache.misses import FetchOrRecompute  # noqa: E402
 from gpu_worker.cache.remote import SharedTier, SharedTierAccess  # noqa: E402
 from gpu_worker.engine.engine import Engine  # noqa: E402
 from gpu_worker.engine.settings import EngineSettings  # noqa: E402
-from gpu_worker.init_model import write_random_checkpoint  # noqa: E402
-from gpu_worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from gpu_worker.server import build_prefix_cache  # noqa: E402
-from gpu_worker.service import GenerationServicer, add_to_server  # noqa: E402
+from gpu_worker.runner.checkpoint_io import BlockCheckpoint, BlockIdentity, CheckpointLayout, TensorSpec, seal  # noqa: E402
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig  # noqa: E402
 from hybridserve import grpc_server  # noqa: E402
 from hybridserve.v1 import cache_pb2, cache_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
+from hybridserve_cli.init_model import write_random_checkpoint  # noqa: E402
 from scheduler_svc.client import SchedulerClient  # noqa: E402
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig  # noqa: E402
 from scheduler_svc.server import create_server as create_scheduler_server  # noqa: E402

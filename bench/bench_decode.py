@@ -1,6 +1,6 @@
 """Decode-step profile of the model runner at 8..64 running sequences, split by phase and by layer kind.
 
-Model: the issue's tiny Granite-4.0-H (hidden 256, 8 layers, attention at layers 3 and 7, 8 Mamba heads
+Model: the benchmark model, a tiny Granite-4.0-H (hidden 256, 8 layers, attention at layers 3 and 7, 8 Mamba heads
 of 64, d_state 64, dense MLP 512, vocab 512), as bench/bench_vs_vllm.py writes it. Each batch size
 prefills prompts of 16..256 tokens, then times decode steps (greedy), split into:
     inputs   build_inputs (validation, packing, index tensors)
@@ -11,9 +11,9 @@ With --compile the same steps also run with the Mamba decode step compiled (gpu_
 compiled_decode), interleaved with the eager runs; with --scattered the sequences hold every other
 state slot (not one contiguous run); --prompts 1000..3000 sets the prompt lengths (long contexts);
 --padded-attention also runs every mode with decode attention batched over pages padded to the longest
-context for every sequence in one call (the form before gpu_worker.model.decode_attention's per-sequence
+context for every sequence in one call (the form before gpu_worker.model.backends.cpu.decode_attention's per-sequence
 calls and groups), rows marked "/pad"; --unpacked also runs every mode with the projections' weights given to oneDNN
-unpacked (from 16 rows, F.linear below: the form before gpu_worker.model.cpu_linear's packs), rows marked
+unpacked (from 16 rows, F.linear below: the form before gpu_worker.model.backends.cpu.linear's packs), rows marked
 "/unpacked".
 Absolute times depend on the machine and its load; compare rows measured in one run.
 
@@ -33,17 +33,17 @@ from typing import Any
 
 import torch
 
-from gpu_worker.batch import Batch, SequenceChunk
-from gpu_worker.cpu_alloc import keep_freed_memory
-from gpu_worker.init_model import ModelSpec, write_random_checkpoint
-from gpu_worker.input_builder import build_inputs
 from gpu_worker.model.attention import PagedAttention
-from gpu_worker.model.cpu_linear import OneDnnLinear
-from gpu_worker.model.decode_attention import DECODE_GROUP_BYTES, LONG_CONTEXT_TOKENS
+from gpu_worker.model.backends.cpu.decode_attention import DECODE_GROUP_BYTES, LONG_CONTEXT_TOKENS
+from gpu_worker.model.backends.cpu.linear import OneDnnLinear
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.model.model import Block
-from gpu_worker.runner import ModelRunner, RunnerConfig
-from gpu_worker.sampling import SamplingParams, sample
+from gpu_worker.runner.batch import Batch, SequenceChunk
+from gpu_worker.runner.input_builder import build_inputs
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.sampling import SamplingParams, sample
+from gpu_worker.runner.tuning import keep_freed_memory
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
 SPEC = ModelSpec(
     vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=8, attn_layer_indices=(3, 7),

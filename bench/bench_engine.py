@@ -25,7 +25,7 @@ overlapped or not. The scheduler is the real service in its own process, over gR
 `--forward-ms X` makes the null forward take X ms of wall time (a sleep, the CPU left free as by a
 GPU forward): with X longer than the round trip the `plan` column (the wait) should be about 0.
 
-Target (the issue): at most 1 ms per step at 256 requests outside the forward pass, planning
+Target: at most 1 ms per step at 256 requests outside the forward pass, planning
 overlapped. Only figures from one run, side by side, mean anything.
 """
 
@@ -40,22 +40,20 @@ from typing import Any
 
 import torch
 
-from gpu_worker.batch import Batch, ForwardOutput
-from gpu_worker.cpu_alloc import set_cpu_threads
+from gpu_worker.api.service import output_to_pb
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.records import StepRecord
-from gpu_worker.engine.request import GenerationParams, Request
+from gpu_worker.engine.request import GenerationParams, Request, StopChecker
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.engine.stop_checker import StopChecker
-from gpu_worker.gc_tuning import freeze_startup_objects
-from gpu_worker.kv_pool import KVPagePool
-from gpu_worker.runner import RunnerConfig
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.service import output_to_pb
-from gpu_worker.state_pool import MambaStatePool
-from gpu_worker.tokenizer import Tokenizer, build_byte_tokenizer
-from hybridserve.children import Child, hybridserve_command, stop_all
+from gpu_worker.model.tokenizer import Tokenizer, build_byte_tokenizer
+from gpu_worker.runner.batch import Batch, ForwardOutput
+from gpu_worker.runner.kv_pool import KVPagePool
+from gpu_worker.runner.runner import RunnerConfig
+from gpu_worker.runner.sampling import SamplingParams
+from gpu_worker.runner.state_pool import MambaStatePool
+from gpu_worker.runner.tuning import freeze_startup_objects, set_cpu_threads
+from hybridserve_cli.stack import Stack
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig
 
@@ -229,9 +227,8 @@ def main() -> int:
     )  # fmt: skip
     args = parser.parse_args()
     set_cpu_threads(args.cpu_threads)
-    scheduler = Child("scheduler", hybridserve_command("scheduler", "--port", "0"))
-    try:
-        address = scheduler.wait_listening(60.0)
+    with Stack(start_timeout_s=60.0) as stack:
+        address = stack.scheduler()
         modes = [True, False] if args.sync else [True]
         cols = ("wall", "outside", "own", *PARTS, "between", "stream", "rtt")
         print(
@@ -245,8 +242,6 @@ def main() -> int:
                     m = measure(n, args.steps, address, mode, forward_ms / 1e3)
                     row = f"{n:>9}{'on' if mode else 'off':>7}" + "".join(f"{m[c]:>10.3f}" for c in cols)
                     print(row, flush=True)
-    finally:
-        stop_all([scheduler])
     return 0
 
 

@@ -27,6 +27,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hybridserve.stats import percentile  # noqa: E402
 from hybridserve.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from tests.faults.stack import (  # noqa: E402
     COMPONENTS,
@@ -115,11 +116,6 @@ def health_under_load(stack: Stack, args: argparse.Namespace) -> tuple[list[floa
 PROBERS = 4
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 PROMPTS: list[list[int]] = []
 
 
@@ -156,7 +152,7 @@ def main() -> int:
     )
     if latencies:
         print(
-            f"  latency p50 {quantile(latencies, 0.5) * 1e3:.1f} ms, p99 {quantile(latencies, 0.99) * 1e3:.1f} ms,"
+            f"  latency p50 {percentile(latencies, 50) * 1e3:.1f} ms, p99 {percentile(latencies, 99) * 1e3:.1f} ms,"
             f" max {max(latencies) * 1e3:.1f} ms; over 1 s: {sum(t > 1.0 for t in latencies)};"
             f" not SERVING or failed: {failures}; mean {statistics.mean(latencies) * 1e3:.1f} ms"
         )

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import httpx
 
-from gpu_worker.init_model import ModelSpec, write_random_checkpoint
-from hybridserve.children import Child, hybridserve_command, stop_all
-from hybridserve.cli.loadgen import LoadSummary, RequestResult, make_prompts, run_load, summarize
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
+from hybridserve_cli.loadgen import LoadSummary, RequestResult, make_prompts, run_load, summarize
+from hybridserve_cli.stack import Stack as Launcher
 
 START_TIMEOUT_S = 300.0
 MODEL_NAME = "bench"
@@ -129,57 +129,28 @@ def run_http_load(
 
 
 class Stack:
-    """A scheduler, workers and (optionally) a gateway as child processes."""
+    """A scheduler, workers and (optionally) a gateway as child processes, on the stack launcher."""
 
     def __init__(self, model_dir: Path, num_workers: int, worker_flags: Sequence[str], routing: str | None) -> None:
-        self.children: list[Child] = []
+        self.launcher = Launcher(start_timeout_s=START_TIMEOUT_S)
         try:
-            scheduler = self._start("scheduler", "scheduler", "--port", "0")
+            scheduler = self.launcher.scheduler()
             self.workers = [
-                self._start(
-                    f"worker{i}",
-                    "worker",
-                    "--model",
-                    str(model_dir),
-                    "--scheduler",
-                    scheduler.address,
-                    "--port",
-                    "0",
-                    "--device",
-                    "cpu",
-                    *worker_flags,
+                self.launcher.worker(
+                    model_dir, [scheduler], flags=["--device", "cpu", *worker_flags], name=f"worker{i}"
                 )
                 for i in range(num_workers)
             ]
             self.worker_addresses = [w.address for w in self.workers]
             self.gateway = None
             if routing is not None:
-                self.gateway = self._start(
-                    "gateway",
-                    "gateway",
-                    "--workers",
-                    ",".join(self.worker_addresses),
-                    "--port",
-                    "0",
-                    "--grpc-port",
-                    "0",
-                    "--model",
-                    str(model_dir),
-                    "--served-model-name",
-                    MODEL_NAME,
-                    "--routing",
-                    routing,
-                )
+                self.gateway = self.launcher.gateway(self.worker_addresses, flags=[
+                    "--model", str(model_dir), "--served-model-name", MODEL_NAME, "--routing", routing,
+                ])  # fmt: skip
                 self._wait_ready(num_workers)
         except BaseException:
             self.stop()
             raise
-
-    def _start(self, name: str, *args: str) -> Child:
-        child = Child(name, hybridserve_command(*args))
-        self.children.append(child)
-        child.wait_listening(START_TIMEOUT_S)
-        return child
 
     @property
     def http_url(self) -> str:
@@ -189,10 +160,7 @@ class Stack:
     @property
     def grpc_address(self) -> str:
         assert self.gateway is not None
-        for line in self.gateway.lines:
-            if match := re.search(r"grpc listening on (\S+)", line):
-                return match.group(1)
-        raise RuntimeError("the gateway printed no grpc address")
+        return self.gateway.grpc_address
 
     def _wait_ready(self, num_workers: int) -> None:
         deadline = time.monotonic() + 60
@@ -213,7 +181,7 @@ class Stack:
         return counts
 
     def stop(self) -> None:
-        stop_all(list(reversed(self.children)), 15.0)
+        self.launcher.stop()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -237,7 +205,7 @@ def overhead(model_dir: Path, args: argparse.Namespace) -> None:
     names = ("direct gRPC", "gateway gRPC", "gateway HTTP")
     runs: dict[str, list[LoadSummary]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in names}  # worker, gateway, client seconds
-    pids = (stack.workers[0].proc.pid, stack.gateway.proc.pid) if stack.gateway is not None else ()
+    pids = (stack.workers[0].child.pid, stack.gateway.child.pid) if stack.gateway is not None else ()
     try:
         run_load(stack.worker_addresses[0], prompts[:8], 8, 4)  # warm-up
         order = [*names, *reversed(names)]  # A B C C B A: drift cancels in the mean

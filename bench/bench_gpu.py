@@ -33,16 +33,16 @@ if "--dry-run" in sys.argv:  # must precede the first import of Triton
 
 import torch  # noqa: E402
 
-from gpu_worker.batch import Batch, SequenceChunk  # noqa: E402
-from gpu_worker.cuda_graphs import DecodeGraphs  # noqa: E402
-from gpu_worker.init_model import ModelSpec  # noqa: E402
-from gpu_worker.kv_pool import KVPagePool  # noqa: E402
+from gpu_worker.model.backends import attach_kernels, kernel_backend  # noqa: E402
 from gpu_worker.model.families import family_for  # noqa: E402
-from gpu_worker.model.kernels import attach_kernels, kernel_backend  # noqa: E402
 from gpu_worker.model.loader import LoadedModel, build_model, weight_sources  # noqa: E402
 from gpu_worker.model.model import HybridForCausalLM  # noqa: E402
-from gpu_worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from gpu_worker.state_pool import MambaStatePool  # noqa: E402
+from gpu_worker.runner.batch import Batch, SequenceChunk  # noqa: E402
+from gpu_worker.runner.cuda_graphs import DecodeGraphs  # noqa: E402
+from gpu_worker.runner.kv_pool import KVPagePool  # noqa: E402
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig  # noqa: E402
+from gpu_worker.runner.state_pool import MambaStatePool  # noqa: E402
+from hybridserve_cli.init_model import ModelSpec  # noqa: E402
 
 PEAK_HBM_BYTES_PER_S = 4.8e12  # H200 SXM datasheet
 MID_SPEC = ModelSpec(

@@ -1,7 +1,7 @@
 """Model-runner benchmark, side by side with transformers `generate()` on the same model and prompts.
 
 Model: a random Bamba (hidden 256, 8 layers, attention at layers 3 and 7, vocab 32000) written by
-`gpu_worker.init_model`; both sides load the same folder in float32 on CPU (bf16 on CUDA for the runner).
+`hybridserve_cli.init_model`; both sides load the same folder in float32 on CPU (bf16 on CUDA for the runner).
 Reported: prefill tokens/s for one 512-token prompt, decode tokens/s at batch 1, 8 and 32 with mixed
 prompt lengths (greedy), and the runner's KV bytes per token and state bytes per request. Only ratios
 measured in one run mean anything.
@@ -21,11 +21,11 @@ from transformers import BambaForCausalLM as HFBamba
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.utils import logging as hf_logging
 
-from gpu_worker.batch import Batch, SequenceChunk
-from gpu_worker.cpu_alloc import keep_freed_memory
-from gpu_worker.init_model import ModelSpec, write_random_checkpoint
-from gpu_worker.runner import ModelRunner, RunnerConfig
-from gpu_worker.sampling import SamplingParams, sample
+from gpu_worker.runner.batch import Batch, SequenceChunk
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.sampling import SamplingParams, sample
+from gpu_worker.runner.tuning import keep_freed_memory
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
 BENCH_SPEC = ModelSpec(
     vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=8, attn_layer_indices=(3, 7),
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
-    # Same process, same allocator for both sides: keep freed activations in the heap (see cpu_alloc).
+    # Same process, same allocator for both sides: keep freed activations in the heap (see gpu_worker.runner.tuning).
     tuned = keep_freed_memory()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """Prefill profile of the model runner: milliseconds per prefill step, split by where they go.
 
-Model: the issue's tiny hybrid (a random Granite-4.0-H as bench/bench_vs_vllm.py writes it: hidden 256,
+Model: the benchmark model, a tiny hybrid (a random Granite-4.0-H as bench/bench_vs_vllm.py writes it: hidden 256,
 8 layers, attention at layers 3 and 7, 8 Mamba heads of 64, d_state 64, dense MLP 512, vocab 512),
 float32 on CPU, with the worker's default thread count (one thread on a 2-core machine). Cases:
 
@@ -40,14 +40,14 @@ import torch
 
 import gpu_worker.model.attention as attention_mod
 import gpu_worker.model.mamba2 as mamba2_mod
-import gpu_worker.runner as runner_mod
-from gpu_worker.batch import Batch, SequenceChunk
-from gpu_worker.cpu_alloc import keep_freed_memory
-from gpu_worker.init_model import ModelSpec, write_random_checkpoint
+import gpu_worker.runner.runner as runner_mod
 from gpu_worker.model.attention import PagedAttention
 from gpu_worker.model.layers import MLP, RMSNorm
 from gpu_worker.model.mamba2 import Mamba2Mixer
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.batch import Batch, SequenceChunk
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.tuning import keep_freed_memory
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
 SPEC = ModelSpec(
     vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=8, attn_layer_indices=(3, 7),

@@ -16,6 +16,7 @@ import time
 
 import grpc
 
+from hybridserve.stats import percentile
 from hybridserve.v1 import scheduler_bench_pb2 as bench_pb
 from hybridserve.v1 import scheduler_bench_pb2_grpc as bench_pb_grpc
 from hybridserve.v1 import scheduler_pb2_grpc as pb_grpc
@@ -49,11 +50,6 @@ def workload(num_running: int, step_index: int = 7) -> StepInput:
     return StepInput(config, tuple(running), tuple(waiting), step_index, 10**7)
 
 
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def bench_in_process(repeats: int) -> dict[int, float]:
     print("In-process plan_step latency (pure planner, validation included)")
     print(f"{'running':>8} {'median us':>10} {'p99 us':>10} {'us/request':>11} {'vs 64':>7}")
@@ -73,7 +69,7 @@ def bench_in_process(repeats: int) -> dict[int, float]:
         medians[n] = med
         per_request = med / n
         base_per_request = base_per_request or per_request
-        p99 = percentile(samples, 0.99)
+        p99 = percentile(samples, 99)
         print(f"{n:>8} {med:>10.1f} {p99:>10.1f} {per_request:>11.3f} {per_request / base_per_request:>6.2f}x")
     verdict = "meets" if medians[256] <= TARGET_MEDIAN_US_AT_256 else "MISSES"
     print(f"median at 256 running: {medians[256]:.1f} us ({verdict} the <= {TARGET_MEDIAN_US_AT_256:.0f} us target)")
@@ -108,8 +104,8 @@ def bench_round_trip(repeats: int, num_running: int = 256) -> float:
     ratio = plan_p50 / echo_p50
     print(f"\ngRPC round trip, {num_running} running requests, request {size} bytes, echo {echo.ByteSize()} bytes")
     print(f"{'rpc':>10} {'p50 us':>10} {'p99 us':>10}")
-    print(f"{'PlanStep':>10} {plan_p50:>10.1f} {percentile(plan_samples, 0.99):>10.1f}")
-    print(f"{'Echo':>10} {echo_p50:>10.1f} {percentile(echo_samples, 0.99):>10.1f}")
+    print(f"{'PlanStep':>10} {plan_p50:>10.1f} {percentile(plan_samples, 99):>10.1f}")
+    print(f"{'Echo':>10} {echo_p50:>10.1f} {percentile(echo_samples, 99):>10.1f}")
     verdict = "meets" if ratio <= TARGET_RTT_RATIO else "MISSES"
     print(f"PlanStep / Echo p50 ratio: {ratio:.2f} ({verdict} the <= {TARGET_RTT_RATIO} target)")
     return ratio

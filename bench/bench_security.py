@@ -32,7 +32,7 @@ from bench_model import BENCH_SPEC  # noqa: E402
 from cache_svc.embedded_redis import RedisProcess  # noqa: E402
 from cache_svc.server import create_server as create_cache_server  # noqa: E402
 from cache_svc.store import StoreConfig  # noqa: E402
-from gpu_worker.cache.checkpoint_io import (  # noqa: E402
+from gpu_worker.runner.checkpoint_io import (  # noqa: E402
     HEAD_BYTES,
     MAGIC,
     SALT_BYTES,
@@ -44,14 +44,14 @@ from gpu_worker.cache.checkpoint_io import (  # noqa: E402
     tag_of,
     verify,
 )
-from gpu_worker.init_model import write_random_checkpoint  # noqa: E402
 from hybridserve.certs import write_stack_certs  # noqa: E402
-from hybridserve.children import Child, hybridserve_command, stop_all  # noqa: E402
-from hybridserve.cli.loadgen import make_prompts, run_load  # noqa: E402
 from hybridserve.client_security import ClientSecurity  # noqa: E402
 from hybridserve.grpc_auth import with_bearer  # noqa: E402
 from hybridserve.tls import TlsSettings  # noqa: E402
 from hybridserve.v1 import cache_pb2, cache_pb2_grpc, scheduler_pb2  # noqa: E402
+from hybridserve_cli.init_model import write_random_checkpoint  # noqa: E402
+from hybridserve_cli.loadgen import make_prompts, run_load  # noqa: E402
+from hybridserve_cli.stack import Stack  # noqa: E402
 from scheduler_svc.client import SchedulerClient  # noqa: E402
 from scheduler_svc.server import create_server as create_scheduler_server  # noqa: E402
 
@@ -63,20 +63,21 @@ def tls_flags(ca: Path, cert: Path, key: Path) -> list[str]:
     return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(ca), "--tls-ca", str(ca)]
 
 
-def start_stack(model_dir: Path, certs: tuple[Path, dict[str, tuple[Path, Path]]] | None) -> list[Child]:
+def start_stack(model_dir: Path, certs: tuple[Path, dict[str, tuple[Path, Path]]] | None) -> Stack:
     """scheduler + worker; with certs, mTLS on both and an API key on Generation."""
     ca, files = certs if certs else (None, {})
-    sched_flags = tls_flags(ca, *files["scheduler"]) if ca else []
-    scheduler = Child("scheduler", hybridserve_command("scheduler", "--port", "0", *sched_flags), die_with_parent=False)
-    address = scheduler.wait_listening(START_TIMEOUT_S)
-    worker_flags = tls_flags(ca, *files["worker"]) if ca else []
-    env = {"HYBRIDSERVE_API_KEYS": API_KEY} if ca else {}
-    worker = Child("worker", hybridserve_command(
-        "worker", "--model", str(model_dir), "--scheduler", address, "--port", "0", "--device", "cpu",
-        "--dtype", "float32", "--memory-budget-mb", "256", "--max-num-seqs", "32",
-        *worker_flags), env=env, die_with_parent=False)  # fmt: skip
-    worker.wait_listening(START_TIMEOUT_S)
-    return [scheduler, worker]
+    stack = Stack(start_timeout_s=START_TIMEOUT_S, die_with_parent=False)
+    try:
+        address = stack.scheduler(flags=tls_flags(ca, *files["scheduler"]) if ca else [])
+        worker_flags = tls_flags(ca, *files["worker"]) if ca else []
+        env = {"HYBRIDSERVE_API_KEYS": API_KEY} if ca else {}
+        stack.worker(model_dir, [address], flags=[
+            "--device", "cpu", "--dtype", "float32", "--memory-budget-mb", "256", "--max-num-seqs", "32", *worker_flags,
+        ], env=env)  # fmt: skip
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
 
 
 def throughput(args: argparse.Namespace, model_dir: Path, ca: Path, files: dict[str, tuple[Path, Path]]) -> None:
@@ -87,9 +88,9 @@ def throughput(args: argparse.Namespace, model_dir: Path, ca: Path, files: dict[
         order = ["plaintext", "mtls+key"] if round_index % 2 == 0 else ["mtls+key", "plaintext"]
         for mode in order:
             secure = mode != "plaintext"
-            children = start_stack(model_dir, (ca, files) if secure else None)
+            stack = start_stack(model_dir, (ca, files) if secure else None)
             try:
-                worker = children[1].address
+                worker = stack["worker"].address
                 security = ClientSecurity(client_tls, API_KEY) if secure else None
                 run_load(worker, prompts[:8], 8, 4, security=security)  # warm-up
                 summary = run_load(worker, prompts, args.clients, args.max_tokens, security=security)
@@ -99,7 +100,7 @@ def throughput(args: argparse.Namespace, model_dir: Path, ca: Path, files: dict[
                     f"  round {round_index + 1} {mode:<10} {summary.output_tokens_per_s:8.1f} output tok/s", flush=True
                 )
             finally:
-                stop_all(list(reversed(children)), 15.0)
+                stack.stop()
     plain, secure_best = max(results["plaintext"]), max(results["mtls+key"])
     print(f"1. output tok/s at {args.clients} clients (best of {args.rounds}): plaintext {plain:.1f}, "
           f"mTLS + API key {secure_best:.1f}; ratio {secure_best / plain:.3f} (target >= 0.95)")  # fmt: skip

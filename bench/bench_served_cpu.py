@@ -26,8 +26,8 @@ from http_load import run_http_load  # noqa: E402
 from our_stack import SERVED_NAME, start_ours, write_model  # noqa: E402
 from proc_cpu import cpu_s, threads_cpu_s, tree_cpu_s  # noqa: E402
 
-from hybridserve.children import Child, hybridserve_command, stop_all  # noqa: E402
-from hybridserve.cli.loadgen import make_prompts  # noqa: E402
+from hybridserve_cli.loadgen import make_prompts  # noqa: E402
+from hybridserve_cli.stack import Stack  # noqa: E402
 
 
 def engine_thread_id(pid: int) -> int | None:
@@ -57,15 +57,15 @@ def main() -> int:
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.mix.split("-"))
     clients = [int(c) for c in args.clients.split(",")]
-    scheduler = Child("scheduler", hybridserve_command("scheduler", "--port", "0"))
-    children: list[Child] = [scheduler]
+    base = Stack(start_timeout_s=120.0)
+    ours: Stack | None = None
     try:
-        address = scheduler.wait_listening(120.0)
+        address = base.scheduler()
+        scheduler = base["scheduler"].child
         with tempfile.TemporaryDirectory() as tmp:
             model = write_model("granitemoehybrid", args, Path(tmp))
             ours, _, url = start_ours(model, address, max(clients), args.decode_compile)
-            children = ours + children
-            gateway, worker = ours[0], ours[1]  # start_ours puts the gateway first
+            gateway, worker = ours["gateway"].child, ours["worker0"].child
             run_http_load(url, SERVED_NAME, make_prompts(8, 16, 64, args.vocab_size, seed=args.seed + 1000), 4, 8)
             engine_tid = engine_thread_id(worker.pid)
             print(f"CPU ms per 1,000 output tokens, prompts {lo}..{hi}, {args.max_tokens} new tokens, streamed HTTP")
@@ -91,7 +91,9 @@ def main() -> int:
                        used["worker"] - engine_ms, used["gateway"], used["sched"])  # fmt: skip
                 print(f"{n:>8}{row[0]:>9.1f}" + "".join(f"{v:>9.0f}" for v in row[1:]), flush=True)
     finally:
-        stop_all(children)
+        if ours is not None:
+            ours.stop()
+        base.stop()
     return 0
 
 

@@ -9,7 +9,7 @@ bench/bench_model.py. Requests: token-id prompts of mixed lengths, greedy, a fix
 
     /work/venv/bin/python bench/bench_serving.py [--quick] [--clients 16,32] [--rounds 2] [--max-tokens 32]
 
-Targets (DESIGN §7 and the issue): worker aggregate output tokens/s >= 2x transformers at the same
+Targets (docs/design.md, How quality is judged): worker aggregate output tokens/s >= 2x transformers at the same
 batch size; scheduler wait < 5% of step wall time with async scheduling on.
 """
 
@@ -27,11 +27,11 @@ from bench_model import BENCH_SPEC, StepClock, hf_generate
 from transformers import BambaForCausalLM as HFBamba
 from transformers.utils import logging as hf_logging
 
-from gpu_worker.client import generation_stub
-from gpu_worker.init_model import write_random_checkpoint
-from hybridserve.children import Child, hybridserve_command, stop_all
-from hybridserve.cli.loadgen import LoadSummary, RequestResult, make_prompts, run_load, summarize
+from gpu_worker.api.client import generation_stub
 from hybridserve.v1 import generation_pb2
+from hybridserve_cli.init_model import write_random_checkpoint
+from hybridserve_cli.loadgen import LoadSummary, RequestResult, make_prompts, run_load, summarize
+from hybridserve_cli.stack import Stack
 
 START_TIMEOUT_S = 180.0
 PROMPT_LEN_MIN, PROMPT_LEN_MAX = 16, 256
@@ -66,18 +66,15 @@ def counters(address: str) -> EngineCounters:
                           info.num_preemptions, info.num_stalled_steps)  # fmt: skip
 
 
-def start_worker(model_dir: Path, scheduler: str, async_scheduling: bool, max_num_seqs: int) -> Child:
+def start_worker(model_dir: Path, scheduler: str, async_scheduling: bool, max_num_seqs: int) -> Stack:
     flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
-    worker = Child("worker", hybridserve_command(
-        "worker", "--model", str(model_dir), "--scheduler", scheduler, "--port", "0",
-        "--max-num-seqs", str(max_num_seqs), flag,
-    ))  # fmt: skip
+    stack = Stack(start_timeout_s=START_TIMEOUT_S)
     try:
-        worker.wait_listening(START_TIMEOUT_S)
+        stack.worker(model_dir, [scheduler], flags=["--max-num-seqs", str(max_num_seqs), flag])
     except BaseException:
-        worker.stop()
+        stack.stop()
         raise
-    return worker
+    return stack
 
 
 def serve_load(
@@ -172,7 +169,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path, scheduler: str) -> 
     for async_scheduling in (True, False):
         worker = start_worker(model_dir, scheduler, async_scheduling, max(levels))
         try:
-            runs[async_scheduling] = serve_load(worker.address, prompts if async_scheduling else
+            runs[async_scheduling] = serve_load(worker["worker"].address, prompts if async_scheduling else
                                                 {levels[0]: prompts[levels[0]]}, args.max_tokens)  # fmt: skip
         finally:
             worker.stop()
@@ -191,11 +188,8 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_checkpoint(Path(tmp) / "bench-model", BENCH_SPEC, seed=0, with_tokenizer=False)
-        scheduler = Child("scheduler", hybridserve_command("scheduler", "--port", "0"))
-        try:
-            run_benchmark(args, model_dir, scheduler.wait_listening(START_TIMEOUT_S))
-        finally:
-            stop_all([scheduler])
+        with Stack(start_timeout_s=START_TIMEOUT_S) as stack:
+            run_benchmark(args, model_dir, stack.scheduler())
 
 
 if __name__ == "__main__":

@@ -43,18 +43,18 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gpu_worker.api.service import GenerationServicer, add_to_server  # noqa: E402
 from gpu_worker.engine.engine import Engine  # noqa: E402
 from gpu_worker.engine.records import Occupancy, RequestQueued, ServedSlice, StepRecord  # noqa: E402
 from gpu_worker.engine.settings import EngineSettings  # noqa: E402
-from gpu_worker.init_model import write_random_checkpoint  # noqa: E402
 from gpu_worker.observers import build_observers  # noqa: E402
+from gpu_worker.observers.recording import StepRecorder  # noqa: E402
 from gpu_worker.observers.tracing import TracingObserver  # noqa: E402
-from gpu_worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from gpu_worker.service import GenerationServicer, add_to_server  # noqa: E402
-from gpu_worker.step_recorder import StepRecorder  # noqa: E402
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig  # noqa: E402
 from hybridserve import grpc_server  # noqa: E402
 from hybridserve.v1 import generation_pb2 as pb  # noqa: E402
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+from hybridserve_cli.init_model import write_random_checkpoint  # noqa: E402
 from scheduler_svc.client import SchedulerClient  # noqa: E402
 from scheduler_svc.core import (  # noqa: E402
     MambaCacheMode,

@@ -1,5 +1,5 @@
 """hybridserve vs vLLM's CPU build, side by side on the same checkpoint (a random Granite-4.0-H of the
-issue's size by default: hidden 256, 8 layers, attention at layers 3 and 7, 8 Mamba heads of 64,
+benchmark size by default: hidden 256, 8 layers, attention at layers 3 and 7, 8 Mamba heads of 64,
 d_state 64, dense MLP 512, vocab 512; vLLM dropped Bamba after v0.23). Both run float32 on CPU without
 prefix caching. In one run:
 
@@ -114,7 +114,7 @@ def hybridserve_tokens(address: str, prompts: list[list[int]], max_tokens: int) 
     """Greedy tokens of every prompt, all submitted at once over gRPC."""
     import grpc
 
-    from gpu_worker.client import build_request, generation_stub
+    from gpu_worker.api.client import build_request, generation_stub
 
     out: list[list[int]] = [[] for _ in prompts]
 
@@ -163,7 +163,7 @@ def start_vllm_server(python: Path, model: Path, max_len: int, max_seqs: int) ->
 
 def offline_and_tokens(label: str, args: argparse.Namespace, vllm: Path, model: Path, worker: str, tmp: Path) -> None:
     """Steps 1 and 2: the same greedy tokens, then offline vLLM vs the worker under gRPC load."""
-    from hybridserve.cli.loadgen import make_prompts, run_load
+    from hybridserve_cli.loadgen import make_prompts, run_load
 
     lo, hi = (int(x) for x in args.mixes.split(",")[0].split("-"))
     prompts = make_prompts(args.requests, lo, hi, args.vocab_size, seed=args.seed)
@@ -200,7 +200,7 @@ def http_table(args: argparse.Namespace, gateway: str, vllm_url: str, servers: l
     from http_load import median_summary, run_http_load
     from proc_cpu import wait_quiet
 
-    from hybridserve.cli.loadgen import make_prompts
+    from hybridserve_cli.loadgen import make_prompts
 
     print(f"\nclosed-loop HTTP (streamed /v1/completions, greedy, {args.max_tokens} new tokens, EOS ignored); "
           f"ratio = hybridserve / vLLM (TTFT, ITL: lower is better); each run starts once both servers are idle; "
@@ -249,7 +249,6 @@ def _row(mix: str, clients: int, side: str, m: HttpSummary, ours: HttpSummary, t
 
 def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: str, tmp: Path, http: bool) -> None:
     from gpu_worker.model.loader import load_model
-    from hybridserve.children import stop_all
 
     model = write_model(label, args, tmp)
     blocks = load_model(model, device="cpu").config.blocks
@@ -257,7 +256,7 @@ def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: st
     print(f"\n== {label}: blocks {letters} (M Mamba2, * attention, - MLP, E MoE), hidden {args.hidden_size}, "
           f"vocab {args.vocab_size} ==", flush=True)  # fmt: skip
     max_seqs = max(int(c) for c in args.clients.split(","))
-    children, worker, gateway = start_ours(
+    stack, worker, gateway = start_ours(
         model,
         scheduler,
         max(max_seqs, args.requests),
@@ -265,16 +264,18 @@ def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: st
         args.workers,
         tuple(shlex.split(args.worker_args)),
     )
+    server = None
     try:
         offline_and_tokens(label, args, vllm, model, worker, tmp)
         if not http:
             return
         max_len = max(int(m.split("-")[1]) for m in args.mixes.split(",")) + args.max_tokens
         server, url = start_vllm_server(vllm, model, max_len, max_seqs)
-        children.insert(0, server)
-        http_table(args, gateway, url, [child.pid for child in children])
+        http_table(args, gateway, url, [server.pid, *(s.child.pid for s in stack.services)])
     finally:
-        stop_all(children)
+        if server is not None:
+            server.stop()
+        stack.stop()
 
 
 def parse_args() -> argparse.Namespace:
@@ -326,18 +327,15 @@ def main() -> int:
         print(f"vLLM's interpreter not found (--vllm-python, ${VLLM_PYTHON_ENV}, {DEFAULT_VLLM_PYTHON}); "
               f"install it as the module docstring says", file=sys.stderr)  # fmt: skip
         return 2
-    from hybridserve.children import Child, hybridserve_command, stop_all
+    from hybridserve_cli.stack import Stack
 
     print(f"vLLM: {vllm}; float32 CPU, prefix caching off on both sides; Bamba skipped (vLLM removed "
           f"BambaForCausalLM after v0.23)", flush=True)  # fmt: skip
-    scheduler = Child("scheduler", hybridserve_command("scheduler", "--port", "0"))
-    try:
-        address = scheduler.wait_listening(START_TIMEOUT_S)
+    with Stack(start_timeout_s=START_TIMEOUT_S) as stack:  # the scheduler every family's workers share
+        address = stack.scheduler()
         with tempfile.TemporaryDirectory() as tmp:
             for i, label in enumerate(args.families.split(",")):
                 bench_family(label, args, vllm, address, Path(tmp), http=not args.skip_http and i == 0)
-    finally:
-        stop_all([scheduler])
     return 0
 
 

@@ -80,7 +80,7 @@ if torch.cuda.is_available():
     print("device", p.name, f"{p.total_memory / 2**30:.0f} GiB", f"sm_{p.major}{p.minor}", p.multi_processor_count, "SMs")
 import triton, transformers
 print("triton", triton.__version__, "transformers", transformers.__version__)
-import gpu_worker.runner, gpu_worker.model.kernels.ops, gpu_worker.cuda_graphs  # the CUDA path imports
+import gpu_worker.runner.runner, gpu_worker.model.backends.cuda.ops, gpu_worker.runner.cuda_graphs  # the CUDA path imports
 print("imports ok")
 EOF
 }

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from hybridserve.stats import percentile
+
 
 @dataclass(frozen=True, slots=True)
 class HttpResult:
@@ -39,16 +41,6 @@ class HttpSummary:
     ttft_p95_s: float | None
     itl_median_s: float | None
     errors: tuple[str, ...]
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> HttpResult:
@@ -100,8 +92,8 @@ async def _run(url: str, model: str, prompts: Sequence[list[int]], clients: int,
     errors = tuple(dict.fromkeys(r.error for r in results if not r.ok))[:3]
     return HttpSummary(
         clients=clients, requests_ok=len(ok), requests_failed=len(results) - len(ok), wall_s=wall_s,
-        output_tokens_per_s=sum(r.completion_tokens for r in ok) / wall_s, ttft_p50_s=_percentile(ttfts, 50),
-        ttft_p95_s=_percentile(ttfts, 95), itl_median_s=_percentile(itls, 50), errors=errors,
+        output_tokens_per_s=sum(r.completion_tokens for r in ok) / wall_s, ttft_p50_s=percentile(ttfts, 50),
+        ttft_p95_s=percentile(ttfts, 95), itl_median_s=percentile(itls, 50), errors=errors,
     )  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """Our side of the served benchmarks (bench_vs_vllm.py, bench_served_cpu.py): the random checkpoint of
-the issue's size, and workers plus a gateway started on it, as processes. Only the standard library at
+the benchmark size, and workers plus a gateway started on it, as processes. Only the standard library at
 import: bench_vs_vllm.py imports this module under vLLM's interpreter too."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ FAMILIES = {  # label -> (init-model arch, MoE)
 SERVED_NAME = "bench"  # the model name both OpenAI servers answer to
 START_TIMEOUT_S = 300.0
 SERVER_CACHE_MB = 2048  # both servers' cache memory: vLLM's KV space (GiB), our worker's budget (KV + states)
-COMPILED_LINE = "compiled the Mamba decode step"  # gpu_worker.model.compiled_decode logs it when ready
+COMPILED_LINE = "compiled the Mamba decode step"  # gpu_worker.model.backends.cpu.compiled_decode logs it when ready
 
 
 def write_model(label: str, args: argparse.Namespace, tmp: Path) -> Path:
-    from gpu_worker.init_model import ModelSpec, write_random_checkpoint
+    from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
     arch, moe = FAMILIES[label]
     spec = ModelSpec(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
@@ -64,46 +64,33 @@ def start_ours(
     decode_compile: str,
     workers: int = 1,
     worker_args: tuple[str, ...] = (),
-) -> tuple[list[Any], str, str]:
-    """(children, gRPC address to drive offline, gateway HTTP URL): `workers` workers (the cache memory split
-    between them) and a gateway in front of them. With one worker the offline load goes to it directly,
-    with several through the gateway's gRPC port (the gateway routes, as it does HTTP)."""
+) -> tuple[Any, str, str]:
+    """(the stack, gRPC address to drive offline, gateway HTTP URL): `workers` workers (the cache memory split
+    between them) and a gateway in front of them, on the stack launcher (hybridserve_cli/stack.py). With
+    one worker the offline load goes to it directly, with several through the gateway's gRPC port (the
+    gateway routes, as it does HTTP). `stack.stop()` ends them."""
     from http_load import wait_http_ready
 
-    from hybridserve.children import Child, hybridserve_command, stop_all
+    from hybridserve_cli.stack import Stack
 
-    children: list[Child] = []
+    stack = Stack(start_timeout_s=START_TIMEOUT_S)
     try:
-        addresses = []
-        for i in range(workers):
-            children.append(Child(f"worker{i}", hybridserve_command(
-                "worker", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--no-prefix-caching",
-                "--max-num-seqs", str(max_seqs), "--decode-compile", decode_compile,
+        names = [f"worker{i}" for i in range(workers)]
+        for name in names:
+            stack.worker(model, [scheduler], flags=[
+                "--no-prefix-caching", "--max-num-seqs", str(max_seqs), "--decode-compile", decode_compile,
                 "--memory-budget-mb", str(SERVER_CACHE_MB // workers), *worker_args,
-            ), keep_lines=400))  # fmt: skip
-        for child in children:
-            addresses.append(child.wait_listening(START_TIMEOUT_S))
-        for child in children:
-            print(
-                f"hybridserve decode compile ({child.name}): {wait_decode_compile(child, START_TIMEOUT_S)}", flush=True
-            )
-        gateway = Child("gateway", hybridserve_command(
-            "gateway", "--workers", ",".join(addresses), "--port", "0", "--grpc-port", "0",
-            "--served-model-name", SERVED_NAME,
-        ))  # fmt: skip
-        children.insert(0, gateway)
-        url = "http://" + gateway.wait_listening(START_TIMEOUT_S)
+            ], name=name, wait=False)  # fmt: skip
+        addresses = [stack.wait_listening(name) for name in names]
+        for name in names:
+            child = stack[name].child
+            print(f"hybridserve decode compile ({name}): {wait_decode_compile(child, START_TIMEOUT_S)}", flush=True)
+        gateway = stack.gateway(addresses, flags=["--served-model-name", SERVED_NAME])
+        url = "http://" + gateway.address
         if not wait_http_ready(url, START_TIMEOUT_S):
             raise RuntimeError("the gateway did not become ready")
-        offline = addresses[0]
-        if workers > 1:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not (grpc := [ln for ln in list(gateway.lines) if ln.startswith("grpc listening on ")]):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the gateway did not print its gRPC address")
-                time.sleep(0.1)
-            offline = "127.0.0.1:" + grpc[0].rsplit(":", 1)[1]
+        offline = addresses[0] if workers == 1 else gateway.grpc_address
     except BaseException:
-        stop_all(children)
+        stack.stop()
         raise
-    return children, offline, url
+    return stack, offline, url

@@ -1,7 +1,7 @@
 """The Redis key schema, in one place (version 2).
 
 {prefix}:v2:blk:{fingerprint}:{block_hash_hex}   HASH, one per cached block:
-    data        the sealed checkpoint (gpu_worker/cache/checkpoint_io.py: MAC + safetensors bytes of
+    data        the sealed checkpoint (gpu_worker/runner/checkpoint_io.py: MAC + safetensors bytes of
                 the block's attention KV and the Mamba state at its end boundary)
     sha256      hex digest of data
     fingerprint the model fingerprint (must equal the key's)

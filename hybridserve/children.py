@@ -79,7 +79,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def hybridserve_command(*args: str) -> list[str]:
     """`hybridserve ARGS` run by this interpreter, so children use the same installation."""
-    return [sys.executable, "-m", "hybridserve.cli", *args]
+    return [sys.executable, "-m", "hybridserve_cli", *args]
 
 
 def _die_with_parent() -> Callable[[], None] | None:

@@ -170,7 +170,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Health(health.HealthServicer):
-    """grpc.health.v1 with the two names every server reports (DESIGN §3): `liveness`, and
+    """grpc.health.v1 with the two names every server reports (docs/design.md, The public contract): `liveness`, and
     `readiness`, which the empty name and each served service's name follow.
 
     Draining (graceful shutdown) ends readiness for good and keeps liveness: the process is still

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 ENV_PREFIX = "HYBRIDSERVE_"
-API_KEYS_ENV = "HYBRIDSERVE_API_KEYS"  # accepted API keys, comma separated (DESIGN §3: one name for every server)
+API_KEYS_ENV = "HYBRIDSERVE_API_KEYS"  # accepted API keys, comma separated (one name for every server)
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"  # the key clients (`generate`, `bench`) send
 CLUSTER_TOKEN_ENV = "HYBRIDSERVE_CLUSTER_TOKEN"  # BlockCache: accepted tokens (comma separated); clients send the first
 CHECKPOINT_KEY_ENV = "HYBRIDSERVE_WORKER_CHECKPOINT_KEY"  # workers' MAC key for shared-tier checkpoints

@@ -1,4 +1,4 @@
-"""TLS for every gRPC hop, the same flags on every server and client (DESIGN §3):
+"""TLS for every gRPC hop, the same flags on every server and client (docs/design.md, The public contract):
 
     --tls-cert FILE --tls-key FILE   this process's certificate chain and key (PEM): served by its
                                      server, and presented as a client certificate when it dials

@@ -30,7 +30,8 @@ CONFIG_FLAGS = {
     "kv_page_size": Flag("KV cache page, tokens (divides --block-size)"),
 }
 DERIVED = ("stop_at_last_boundary",)  # set by the worker (off: chunks keep state at every block boundary)
-AUTO_CHUNK_CAP = -1  # --long-prefill-token-threshold: the worker picks it (gpu_worker.step_split.prefill_chunk_cap)
+# --long-prefill-token-threshold: the worker picks it (gpu_worker.runner.step_split.prefill_chunk_cap)
+AUTO_CHUNK_CAP = -1
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, service: str = "WORKER") -> None:

@@ -1,10 +1,11 @@
 """`hybridserve replay FILE [--step N]`: re-runs the planner offline on steps a worker recorded with
 `--record-steps FILE`, and shows the plan, or how it differs from the recorded one.
 
-Each JSONL record holds `step_index`, `request` (the PlanStepRequest: base64 of its bytes, or its
-JSON form as google.protobuf.json_format writes it) and `plan` (the recorded PlanStepResponse, in
-either form). The planner is deterministic, so an unchanged config must reproduce the recorded plan
-byte for byte; `--config-override field=value` replays under a changed config and shows the diff.
+Each JSONL record (the format: scheduler_svc/step_records.py) holds `step_index`, `request` (the
+PlanStepRequest: base64 of its bytes, or its JSON form as google.protobuf.json_format writes it) and
+`plan` (the recorded PlanStepResponse, in either form). The planner is deterministic, so an
+unchanged config must reproduce the recorded plan byte for byte; `--config-override field=value`
+replays under a changed config and shows the diff.
 
 Exit status: 0 when every replayed plan equals the recorded one (or with --no-check), 1 when some
 differ, 2 on a bad file or override.
@@ -13,25 +14,20 @@ differ, 2 on a bad file or override.
 from __future__ import annotations
 
 import argparse
-import base64
 import dataclasses
 import difflib
-import json
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import scheduler_pb2 as pb
 from scheduler_svc import convert
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig, StepPlan, plan_step
-
-M = TypeVar("M", bound=Message)
+from scheduler_svc.step_records import read_records
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,27 +43,6 @@ class Replayed:
 
 def _bytes(msg: Message) -> bytes:
     return msg.SerializeToString(deterministic=True)
-
-
-def _decode(value: Any, cls: type[M]) -> M:
-    """A message from base64 bytes (a string) or its JSON form (an object)."""
-    if isinstance(value, dict):
-        return json_format.ParseDict(value, cls())
-    return cls.FromString(base64.b64decode(value))
-
-
-def read_records(path: Path) -> Iterator[tuple[int, pb.PlanStepRequest, pb.PlanStepResponse | None]]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                request = _decode(record["request"], pb.PlanStepRequest)
-                plan = _decode(record["plan"], pb.PlanStepResponse) if record.get("plan") is not None else None
-            except (ValueError, KeyError, DecodeError, json_format.ParseError) as exc:
-                raise InvalidArgumentError(f"{path}:{number}: not a step record: {type(exc).__name__}: {exc}") from None
-            yield int(record.get("step_index", request.step_index)), request, plan
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from cache_svc.server import CacheServerSettings
-from hybridserve.cli import build_parser
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.settings import settings_from_args
+from hybridserve_cli import build_parser
 from scheduler_svc.server import SchedulerServerSettings
 
 CASES = [("scheduler", SchedulerServerSettings, "SCHEDULER"), ("cache", CacheServerSettings, "CACHE")]

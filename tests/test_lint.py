@@ -1,5 +1,5 @@
-"""Ruff over the tree and mypy (strict on every package: hybridserve, scheduler_svc, cache_svc, gateway and
-gpu_worker; pyproject.toml)."""
+"""Ruff over the tree and mypy (strict on every package: hybridserve, hybridserve_cli, scheduler_svc,
+cache_svc, gateway and gpu_worker; pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_ruff_clean():
 
 @pytest.mark.slow
 def test_mypy_clean():
-    result = run("mypy", "scheduler_svc", "hybridserve", "cache_svc", "gateway", "gpu_worker")
+    result = run("mypy", "scheduler_svc", "hybridserve", "hybridserve_cli", "cache_svc", "gateway", "gpu_worker")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

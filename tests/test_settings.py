@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.cli import build_parser
 from hybridserve.settings import Flag, add_settings_arguments, env_name, settings_from_args
+from hybridserve_cli import build_parser
 
 
 class Mode(enum.IntEnum):
@@ -76,9 +76,9 @@ def test_services_sharing_one_environment_do_not_collide(monkeypatch):
 
 
 def test_worker_flag_defaults_are_the_dataclass_defaults(monkeypatch):
+    from gpu_worker.api.server import settings_from_args as worker_settings
     from gpu_worker.engine.settings import EngineSettings
-    from gpu_worker.runner import RunnerConfig
-    from gpu_worker.server import settings_from_args as worker_settings
+    from gpu_worker.runner.runner import RunnerConfig
     from scheduler_svc.core import SchedulerConfig
 
     for name in [n for n in os.environ if n.startswith("HYBRIDSERVE_")]:

@@ -18,8 +18,8 @@ from typing import TypeVar
 import grpc
 
 from cache_svc.client import DataPathError, DirectBlocks, StoredBlock
-from gpu_worker.cache.checkpoint_io import BlockCheckpoint
 from gpu_worker.cache.misses import MissReason
+from gpu_worker.runner.checkpoint_io import BlockCheckpoint
 from hybridserve.v1 import cache_pb2 as pb
 
 log = logging.getLogger("hybridserve.cache.client")

@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 from gpu_worker.cache.blocks import chain_hashes
-from gpu_worker.cache.checkpoint_io import export_block, import_block
 from gpu_worker.cache.interface import CachedSequence, CacheLookup, CacheStats, PendingCheckpoint, PrefixCache
 from gpu_worker.cache.local import Hit, LocalPrefixCache
 from gpu_worker.cache.misses import FetchOrRecompute, MissReason
 from gpu_worker.cache.remote import FetchedBlock, FetchResult, SharedTier
-from gpu_worker.runner import ModelRunner
+from gpu_worker.runner.checkpoint_io import export_block, import_block
+from gpu_worker.runner.runner import ModelRunner
 
 log = logging.getLogger("hybridserve.cache")
 

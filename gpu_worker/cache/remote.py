@@ -29,7 +29,10 @@ from opentelemetry import context as otel_context
 from prometheus_client import Counter
 
 from cache_svc.client import StoredBlock
-from gpu_worker.cache.checkpoint_io import (
+from gpu_worker.cache.direct_reads import DirectReads, Verified
+from gpu_worker.cache.direct_reads import FetchedBlock as FetchedBlock
+from gpu_worker.cache.misses import FetchOrRecompute, MissReason, reason_for_rejection
+from gpu_worker.runner.checkpoint_io import (
     BlockCheckpoint,
     BlockIdentity,
     CheckpointLayout,
@@ -38,9 +41,6 @@ from gpu_worker.cache.checkpoint_io import (
     seal,
     verify,
 )
-from gpu_worker.cache.direct_reads import DirectReads, Verified
-from gpu_worker.cache.direct_reads import FetchedBlock as FetchedBlock
-from gpu_worker.cache.misses import FetchOrRecompute, MissReason, reason_for_rejection
 from hybridserve import telemetry
 from hybridserve.grpc_auth import with_bearer
 from hybridserve.metrics import process_registry

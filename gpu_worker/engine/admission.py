@@ -1,6 +1,6 @@
 """Turns what a client asked for into an engine Request, rejecting what can never be served.
 
-The wire message is converted first (gpu_worker/convert.py); nothing here knows protobuf.
+The wire message is converted first (gpu_worker/api/convert.py); nothing here knows protobuf.
 """
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from gpu_worker.engine.request import GenerationParams, Request
+from gpu_worker.engine.request import GenerationParams, Request, StopChecker
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.engine.stop_checker import StopChecker
 from gpu_worker.model.loader import LoadedModel
-from gpu_worker.runner import ModelRunner
-from gpu_worker.sampling import SamplingParams, make_generator
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.sampling import SamplingParams, make_generator
 from hybridserve.errors import InvalidArgumentError
 
 # Documented limits of one request (README, "Limits of one request").

@@ -12,8 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from gpu_worker.engine.finish import FinishReason
-from gpu_worker.engine.request import Request, RequestOutput
+from gpu_worker.engine.request import FinishReason, Request, RequestOutput
 from hybridserve.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 
 log = logging.getLogger("hybridserve.engine")

@@ -23,25 +23,21 @@ import threading
 import time
 from concurrent.futures import Future
 
-from gpu_worker.batch import ForwardOutput
 from gpu_worker.cache.interface import NoPrefixCache, PrefixCache
-from gpu_worker.engine import events, failures
+from gpu_worker.engine import failures
 from gpu_worker.engine.allocator import Allocator
-from gpu_worker.engine.counters import EngineCounters
 from gpu_worker.engine.door import Door
-from gpu_worker.engine.finish import FinishReason
-from gpu_worker.engine.observer import EngineObserver
+from gpu_worker.engine.observer import EngineObserver, finished_record, queued_record, served_slices
 from gpu_worker.engine.output import Ending, OutputProcessor
-from gpu_worker.engine.planning import PlanFn, Planned, Planning
-from gpu_worker.engine.prepare import preempt, prepare_step
-from gpu_worker.engine.prepared import PreparedStep
-from gpu_worker.engine.records import FirstToken, Occupancy, StepRecord
-from gpu_worker.engine.request import Request
+from gpu_worker.engine.planning import PlanFn, Planned, Planning, Remedy, stall_remedy
+from gpu_worker.engine.prepare import PreparedStep, preempt, prepare_step
+from gpu_worker.engine.records import EngineCounters, FirstToken, Occupancy, StepRecord
+from gpu_worker.engine.request import FinishReason, Request
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.engine.table import RequestTable
-from gpu_worker.engine.unstall import Remedy, stall_remedy
-from gpu_worker.runner import ModelRunner
-from gpu_worker.sampling import SampleOutput, sample_rows
+from gpu_worker.runner.batch import ForwardOutput
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.sampling import SampleOutput, sample_rows
 from hybridserve.errors import (
     AbortedError,
     DeadlineExceededError,
@@ -102,7 +98,7 @@ class Engine:
         ResourceExhaustedError when the queue is full, UnavailableError once the engine stopped."""
 
         def queued(r: Request) -> None:  # before the engine sees it
-            r.trace_context = self.observer.request_queued(events.queued(r))
+            r.trace_context = self.observer.request_queued(queued_record(r))
 
         self.door.submit(request, self.num_waiting, queued)
 
@@ -245,7 +241,7 @@ class Engine:
         return prepare_step(plan, self.table, self.allocator, self.settings.scheduler.block_size, self._enqueue)
 
     def _unstall(self) -> tuple[tuple[str, ...], list[Ending]]:
-        """Applies one remedy for an empty plan (gpu_worker/engine/unstall.py); returns the
+        """Applies one remedy for an empty plan (gpu_worker/engine/planning.py); returns the
         preempted request ids and the endings."""
         remedy = stall_remedy(list(self.table.waiting.values()), list(self.table.running.values()))
         log.warning("a step planned nothing; remedy: %s %s", remedy.remedy.value, remedy.request_id)
@@ -316,7 +312,7 @@ class Engine:
             step_index=step_index,
             step_input=planned.step_input,
             plan=planned.plan,
-            served=events.served(prepared, yielded),
+            served=served_slices(prepared, yielded),
             preempted_request_ids=prepared.preempted_request_ids,
             plan_wait_s=waited_s,
             plan_latency_s=planned.latency_s,
@@ -396,7 +392,7 @@ class Engine:
         self.door.forget([e.request.request_id for e in endings])
         now = time.monotonic()
         for e in endings:
-            self.observer.request_finished(events.finished(e, now))
+            self.observer.request_finished(finished_record(e, now))
             self.outputs.deliver(e)
 
     def _fail_involved(self, exc: Exception) -> None:

@@ -4,22 +4,32 @@ The engine calls one observer (a `FanOut` when there are several) on its own thr
 `request_queued`, which runs on the submitting thread before the engine can see the request.
 The default does nothing, so an engine without telemetry pays one method call per event. No
 observer may raise or block for long.
+
+The functions at the end build those records from the engine's mutable state, at the moment each
+event happens (`queued_record`, `served_slices`, `finished_record`), so an observer never sees a request
+that changes under it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from itertools import repeat
+from operator import add, attrgetter, itemgetter
 from typing import Any
 
+from gpu_worker.engine.output import Ending
+from gpu_worker.engine.prepare import PreparedStep, Row
 from gpu_worker.engine.records import (
     CacheLookup,
     FirstToken,
     Occupancy,
     RequestFinished,
     RequestQueued,
+    ServedSlice,
     StepRecord,
 )
+from gpu_worker.engine.request import Request
 
 
 class EngineObserver:
@@ -105,3 +115,48 @@ class FanOut(EngineObserver):
     def close(self) -> None:
         for o in self.observers:
             o.close()
+
+
+def queued_record(request: Request) -> RequestQueued:
+    p = request.params
+    return RequestQueued(
+        request_id=request.request_id,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        max_tokens=p.max_tokens,
+        priority=p.priority,
+        temperature=p.sampling.temperature,
+        top_p=p.sampling.top_p,
+        top_k=p.sampling.top_k,
+        seed=p.sampling.seed,
+        stop=p.stop,
+        arrival_time=request.arrival_time,
+    )
+
+
+def finished_record(ending: Ending, now: float) -> RequestFinished:
+    r = ending.request
+    return RequestFinished(
+        request_id=r.request_id,
+        reason=ending.reason,
+        error=ending.error,
+        num_prompt_tokens=len(r.prompt_token_ids),
+        num_cached_tokens=r.num_cached_tokens,
+        num_output_tokens=len(r.output_token_ids),
+        arrival_time=r.arrival_time,
+        finish_time=now,
+    )
+
+
+def served_slices(prepared: PreparedStep, yielded: bool) -> tuple[ServedSlice, ...]:
+    """The rows of a step that ran; `yielded` is False when its forward failed."""
+    # A ServedSlice is the row's Slice (its first four fields) plus (sampled, num_output_tokens),
+    # built through tuple.__new__ in C loops over the rows: this runs for every row of every step.
+    rows = prepared.rows
+    sampled = map(_YIELDS, rows) if yielded else repeat(False, len(rows))
+    num_outputs = map(len, map(_OUTPUT_TOKEN_IDS, map(_REQUEST, rows)))
+    tails = zip(sampled, num_outputs, strict=True)
+    return tuple(map(tuple.__new__, repeat(ServedSlice), map(add, map(_SLICE, rows), tails)))
+
+
+_REQUEST, _SLICE, _YIELDS = (itemgetter(Row._fields.index(f)) for f in ("request", "slice", "yields"))
+_OUTPUT_TOKEN_IDS = attrgetter("output_token_ids")

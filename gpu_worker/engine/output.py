@@ -12,9 +12,8 @@ import queue
 from dataclasses import dataclass
 from itertools import repeat
 
-from gpu_worker.engine.finish import FinishReason
-from gpu_worker.engine.request import Request, RequestOutput
-from gpu_worker.sampling import TopLogprobs
+from gpu_worker.engine.request import FinishReason, Request, RequestOutput
+from gpu_worker.runner.sampling import TopLogprobs
 from hybridserve.errors import HybridServeError
 
 _new = tuple.__new__

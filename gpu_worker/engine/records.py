@@ -1,4 +1,5 @@
-"""What the engine tells its observers: one frozen record per step and one per request event.
+"""What the engine tells its observers: one frozen record per step and one per request event, and
+the engine's running totals (`EngineCounters`) added up from the step records.
 
 Observers (tracing, metrics, step recording) read only these records; nothing they need requires a
 reference to the engine, its requests or its pools. Times are monotonic seconds.
@@ -11,7 +12,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from gpu_worker.cache.interface import CacheLookup
-from gpu_worker.engine.finish import FinishReason
+from gpu_worker.engine.request import FinishReason
 from hybridserve.errors import HybridServeError
 from scheduler_svc.core import StepInput, StepPlan
 
@@ -122,3 +123,26 @@ class RequestFinished:
     num_output_tokens: int
     arrival_time: float
     finish_time: float
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Read by GetInfo and tests from any thread (plain numbers: a stale read is harmless)."""
+
+    num_steps: int = 0
+    step_wall_seconds: float = 0.0  # whole steps: planning wait + forward + apply
+    scheduler_wait_seconds: float = 0.0  # part of the above spent blocked on the scheduler
+    num_preemptions: int = 0  # requests preempted (by plans, or for lack of pages)
+    num_stalled_steps: int = 0
+    num_generated_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
+
+    def add_step(self, record: StepRecord) -> None:
+        """Adds one executed step."""
+        self.num_steps += 1
+        self.step_wall_seconds += record.wall_s
+        self.scheduler_wait_seconds += record.plan_wait_s
+        self.num_preemptions += len(record.preempted_request_ids)
+        self.num_stalled_steps += int(record.plan.stats.stalled)
+        self.num_computed_tokens += record.num_computed_tokens
+        self.num_generated_tokens += record.num_sampled_tokens

@@ -1,4 +1,5 @@
-"""One generation request as the engine owns it, and the events it streams out.
+"""One generation request as the engine owns it: its state, why it ended (`FinishReason`), its text
+with stop strings (`StopChecker`), and the events it streams out.
 
 Token regions of a request (positions):
 
@@ -12,16 +13,84 @@ into the "prompt" it recomputes (`sched_prompt_len`), as the scheduler contract 
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import NamedTuple
 
-import torch
-
-from gpu_worker.engine.finish import FinishReason
-from gpu_worker.engine.stop_checker import StopChecker
-from gpu_worker.sampling import SamplingParams
+from gpu_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from gpu_worker.runner.sampling import Generator, SamplingParams
 from hybridserve.errors import HybridServeError
 from scheduler_svc.core import RequestState
+
+
+class FinishReason(StrEnum):
+    """The value is the name metrics labels and span attributes carry."""
+
+    LENGTH = "length"  # max_tokens generated
+    STOP = "stop"  # a stop string appeared in the text
+    EOS = "eos"  # the model emitted an end-of-sequence token (and ignore_eos was off)
+    ABORT = "abort"  # the client aborted or cancelled
+    ERROR = "error"  # the request failed; its stream raises the error
+
+
+TRIM_CHARS = 1024  # emitted text kept before the window is cut (cutting is a copy too)
+
+
+class StopChecker:
+    """Incremental text with stop strings: holds back the tail that could still become a stop
+    string, and cuts the text where one appears."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._text = ""  # the text, less a head that no stop string can reach any more (see push)
+        self._emitted = 0  # text before this index in `_text` was emitted
+        self.stopped = False  # a stop string was reached
+        # push_one(token_id) -> the text to emit now (a stop string reached sets `stopped`); once per
+        # token of every request: without stop strings, the detokenizer's own method, no layer between.
+        self.push_one: Callable[[int], str] = (
+            _no_text if self._detok is None else self._detok.push_one if not stop else self._push_one_held
+        )
+
+    def push(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Returns (text to emit now, whether a stop string was reached)."""
+        if self._detok is None:
+            return "", False
+        if not self._stop:  # nothing held back: the new text goes out as it comes
+            return self._detok.push(token_ids), False
+        return self._take(self._detok.push(token_ids))
+
+    def _push_one_held(self, token_id: int) -> str:
+        assert self._detok is not None
+        return self._take(self._detok.push_one(token_id))[0]
+
+    def _take(self, new_text: str) -> tuple[str, bool]:
+        """The text to emit now, of the text so far and `new_text`, and whether a stop string was reached."""
+        drop = self._emitted - self._hold - 1  # no stop string can begin before this index
+        if drop > TRIM_CHARS:  # appending to an ever-growing string copies it: keep a bounded window
+            self._text, self._emitted = self._text[drop:], self._emitted - drop
+        self._text += new_text
+        for s in self._stop:
+            index = self._text.find(s, max(self._emitted - len(s), 0))
+            if index >= 0:
+                delta = self._text[self._emitted : max(index, self._emitted)]
+                self._emitted = len(self._text)
+                self.stopped = True
+                return delta, True
+        end = max(len(self._text) - self._hold, self._emitted)
+        delta, self._emitted = self._text[self._emitted : end], end
+        return delta, False
+
+    def flush(self) -> str:
+        """The held-back tail (the request ended without a stop string)."""
+        delta, self._emitted = self._text[self._emitted :], len(self._text)
+        return delta
+
+
+def _no_text(token_id: int) -> str:
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +132,7 @@ class Request:
     arrival_time: float  # monotonic seconds; kept across preemptions (queue place)
     deadline: float | None  # monotonic seconds, or None
     stop_checker: StopChecker
-    generator: torch.Generator | None
+    generator: Generator | None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

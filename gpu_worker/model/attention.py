@@ -13,27 +13,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.model.chunk_attention import can_use_flash, chunk_attention
-from gpu_worker.model.config import BambaConfig
-from gpu_worker.model.context import ForwardContext, PrefillSpan
-from gpu_worker.model.decode_attention import (
+from gpu_worker.model.backends.cpu.chunk_attention import can_use_flash, chunk_attention
+from gpu_worker.model.backends.cpu.decode_attention import (
     DECODE_GROUP_BYTES,
     LONG_CONTEXT_TOKENS,
     batched_decode_attention,
     plan_decode_attention,
     split_decode_attention,
 )
+from gpu_worker.model.config import BambaConfig
+from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.layers import apply_rope
 
 if TYPE_CHECKING:
-    from gpu_worker.model.kernels.ops import TritonOps
+    from gpu_worker.model.backends.cuda.ops import TritonOps
 
 
 class PagedAttention(nn.Module):
     """q/k/v/o projections, RoPE on the first rotary_dim dims (none when the family has no positional
     embedding), softmax scale `attention_scale`."""
 
-    ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.kernels)
+    ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.backends)
     # decode sequences with at least this many context tokens attend one by one, on their own pages
     decode_long_context_tokens = LONG_CONTEXT_TOKENS
     decode_group_bytes = DECODE_GROUP_BYTES  # short rows' padded K/V gather above this: attended in groups
@@ -85,7 +85,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """q [b, heads, d] -> [b, heads * d]; short contexts batched over their pages padded to the
         longest (in groups when many), long ones one by one on their own pages
-        (gpu_worker.model.decode_attention)."""
+        (gpu_worker.model.backends.cpu.decode_attention)."""
         b = q.shape[0]
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)  # [b, kvh, g, d]
         token_bytes = 2 * k_cache[0].numel() * k_cache.element_size()  # K and V of one context token

@@ -6,7 +6,7 @@ the last scan-chunk state and the boundary (fewer than one scan chunk), so every
 chunk crosses yields its state whatever the grid, at the cost of at most one short scan. The conv
 state at offset o is the window of the last d_conv - 1 pre-conv inputs before token o.
 
-Kept apart from the mixer so the reference path (mamba2.py) and the kernel path (kernels/ops.py)
+Kept apart from the mixer so the reference path (mamba2.py) and the kernel path (backends/cuda/ops.py)
 share it."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-forward metadata: where each packed token sits, which KV slots and state rows it uses.
 
-Built once per step by `gpu_worker.input_builder` and shared by every layer. Token order inside the
+Built once per step by `gpu_worker.runner.input_builder` and shared by every layer. Token order inside the
 packed batch is: all single-token sequences first, sorted by state slot (the "decode group", run
 through attention and the Mamba recurrence together), then each multi-token chunk as a contiguous span.
 
@@ -52,7 +52,7 @@ class ForwardContext:
     prefills: tuple[PrefillSpan, ...]  # multi-token chunks, in packed order after the decode group
     boundary_states: tuple[BoundaryState, ...] = ()  # states to keep inside prefill chunks, by span
     # index maps derived from the fields above by the first layer that needs them, shared by the rest
-    # (e.g. gpu_worker.model.packed_prefill's); never part of the context's identity
+    # (e.g. gpu_worker.model.backends.cpu.packed_prefill's); never part of the context's identity
     derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     def boundaries_of(self, span_index: int) -> tuple[BoundaryState, ...]:

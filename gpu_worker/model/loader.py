@@ -17,12 +17,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from gpu_worker.model.backends import attach_kernels
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.families import family_for
 from gpu_worker.model.families.base import Family, Source
-from gpu_worker.model.kernels import attach_kernels
 from gpu_worker.model.model import HybridForCausalLM, rope_inv_freq
-from gpu_worker.tokenizer import Tokenizer, load_tokenizer
+from gpu_worker.model.tokenizer import Tokenizer, load_tokenizer
 from hybridserve.errors import InvalidArgumentError
 
 SINGLE_FILE = "model.safetensors"

@@ -13,16 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.model.backends.cpu.packed_prefill import packed_causal_conv, packed_index_for
+from gpu_worker.model.backends.cpu.packed_scan import packed_scan
 from gpu_worker.model.boundary_states import save_boundary_states
 from gpu_worker.model.config import BambaConfig
 from gpu_worker.model.context import BoundaryState, ForwardContext, PrefillSpan
 from gpu_worker.model.layers import GatedRMSNorm
-from gpu_worker.model.packed_prefill import packed_causal_conv, packed_index_for
-from gpu_worker.model.packed_scan import packed_scan
 from gpu_worker.model.ssd import ssd_scan, ssm_step_
 
 if TYPE_CHECKING:
-    from gpu_worker.model.kernels.ops import TritonOps
+    from gpu_worker.model.backends.cuda.ops import TritonOps
 
 # (mixer, zxbcdt of the decode group [nd, width], ctx, conv pool, ssm pool) -> gated-normed y [nd, d_inner]
 FusedDecode = Callable[["Mamba2Mixer", torch.Tensor, ForwardContext, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -31,8 +31,8 @@ FusedDecode = Callable[["Mamba2Mixer", torch.Tensor, ForwardContext, torch.Tenso
 class Mamba2Mixer(nn.Module):
     """in_proj -> [z, xBC, dt]; causal depthwise conv + SiLU on xBC; SSD; gated RMS norm; out_proj."""
 
-    ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.kernels)
-    # the compiled decode step when attached (gpu_worker.model.compiled_decode): decode group -> normed y
+    ops: TritonOps | None = None  # the CUDA backend's kernels when attached (gpu_worker.model.backends)
+    # the compiled decode step when attached (gpu_worker.model.backends.cpu.compiled_decode): decode group -> normed y
     fused_decode: FusedDecode | None = None
     packed_prefill = True  # every prefill chunk in one conv + one scan; False: one scan per chunk (the oracle)
 
@@ -204,7 +204,7 @@ class Mamba2Mixer(nn.Module):
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
     ) -> torch.Tensor:
-        """Every multi-token chunk of the batch at once (gpu_worker.model.packed_prefill).
+        """Every multi-token chunk of the batch at once (gpu_worker.model.backends.cpu.packed_prefill).
         xbc [T, conv_dim] of the whole batch -> y [Tp, d_inner] of its prefill rows."""
         index = packed_index_for(ctx, self.chunk_size, conv_state.shape[-1], xbc.device)
         first = ctx.prefills[0].token_start  # the spans are contiguous after the decode group

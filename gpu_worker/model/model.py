@@ -59,7 +59,7 @@ class HybridForCausalLM(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config, torch.device("cpu")), persistent=False)
-        # called before each block (a model process among several: take idle cores, cpu_alloc.StepThreads)
+        # called before each block (a model process among several: take idle cores, runner.tuning.StepThreads)
         self.between_blocks: Callable[[], None] | None = None
 
     def forward(

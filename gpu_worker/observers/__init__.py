@@ -7,9 +7,8 @@ from opentelemetry import trace
 
 from gpu_worker.engine.observer import EngineObserver, FanOut
 from gpu_worker.observers.metrics import MetricsObserver
-from gpu_worker.observers.recording import RecordingObserver
+from gpu_worker.observers.recording import RecordingObserver, StepRecorder
 from gpu_worker.observers.tracing import TracingObserver
-from gpu_worker.step_recorder import StepRecorder
 from hybridserve import telemetry
 from hybridserve.metrics import WorkerMetrics
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gpu_worker.engine.observer import FanOut
 from gpu_worker.observers import build_observers
-from gpu_worker.step_recorder import StepRecorder
+from gpu_worker.observers.recording import StepRecorder
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.metrics import WorkerMetrics, process_registry
 

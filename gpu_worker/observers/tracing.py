@@ -1,4 +1,4 @@
-"""Tracing as an observer (DESIGN §6).
+"""Tracing as an observer (docs/design.md, Observability).
 
 Spans:
 - `hybridserve.request`, one per request: opened when it is queued (a child of the Generate server

@@ -1,6 +1,6 @@
 """Plans one engine step from the worker's full scheduling state. Pure and deterministic.
 
-Algorithm (DESIGN §2):
+Algorithm (docs/design.md, Planning rules):
 1. Decodes first. Running decodes, in queue order (priority, then arrival), get one token each
    while the token and sequence budgets last. A decode that needs a KV page when none is free
    preempts the lowest-priority, latest-arrived running request (itself last) until the page fits.

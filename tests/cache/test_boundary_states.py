@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from gpu_worker.batch import Batch
-from gpu_worker.model.kernels import ops as ops_module
-from gpu_worker.model.kernels import reference
+from gpu_worker.model.backends import reference
+from gpu_worker.model.backends.cuda import ops as ops_module
 from gpu_worker.model.mamba2 import Mamba2Mixer
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from tests.model.model_helpers import FAMILY_SPECS, SPECS, Request, make_hf_model, make_runner, save_hf_model
 
@@ -71,7 +71,7 @@ def test_a_checkpoint_memory_budget_sets_the_number_of_checkpoint_slots(tmp_path
 
 
 class _ReferenceMambaKernels:
-    """The Triton Mamba kernels' contract (kernels/reference.py) behind the kernels' signatures, so
+    """The Triton Mamba kernels' contract (backends/reference.py) behind the kernels' signatures, so
     the CUDA backend's mixer path (TritonOps.mamba_mix) runs on CPU."""
 
     @staticmethod

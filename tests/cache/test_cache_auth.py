@@ -102,7 +102,7 @@ def test_publish_size_and_bytes_per_model_are_bounded(guarded):
 
 def test_the_cache_command_refuses_to_start_without_a_token(redis_server):
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
-    command = [sys.executable, "-m", "hybridserve.cli", "cache", "--redis", redis_server.url, "--port", "0"]
+    command = [sys.executable, "-m", "hybridserve_cli", "cache", "--redis", redis_server.url, "--port", "0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode != 0 and "HYBRIDSERVE_CLUSTER_TOKEN" in result.stderr
     result = subprocess.run([*command, "--redis-password", "x"], capture_output=True, text=True, timeout=60, env=env)

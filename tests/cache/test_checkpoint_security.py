@@ -11,7 +11,7 @@ import torch
 
 from cache_svc import keys
 from gpu_worker.cache.blocks import chain_hashes
-from gpu_worker.cache.checkpoint_io import (
+from gpu_worker.runner.checkpoint_io import (
     HEAD_BYTES,
     BlockCheckpoint,
     BlockIdentity,

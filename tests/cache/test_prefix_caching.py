@@ -7,9 +7,9 @@ import pytest
 
 from cache_svc import keys
 from cache_svc.embedded_redis import RedisProcess
-from gpu_worker.cache.checkpoint_io import HEAD_BYTES, BlockCheckpoint, BlockIdentity, seal
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.records import CacheLookup
+from gpu_worker.runner.checkpoint_io import HEAD_BYTES, BlockCheckpoint, BlockIdentity, seal
 from hybridserve.v1 import generation_pb2 as pb
 from tests.worker.conftest import SCHEDULER, SHARED_ACCESS, collect, greedy_request, prompt_of
 

@@ -17,14 +17,12 @@ import pytest
 
 from gpu_worker.cache.manager import PrefixCacheManager
 from gpu_worker.engine.engine import Engine
-from gpu_worker.engine.finish import FinishReason
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.records import StepRecord
-from gpu_worker.engine.request import GenerationParams, Request, RequestOutput
+from gpu_worker.engine.request import FinishReason, GenerationParams, Request, RequestOutput, StopChecker
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.engine.stop_checker import StopChecker
-from gpu_worker.runner import ModelRunner, RunnerConfig
-from gpu_worker.sampling import SamplingParams
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.sampling import SamplingParams
 from scheduler_svc.core import plan_step
 from tests.worker.conftest import SCHEDULER, budget_for_pages, hf_greedy, prompt_of
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hybridserve.cli import COMMANDS, build_parser
+from hybridserve_cli import COMMANDS, build_parser
 from tests.deploy.compose_files import DEPLOY, FILE_SETS, HYBRIDSERVE_SERVICES, config_env, rendered_config
 
 DRAIN_S = 30  # the default drain timeout of the worker, the schedulers and the cache service

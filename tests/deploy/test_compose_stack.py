@@ -133,7 +133,7 @@ def assert_host_networking_only(stack: Stack) -> None:
 
 
 def generate(target: str, prompt: str) -> dict[str, Any]:
-    result = run([sys.executable, "-m", "hybridserve.cli", "generate", "--worker", target, "--json",
+    result = run([sys.executable, "-m", "hybridserve_cli", "generate", "--worker", target, "--json",
                   "--max-tokens", "8", "--ignore-eos", "--timeout", "120", prompt], timeout_s=180)  # fmt: skip
     reply: dict[str, Any] = json.loads(result.stdout)
     return reply

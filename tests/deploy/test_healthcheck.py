@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2
 
 from hybridserve import grpc_server
 from hybridserve.children import free_port
-from hybridserve.cli.health import check
+from hybridserve_cli.health import check
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -52,7 +52,7 @@ def test_nothing_listening_is_unhealthy() -> None:
 
 def test_command_exit_codes(server: tuple[str, health.HealthServicer]) -> None:
     address, servicer = server
-    probe = [sys.executable, "-m", "hybridserve.cli", "health", address, "--timeout", "5"]
+    probe = [sys.executable, "-m", "hybridserve_cli", "health", address, "--timeout", "5"]
     ok = subprocess.run(probe, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "SERVING" in ok.stdout
     servicer.set("readiness", NOT_SERVING)

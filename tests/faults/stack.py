@@ -1,13 +1,11 @@
 """The whole stack as real processes for fault tests and bench/bench_faults.py: Redis, the cache
-service, a scheduler and a worker, each on a port picked once so a killed one comes back at its
+service, a scheduler and a worker (on the stack launcher), each on a port picked once so a killed one comes back at its
 address; N concurrent greedy streams whose outcomes are sorted into completed (the reference
 tokens), a clear error status, hung (the deadline passed, or no answer) and wrong output."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import threading
 import time
 from collections import Counter
@@ -16,15 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_svc.embedded_redis import RedisProcess
-from gpu_worker.init_model import ModelSpec, write_random_checkpoint
-from hybridserve.children import free_ports
+from hybridserve.children import Child, free_ports
 from hybridserve.grpc_auth import with_bearer
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import ServerProcess
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
+from hybridserve_cli.stack import Stack as Launcher
 
 # Small enough for 64 streams on two shared CPU cores; the byte tokenizer, a 16-token cache block.
 # The worker's pool is small too (--memory-budget-mb 2: about 550 KV pages), so a run evicts.
@@ -129,8 +127,19 @@ def tally(outcomes: Sequence[Outcome]) -> Counter[str]:
     return Counter(o.kind for o in outcomes)
 
 
+@dataclass(frozen=True)
+class RedisAt:
+    """The stack's Redis, for a test's own client."""
+
+    port: int
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port)
+
+
 class Stack:
-    """Redis, cache service, scheduler and worker processes; `kill(name)` is kill -9 and `start(name)`
+    """Redis, cache service, scheduler and worker processes on the stack launcher
+    (hybridserve_cli/stack.py), each on a port picked once; `kill(name)` is kill -9 and `start(name)`
     brings it back on the same port."""
 
     def __init__(self, model_dir: Path, worker_flags: Sequence[str] = ()) -> None:
@@ -138,8 +147,8 @@ class Stack:
         self.worker_flags = list(worker_flags)
         *ports, self.redis_port = free_ports(4)  # distinct, unlike ports asked for one at a time
         self.ports = dict(zip(("scheduler", "worker", "cache"), ports, strict=True))
-        self.redis: RedisProcess | None = None
-        self.procs: dict[str, ServerProcess] = {}
+        # this process runs gRPC: no death signal; every line kept, for failure messages
+        self.launcher = Launcher(start_timeout_s=180, stop_timeout_s=30, die_with_parent=False, keep_lines=100_000)
         try:
             for name in COMPONENTS[::-1]:  # redis, cache, worker's dependencies first
                 if name != "worker":
@@ -157,26 +166,35 @@ class Stack:
     def cache_address(self) -> str:
         return f"127.0.0.1:{self.ports['cache']}"
 
+    @property
+    def procs(self) -> dict[str, Child]:
+        """The running services other than Redis, by name."""
+        return {s.name: s.child for s in self.launcher.running() if s.name != "redis"}
+
+    @property
+    def redis(self) -> RedisAt | None:
+        running = any(s.name == "redis" for s in self.launcher.running())
+        return RedisAt(self.redis_port) if running else None
+
     def start(self, name: str) -> None:
-        if name == "redis":
-            self.redis = RedisProcess(port=self.redis_port)
+        if any(s.name == name for s in self.launcher.services):
+            self.launcher.restart(name)
             return
-        args = {
-            "scheduler": ["scheduler", "--port", str(self.ports["scheduler"])],
-            "cache": [
-                "cache", "--redis", f"redis://127.0.0.1:{self.redis_port}/0", "--port", str(self.ports["cache"]),
-                "--max-memory-mb", str(MAX_MEMORY_MB),
-            ],
-            "worker": [
-                "worker", "--model", str(self.model_dir), "--scheduler", f"127.0.0.1:{self.ports['scheduler']}",
-                "--cache", self.cache_address, "--port", str(self.ports["worker"]), "--device", "cpu",
-                "--memory-budget-mb", "2", "--max-num-seqs", "16", "--max-queue-len", "64",
+        stack = self.launcher
+        if name == "redis":
+            stack.redis(port=self.redis_port)
+        elif name == "scheduler":
+            stack.scheduler(self.ports["scheduler"])
+        elif name == "cache":
+            stack.cache(f"redis://127.0.0.1:{self.redis_port}/0", self.ports["cache"],
+                        ["--max-memory-mb", str(MAX_MEMORY_MB)], env=SECRETS)  # fmt: skip
+        else:
+            stack.worker(self.model_dir, [f"127.0.0.1:{self.ports['scheduler']}"], self.cache_address,
+                         self.ports["worker"], [
+                "--device", "cpu", "--memory-budget-mb", "2", "--max-num-seqs", "16", "--max-queue-len", "64",
                 "--block-size", str(BLOCK_SIZE), "--mamba-block-size", "8", "--kv-page-size", str(KV_PAGE_SIZE),
                 "--num-checkpoint-slots", str(CHECKPOINT_SLOTS), "--scheduler-give-up-s", "20", *self.worker_flags,
-            ],
-        }[name]  # fmt: skip
-        env = {**os.environ, **SECRETS} if name in ("cache", "worker") else None
-        self.procs[name] = ServerProcess(args, timeout_s=180, env=env)
+            ], env=SECRETS)  # fmt: skip
 
     @contextlib.contextmanager
     def cache_channel(self) -> Iterator[grpc.Channel]:
@@ -185,26 +203,14 @@ class Stack:
             yield with_bearer(channel, CLUSTER_TOKEN)
 
     def kill(self, name: str) -> None:
-        if name == "redis":
-            assert self.redis is not None
-            self.redis.kill()
-            self.redis.stop()  # removes its (empty) data folder; the process is gone already
-            self.redis = None
-            return
-        self.procs.pop(name).stop(signal.SIGKILL)
+        self.launcher.kill(name)
 
     def terminate(self, name: str) -> int:
         """SIGTERM (a rolling restart): the process drains and exits; returns its exit code."""
-        return self.procs.pop(name).stop(signal.SIGTERM)
+        return self.launcher.terminate(name)
 
     def stop(self) -> None:
-        for name in ("worker", "scheduler", "cache"):
-            proc = self.procs.pop(name, None)
-            if proc is not None:
-                proc.stop()
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
+        self.launcher.stop()
 
     def info(self, timeout_s: float = 5.0) -> pb.GetInfoResponse:
         with grpc.insecure_channel(self.worker_address) as channel:

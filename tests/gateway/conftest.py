@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpu_worker.init_model import ModelSpec, write_random_checkpoint
 from hybridserve.children import free_ports
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 from tests.procs import ServerProcess
 
 # Small enough that two workers and a gateway share two CPU cores in a test; a 16-token cache block

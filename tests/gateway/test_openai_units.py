@@ -175,7 +175,7 @@ TEMPLATE = (
 
 def test_chat_template_renders_as_transformers_does(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from gpu_worker.init_model import write_random_checkpoint
+    from hybridserve_cli.init_model import write_random_checkpoint
     from tests.gateway.conftest import SPEC
 
     model = write_random_checkpoint(tmp_path / "m", SPEC)

@@ -9,10 +9,10 @@ import statistics
 
 import pytest
 
-from gpu_worker.client import Completion
+from gpu_worker.api.client import Completion
 from hybridserve.children import free_port
-from hybridserve.cli import build_parser, generate, loadgen
-from hybridserve.cli.loadgen import RequestResult
+from hybridserve_cli import build_parser, generate, loadgen
+from hybridserve_cli.loadgen import RequestResult
 from tests.integration.fake_worker import start_fake_worker
 
 

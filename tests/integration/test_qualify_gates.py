@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from hybridserve.cli.qualify.gates import (
+from hybridserve_cli.qualify.gates import (
     Measurement,
     RequestTrace,
     Tolerances,
@@ -93,7 +93,7 @@ def test_tolerances_are_settings() -> None:
 
 
 def test_warmup_runs_are_a_setting_that_rejects_negatives() -> None:
-    from hybridserve.cli.qualify.command import QualifySettings
+    from hybridserve_cli.qualify.command import QualifySettings
 
     assert QualifySettings().warmup_runs == 1 and QualifySettings(warmup_runs=0).warmup_runs == 0
     with pytest.raises(ValueError, match="--warmup-runs must be >= 0"):
@@ -138,7 +138,7 @@ def test_rounds_give_the_median_of_each_figure_and_the_sum_of_each_count() -> No
 
 
 def test_rounds_is_a_setting_of_at_least_one() -> None:
-    from hybridserve.cli.qualify.command import QualifySettings
+    from hybridserve_cli.qualify.command import QualifySettings
 
     assert QualifySettings().rounds == 3 and QualifySettings(rounds=1).rounds == 1
     with pytest.raises(ValueError, match="--rounds must be >= 1"):
@@ -148,7 +148,7 @@ def test_rounds_is_a_setting_of_at_least_one() -> None:
 def test_the_report_of_several_rounds_shows_each_rounds_ratios_under_the_medians_gates() -> None:
     from dataclasses import asdict
 
-    from hybridserve.cli.qualify.command import QualifySettings, report_text
+    from hybridserve_cli.qualify.command import QualifySettings, report_text
 
     slow, fast = replace(BASE, output_tokens_per_s=800.0), replace(BASE, output_tokens_per_s=1100.0)
     rounds = [{"baseline": asdict(BASE), "candidate": asdict(slow)},
@@ -169,8 +169,8 @@ def test_chats_may_ask_for_seeded_varied_lengths_with_the_same_prompts() -> None
     """--max-tokens-min: each chat's new tokens seeded uniform in [min, --max-tokens] (chats of one
     length finish together and a closed loop sends the next ones in a wave); the prompts stay those
     of the fixed-length workload; 0 (the default) is every chat at --max-tokens."""
-    from hybridserve.cli.qualify.command import QualifySettings
-    from hybridserve.cli.qualify.workload import Workload
+    from hybridserve_cli.qualify.command import QualifySettings
+    from hybridserve_cli.qualify.workload import Workload
 
     fixed, varied = Workload(requests=200, max_tokens=64), Workload(requests=200, max_tokens=64, max_tokens_min=16)
     assert fixed.chat_max_tokens() == [64] * 200

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.cli.qualify.gates import Measurement, evaluate, median_measurement
-from hybridserve.cli.qualify.workload import Workload
+from hybridserve_cli.qualify.gates import Measurement, evaluate, median_measurement
+from hybridserve_cli.qualify.workload import Workload
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("qualify") / "model"
-    subprocess.run([sys.executable, "-m", "hybridserve.cli", "init-model", str(folder), "--random"], check=True,
+    subprocess.run([sys.executable, "-m", "hybridserve_cli", "init-model", str(folder), "--random"], check=True,
                    timeout=120, capture_output=True)  # fmt: skip
     return folder
 
@@ -27,7 +27,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_profiles_on_one_workload_give_gates_per_client_count(tiny_model: Path, tmp_path: Path) -> None:
     plots = tmp_path / "plots"
     done = subprocess.run(
-        [sys.executable, "-m", "hybridserve.cli", "qualify", "--model", str(tiny_model),
+        [sys.executable, "-m", "hybridserve_cli", "qualify", "--model", str(tiny_model),
          "--baseline=--max-num-prefill-tokens-per-step 0", "--candidate=--max-num-prefill-tokens-per-step 64",
          "--common=--no-prefix-caching --max-num-batched-tokens 128 --block-size 64 --mamba-block-size 32",
          "--workload", "convoy", "--clients", "2,3", "--rounds", "2", "--requests", "6", "--prompt-len-max", "48",
@@ -64,7 +64,7 @@ def test_two_profiles_on_one_workload_give_gates_per_client_count(tiny_model: Pa
     assert result["passed"] == all(g["passed"] for run in result["runs"] for g in run["gates"])
     assert (done.returncode == 0) == result["passed"]
     report = subprocess.run(  # a bad setting: exit 2 with what to change, before anything starts
-        [sys.executable, "-m", "hybridserve.cli", "qualify", "--baseline-worker", "x", "--candidate-worker", "y",
+        [sys.executable, "-m", "hybridserve_cli", "qualify", "--baseline-worker", "x", "--candidate-worker", "y",
          "--rounds", "0"], capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert report.returncode == 2 and "--rounds must be >= 1" in report.stderr

@@ -18,13 +18,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_svc.embedded_redis import RedisProcess
-from gpu_worker.init_model import ModelSpec, write_random_checkpoint
 from hybridserve.certs import write_stack_certs
+from hybridserve.children import Child
 from hybridserve.client_security import ClientSecurity, open_client_channel
 from hybridserve.tls import TlsSettings
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import ServerProcess
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
+from hybridserve_cli.stack import Stack
 
 SPEC = ModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, attn_layer_indices=(1, 3),
                  mamba_n_heads=4, mamba_d_state=16)  # fmt: skip
@@ -41,7 +42,7 @@ class SecureStack:
     files: dict[str, tuple[Path, Path]]  # identity -> (cert, key)
     other_ca_client: tuple[Path, Path]
     redis: RedisProcess
-    processes: dict[str, ServerProcess]
+    processes: dict[str, Child]  # scheduler, cache, worker
 
     def tls(self, identity: str | None = "client", ca: Path | None = None) -> TlsSettings:
         cert, key = self.files[identity] if identity else (None, None)
@@ -64,26 +65,20 @@ def stack(tmp_path_factory) -> Iterator[SecureStack]:
     _, foreign = write_stack_certs(root / "other-tls", ("client",))
     files = {name: (f.cert, f.key) for name, f in issued.items()}
     redis = RedisProcess(password=REDIS_PASSWORD)
-    processes: dict[str, ServerProcess] = {}
     env = {"HYBRIDSERVE_CACHE_REDIS_PASSWORD": REDIS_PASSWORD, "HYBRIDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN,
            "HYBRIDSERVE_API_KEYS": API_KEY, "HYBRIDSERVE_WORKER_CHECKPOINT_KEY": CHECKPOINT_KEY}  # fmt: skip
+    launcher = Stack(start_timeout_s=120, stop_timeout_s=30, die_with_parent=False, keep_lines=100_000)
     try:
-        processes["scheduler"] = ServerProcess(["scheduler", "--port", "0", *server_tls_flags(ca, *files["scheduler"])])
-        processes["cache"] = ServerProcess(
-            ["cache", "--redis", redis.url, "--port", "0", *server_tls_flags(ca, *files["cache"])], env=env
-        )
-        processes["worker"] = ServerProcess(
-            ["worker", "--model", str(model), "--scheduler", processes["scheduler"].address, "--cache",
-             processes["cache"].address, "--port", "0", "--device", "cpu", "--memory-budget-mb", "24",
-             "--max-num-seqs", "2", "--block-size", "16", "--mamba-block-size", "8", "--num-checkpoint-slots", "32",
-             *server_tls_flags(ca, *files["worker"])],
-            timeout_s=120, env=env,
-        )  # fmt: skip
+        scheduler = launcher.scheduler(flags=server_tls_flags(ca, *files["scheduler"]))
+        cache = launcher.cache(redis.url, flags=server_tls_flags(ca, *files["cache"]), env=env)
+        launcher.worker(model, [scheduler], cache, flags=[
+            "--device", "cpu", "--memory-budget-mb", "24", "--max-num-seqs", "2", "--block-size", "16",
+            "--mamba-block-size", "8", "--num-checkpoint-slots", "32", *server_tls_flags(ca, *files["worker"]),
+        ], env=env)  # fmt: skip
+        processes = {s.name: s.child for s in launcher.services}
         yield SecureStack(ca, files, (foreign["client"].cert, foreign["client"].key), redis, processes)
     finally:
-        for name in ("worker", "cache", "scheduler"):
-            if name in processes:
-                processes[name].stop()
+        launcher.stop()
         redis.stop()
 
 
@@ -134,7 +129,7 @@ def test_generation_needs_the_api_key_and_health_does_not(stack, key, code):
 
 def test_hybridserve_generate_speaks_tls_and_sends_the_key(stack):
     cert, key = stack.files["client"]
-    command = [sys.executable, "-m", "hybridserve.cli", "generate", "--worker", stack.worker, "hello",
+    command = [sys.executable, "-m", "hybridserve_cli", "generate", "--worker", stack.worker, "hello",
                "--max-tokens", "3", "--tls-ca", str(stack.ca), "--tls-cert", str(cert),
                "--tls-key", str(key)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDSERVE_")}

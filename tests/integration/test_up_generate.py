@@ -25,8 +25,8 @@ START_TIMEOUT_S = 240.0  # first run writes the default model; the worker import
 
 pytestmark = pytest.mark.slow
 needs_worker = pytest.mark.skipif(
-    importlib.util.find_spec("gpu_worker.server") is None,
-    reason="gpu_worker/server.py (`hybridserve worker`) has not landed yet",
+    importlib.util.find_spec("gpu_worker.api.server") is None,
+    reason="gpu_worker/api/server.py (`hybridserve worker`) has not landed yet",
 )
 
 
@@ -140,7 +140,7 @@ def test_up_generate_and_stop(venv: Path, home: Path):
 
 
 def test_a_worker_that_dies_stops_the_stack(home: Path):
-    command = [sys.executable, "-m", "hybridserve.cli", "up", "--home", str(home), "--scheduler-port", "0",
+    command = [sys.executable, "-m", "hybridserve_cli", "up", "--home", str(home), "--scheduler-port", "0",
                "--worker-port", "0", "--gateway-port", "0", "--gateway-grpc-port", "0", "--no-cache", "--",
                "--no-such-worker-flag"]  # fmt: skip
     up = UpProcess(command)

@@ -32,7 +32,7 @@ ENDPOINT = re.compile(r"^\s+(\w+)\s+(\S+:\d+)", re.MULTILINE)
 
 
 def up_command(home: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "hybridserve.cli", "up", "--home", str(home), "--scheduler-port", "0",
+    return [sys.executable, "-m", "hybridserve_cli", "up", "--home", str(home), "--scheduler-port", "0",
             "--worker-port", "0", "--cache-port", "0", "--gateway-port", "0", "--gateway-grpc-port", "0",
             *extra]  # fmt: skip
 
@@ -81,7 +81,7 @@ def test_up_keeps_strangers_out_and_secrets_out_of_ps_and_logs(stack):
     password = secrets["HYBRIDSERVE_CACHE_REDIS_PASSWORD"]
     assert redis.Redis(host=host, port=int(port), password=password, socket_timeout=5).ping()
     ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=30).stdout
-    generate = [sys.executable, "-m", "hybridserve.cli", "generate", "--worker", endpoints["worker"], "Hello there",
+    generate = [sys.executable, "-m", "hybridserve_cli", "generate", "--worker", endpoints["worker"], "Hello there",
                 "--max-tokens", "4"]  # fmt: skip
     result = subprocess.run(generate, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr + up.text
@@ -104,7 +104,7 @@ def test_up_tls_serves_generate_over_mtls_and_refuses_strangers(home):
         flags = words[3:]
         if "--worker" in flags:
             del flags[flags.index("--worker") : flags.index("--worker") + 2]
-        command = [sys.executable, "-m", "hybridserve.cli", "generate", "Hello", "--max-tokens", "4", *flags,
+        command = [sys.executable, "-m", "hybridserve_cli", "generate", "Hello", "--max-tokens", "4", *flags,
                    "--worker", endpoints["worker"]]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDSERVE_")}
         result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)

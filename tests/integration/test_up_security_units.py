@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.cli.up_security import StackSecrets, is_loopback
+from hybridserve_cli.up_security import StackSecrets, is_loopback
 
 
 @pytest.fixture

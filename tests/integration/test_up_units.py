@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hybridserve.children import Child, ChildExited, Interrupted, connect_address, parse_listening
-from hybridserve.cli import build_parser, up
+from hybridserve_cli import build_parser, up
 
 
 def parse(*argv: str):

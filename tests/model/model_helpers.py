@@ -16,8 +16,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from gpu_worker.batch import Batch, SequenceChunk
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.batch import Batch, SequenceChunk
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.model.chunk_attention import chunk_attention
-from gpu_worker.model.cpu_linear import onednn_available
-from gpu_worker.model.onednn_attention import MIN_QUERIES, use_onednn_attention
+from gpu_worker.model.backends.cpu.chunk_attention import chunk_attention
+from gpu_worker.model.backends.cpu.linear import onednn_available
+from gpu_worker.model.backends.cpu.onednn_attention import MIN_QUERIES, use_onednn_attention
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The compiled Mamba decode step (gpu_worker.model.compiled_decode): logits vs transformers at the parity
+"""The compiled Mamba decode step (gpu_worker.model.backends.cpu.compiled_decode): logits vs transformers at the parity
 tolerance for decode groups in one run of slots, in a few runs and scattered over many (gathered), in
 decode-only and mixed steps; no compile after the warm-up on any of those shapes; the setting's checks."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.batch import Batch
-from gpu_worker.model.compiled_decode import MAX_RUNS, CompiledMambaDecode, DecodeCompiler, slot_runs
+from gpu_worker.model.backends.cpu.compiled_decode import MAX_RUNS, CompiledMambaDecode, DecodeCompiler, slot_runs
 from gpu_worker.model.context import ForwardContext
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from tests.model.model_helpers import Request, hf_logits
 

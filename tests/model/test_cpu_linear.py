@@ -1,4 +1,4 @@
-"""Projections through oneDNN on CPU (gpu_worker.model.cpu_linear): the same results as `F.linear` up to
+"""Projections through oneDNN on CPU (gpu_worker.model.backends.cpu.linear): the same results as `F.linear` up to
 float32 rounding, for few and many rows (padded to a row bucket or not), with and without bias, with
 the weight prepacked or not; the pack follows the parameter when its storage or values change, and is
 off for models over the size cap; the switch keeps parameters, tied weights and the state dict;
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.model.cpu_linear import (
+from gpu_worker.model.backends.cpu.linear import (
     EXACT_ROWS,
     ONEDNN_MIN_ROWS,
     PACK_FEW_ROWS_BYTES,
@@ -151,7 +151,7 @@ def test_the_pack_follows_the_parameter() -> None:
 def test_models_over_the_cap_keep_their_weights_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each process running the model would hold its own pack: over PACK_MAX_BYTES of projection
     weights, none is made, and few rows take F.linear as before."""
-    import gpu_worker.model.cpu_linear as cpu_linear
+    import gpu_worker.model.backends.cpu.linear as cpu_linear
 
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     monkeypatch.setattr(cpu_linear, "PACK_MAX_BYTES", 64 * 64 * 4)  # one layer's weight fits, two do not

@@ -1,4 +1,4 @@
-"""Decode attention split by context length (gpu_worker.model.decode_attention): logits vs transformers at
+"""Decode attention split by context length (gpu_worker.model.backends.cpu.decode_attention): logits vs transformers at
 the parity tolerance with short and long contexts in one decode group, long ones on consecutive pages
 (cache views) and on scattered pages (gathered); the plan's split; many short rows in groups by length
 past the gather budget; the split form against the batched padded form on random caches."""
@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.batch import Batch
-from gpu_worker.model import decode_attention
 from gpu_worker.model.attention import PagedAttention
-from gpu_worker.model.context import ForwardContext
-from gpu_worker.model.decode_attention import (
+from gpu_worker.model.backends.cpu import decode_attention
+from gpu_worker.model.backends.cpu.decode_attention import (
     DECODE_GROUP_ROWS,
     batched_decode_attention,
     plan_decode_attention,
     split_decode_attention,
 )
+from gpu_worker.model.context import ForwardContext
+from gpu_worker.runner.batch import Batch
 from tests.model.model_helpers import Request, hf_logits, make_runner
 
 TOL = 1e-4  # the parity tests' tolerance

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 from transformers import BambaForCausalLM as HFBamba
 
-from gpu_worker.demo_model.corpus import corpus_files, encode_document, even_windows, is_held_out, stdlib_root
-from gpu_worker.demo_model.default import training_facts, write_default_checkpoint
-from gpu_worker.demo_model.train_forward import dense_logits
 from gpu_worker.model.loader import load_model
+from hybridserve_cli.demo_model.corpus import corpus_files, encode_document, even_windows, is_held_out, stdlib_root
+from hybridserve_cli.demo_model.default import training_facts, write_default_checkpoint
+from hybridserve_cli.demo_model.train_forward import dense_logits
 from tests.model.model_helpers import make_runner, run_schedule
 
-MAX_BITS_PER_BYTE = 3.0  # the bar; a uniform guess over bytes is 8
+MAX_BITS_PER_BYTE = 3.0  # the default model's bar; a uniform guess over bytes is 8
 NUM_WINDOWS, WINDOW_TOKENS = 6, 384  # held-out sample: windows at even offsets through the held-out files
 
 

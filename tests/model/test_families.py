@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_worker import init_model
+import hybridserve_cli.init_model as init_model
 from gpu_worker.model.families import SUPPORTED_ARCHITECTURES
 from gpu_worker.model.loader import load_model, parse_config
 from gpu_worker.model.moe import Router

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.batch import Batch
-from gpu_worker.sampling import SamplingParams, sample
+from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.sampling import SamplingParams, sample
 from tests.model.model_helpers import Request, make_runner
 
 NEW_TOKENS = 64

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.batch import Batch
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 from tests.model.model_helpers import Request, run_schedule
 
 pytestmark = [

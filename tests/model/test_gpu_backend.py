@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.batch import Batch
-from gpu_worker.model.kernels import attach_kernels, kernel_backend
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.model.backends import attach_kernels, kernel_backend
+from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 from tests.model.model_helpers import Request, hf_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

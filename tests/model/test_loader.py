@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpu_worker.init_model import ModelSpec, write_random_checkpoint
 from gpu_worker.model.loader import checkpoint_tensors, load_model, parse_config
 from hybridserve.errors import InvalidArgumentError
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 from tests.model.model_helpers import hf_logits, make_runner, run_schedule, save_hf_model
 
 

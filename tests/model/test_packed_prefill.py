@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.init_model import ModelSpec
+from gpu_worker.model.backends.cpu.packed_prefill import build_packed_index, packed_causal_conv, packed_ssd_scan
 from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.families import family_named
 from gpu_worker.model.mamba2 import Mamba2Mixer
-from gpu_worker.model.packed_prefill import build_packed_index, packed_causal_conv, packed_ssd_scan
 from gpu_worker.model.ssd import ssd_scan
+from hybridserve_cli.init_model import ModelSpec
 
 TOL = 1e-5
 

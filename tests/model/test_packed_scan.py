@@ -1,5 +1,5 @@
-"""The model's packed SSD scan (gpu_worker.model.packed_scan), in each of its forms, against the per-sequence
-scan (`ssd.ssd_scan`) and the einsum packed scan: outputs, final states and the state at every
+"""The model's packed SSD scan (gpu_worker.model.backends.cpu.packed_scan), in each of its forms,
+against the per-sequence scan (`ssd.ssd_scan`) and the einsum packed scan: outputs, final states and the state at every
 scan-chunk boundary; chunks that decay beyond the factored form's range take the blocked form, and
 blocks that decay beyond it the decay-matrix form, and stay exact."""
 
@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpu_worker.model.backends.cpu.packed_prefill import PackedScan, build_packed_index, packed_ssd_scan
+from gpu_worker.model.backends.cpu.packed_scan import MAX_CHUNK_LOG_DECAY, packed_scan
 from gpu_worker.model.context import PrefillSpan
-from gpu_worker.model.packed_prefill import PackedScan, build_packed_index, packed_ssd_scan
-from gpu_worker.model.packed_scan import MAX_CHUNK_LOG_DECAY, packed_scan
 from gpu_worker.model.ssd import ssd_scan
 
 REL_TOL = 2e-6  # float32 rounding of another summation order, relative to the largest value

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.batch import Batch
+from gpu_worker.runner.batch import Batch
 from tests.model.model_helpers import SPECS, Request, hf_logits, make_runner, run_schedule
 
 TOL = 1e-4

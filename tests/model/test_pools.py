@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.batch import Batch, SequenceChunk
-from gpu_worker.kv_pool import KVPagePool
-from gpu_worker.runner import ModelRunner, RunnerConfig
-from gpu_worker.state_pool import MambaStatePool
+from gpu_worker.runner.batch import Batch, SequenceChunk
+from gpu_worker.runner.kv_pool import KVPagePool
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.state_pool import MambaStatePool
 from hybridserve.errors import InvalidArgumentError, ResourceExhaustedError
 
 CPU = torch.device("cpu")

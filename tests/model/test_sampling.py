@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.sampling import SamplingParams, make_generator, sample, sample_rows
+from gpu_worker.runner.sampling import SamplingParams, make_generator, sample, sample_rows
 from hybridserve.errors import InvalidArgumentError
 
 CPU = torch.device("cpu")

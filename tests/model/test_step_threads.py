@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.batch import Batch, SequenceChunk
-from gpu_worker.cpu_alloc import StepThreads, usable_cores
-from gpu_worker.model_process import resolve_processes
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.batch import Batch, SequenceChunk
+from gpu_worker.runner.model_process import resolve_processes
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.tuning import StepThreads, usable_cores
 from hybridserve.errors import InvalidArgumentError
 
 

@@ -11,9 +11,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import BambaForCausalLM as HFBamba
 
-from gpu_worker import init_model
+import hybridserve_cli.init_model as init_model
 from gpu_worker.model.loader import load_model
-from gpu_worker.tokenizer import (
+from gpu_worker.model.tokenizer import (
     BYTE_VOCAB_SIZE,
     SPECIAL_TOKENS,
     IncrementalDetokenizer,

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.demo_model.corpus import (
+from gpu_worker.model.loader import load_model
+from gpu_worker.model.tokenizer import BYTE_VOCAB_SIZE, Tokenizer, build_byte_tokenizer
+from hybridserve_cli.demo_model.corpus import (
     HELD_OUT_HASH_BELOW,
     Corpus,
     byte_token_ids,
@@ -17,11 +19,9 @@ from gpu_worker.demo_model.corpus import (
     is_held_out,
     stdlib_root,
 )
-from gpu_worker.demo_model.default import write_default_checkpoint
-from gpu_worker.demo_model.train import TrainSettings, save, train
-from gpu_worker.demo_model.train_forward import dense_logits
-from gpu_worker.model.loader import load_model
-from gpu_worker.tokenizer import BYTE_VOCAB_SIZE, Tokenizer, build_byte_tokenizer
+from hybridserve_cli.demo_model.default import write_default_checkpoint
+from hybridserve_cli.demo_model.train import TrainSettings, save, train
+from hybridserve_cli.demo_model.train_forward import dense_logits
 from tests.model.model_helpers import make_runner, run_schedule
 
 

@@ -1,4 +1,4 @@
-"""Every Triton kernel against its torch contract (`gpu_worker.model.kernels.reference`), in float32 at 1e-4.
+"""Every Triton kernel against its torch contract (`gpu_worker.model.backends.reference`), in float32 at 1e-4.
 
 Without CUDA the kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set before the
 kernels are imported); with CUDA they run compiled on the GPU. Shapes are small and odd on purpose:
@@ -15,9 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gpu_worker.model.kernels import attention as attn_k  # noqa: E402
-from gpu_worker.model.kernels import mamba as mamba_k  # noqa: E402
-from gpu_worker.model.kernels import reference as ref  # noqa: E402
+from gpu_worker.model.backends import reference as ref  # noqa: E402
+from gpu_worker.model.backends.cuda import attention as attn_k  # noqa: E402
+from gpu_worker.model.backends.cuda import mamba as mamba_k  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 1e-4

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.batch import Batch
-from gpu_worker.model.kernels import attach_kernels, kernel_backend
+from gpu_worker.model.backends import attach_kernels, kernel_backend
+from gpu_worker.runner.batch import Batch
 from tests.model.model_helpers import Request, hf_logits, make_runner, run_schedule
 
 TOL = 1e-4

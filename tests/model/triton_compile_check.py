@@ -18,8 +18,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from gpu_worker.model.kernels import attention as attn_k
-from gpu_worker.model.kernels import mamba as mamba_k
+from gpu_worker.model.backends.cuda import attention as attn_k
+from gpu_worker.model.backends.cuda import mamba as mamba_k
 
 SM90_SHARED_BYTES = 232448  # 227 KiB: the most one block may use on sm_90
 INDEX_POINTERS = {"table_ptr": "*i32", "seq_lens_ptr": "*i64", "slots_ptr": "*i64", "spans_ptr": "*i64",

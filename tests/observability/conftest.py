@@ -16,18 +16,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
+from gpu_worker.api.service import GenerationServicer, add_to_server
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.observer import FanOut
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.init_model import ModelSpec, write_random_checkpoint
 from gpu_worker.observers import build_observers
-from gpu_worker.runner import ModelRunner, RunnerConfig
-from gpu_worker.service import GenerationServicer, add_to_server
-from gpu_worker.step_recorder import StepRecorder
+from gpu_worker.observers.recording import StepRecorder
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 from hybridserve import grpc_server
 from hybridserve.metrics import WorkerMetrics
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 from scheduler_svc import service
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.core import SchedulerConfig

@@ -13,18 +13,18 @@ import pytest
 from opentelemetry import propagate
 from opentelemetry.sdk.trace import TracerProvider
 
-from cache_svc.embedded_redis import RedisProcess
+from hybridserve.children import Child
 from hybridserve.v1 import generation_pb2_grpc
+from hybridserve_cli.stack import Stack
 from tests.observability.conftest import greedy, prompt_of
 from tests.observability.otlp_receiver import Receiver
-from tests.procs import ServerProcess
 
 SERVER, CLIENT = 2, 3  # opentelemetry.proto Span.SpanKind
 PLAN_STEP = "hybridserve.v1.Scheduler/PlanStep"
 LOOKUP = "hybridserve.v1.BlockCache/Lookup"
 
 
-def metrics_port(proc: ServerProcess) -> int:
+def metrics_port(proc: Child) -> int:
     match = re.search(r"metrics on \S+:(\d+)", proc.output)
     assert match, proc.output
     return int(match.group(1))
@@ -43,7 +43,7 @@ def sample(text: str, name: str) -> float:
 @pytest.mark.slow
 def test_one_request_traced_across_worker_scheduler_and_cache(tmp_path, monkeypatch):
     model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "hybridserve.cli", "init-model", str(model)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "hybridserve_cli", "init-model", str(model)], check=True, timeout=120)
     receiver = Receiver()
     env = {
         "OTEL_SDK_DISABLED": "false",
@@ -55,17 +55,14 @@ def test_one_request_traced_across_worker_scheduler_and_cache(tmp_path, monkeypa
         "HYBRIDSERVE_CLUSTER_TOKEN": "observability-test-token",  # the cache service and the worker
         "HYBRIDSERVE_WORKER_CHECKPOINT_KEY": "observability-test-checkpoint-key",
     }
-    scheduler = ServerProcess(["scheduler", "--port", "0", "--metrics-port", "0"], env=env)
-    redis_server = RedisProcess()
-    cache = ServerProcess(["cache", "--redis", redis_server.url, "--port", "0"], env=env)
-    worker = None
+    stack = Stack(start_timeout_s=60, stop_timeout_s=30, die_with_parent=False, keep_lines=100_000)  # runs gRPC
     try:
-        worker = ServerProcess(
-            ["worker", "--model", str(model), "--scheduler", scheduler.address, "--cache", cache.address,
-             "--port", "0", "--metrics-port", "0", "--device", "cpu", "--memory-budget-mb", "32",
-             "--max-num-seqs", "4", "--num-checkpoint-slots", "8", "--block-size", "16", "--mamba-block-size", "8"],
-            env=env,
-        )  # fmt: skip
+        scheduler = stack.scheduler(flags=["--metrics-port", "0"], env=env)
+        cache = stack.cache(stack.redis(), env=env)
+        worker = stack.worker(model, [scheduler], cache, flags=[
+            "--metrics-port", "0", "--device", "cpu", "--memory-budget-mb", "32", "--max-num-seqs", "4",
+            "--num-checkpoint-slots", "8", "--block-size", "16", "--mamba-block-size", "8",
+        ], env=env)  # fmt: skip
         monkeypatch.setenv("OTEL_SDK_DISABLED", "false")
         with TracerProvider().get_tracer("test").start_as_current_span("client") as root:
             carrier: dict[str, str] = {}
@@ -74,13 +71,12 @@ def test_one_request_traced_across_worker_scheduler_and_cache(tmp_path, monkeypa
                 stub = generation_pb2_grpc.GenerationStub(channel)
                 messages = list(stub.Generate(greedy(prompt_of(30, 2), 5), metadata=list(carrier.items()), timeout=60))
         assert sum(len(m.token_ids) for m in messages) == 5
-        worker_metrics, scheduler_metrics = scrape(metrics_port(worker)), scrape(metrics_port(scheduler))
+        worker_metrics = scrape(metrics_port(stack["worker"].child))
+        scheduler_metrics = scrape(metrics_port(stack["scheduler"].child))
     finally:
-        if worker is not None:
-            assert worker.stop() == 0, worker.output
-        assert scheduler.stop() == 0, scheduler.output
-        assert cache.stop() == 0, cache.output
-        redis_server.stop()
+        codes = {s.name: stack.terminate(s.name) for s in reversed(stack.services) if s.name != "redis"}
+        stack.stop()
+        assert all(code == 0 for code in codes.values()), [(s.name, s.child.output) for s in stack.services]
     receiver.stop()
 
     assert sample(worker_metrics, "hybridserve_output_tokens_total") == 5

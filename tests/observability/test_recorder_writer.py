@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import json
 
-from gpu_worker.step_recorder import StepRecorder
+from gpu_worker.observers.recording import StepRecorder
 from hybridserve.v1 import scheduler_pb2 as pb
 from scheduler_svc import convert
 from scheduler_svc.core import plan_step

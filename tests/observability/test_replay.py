@@ -9,11 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from google.protobuf import json_format
 
-from gpu_worker.step_recorder import StepRecorder, encode_plan
-from hybridserve import cli
+import hybridserve_cli as cli
+from gpu_worker.observers.recording import StepRecorder
 from scheduler_svc import convert
 from scheduler_svc.core import plan_step
 from scheduler_svc.replay import replay_file
+from scheduler_svc.step_records import encode_plan
 from tests.observability.conftest import greedy, prompt_of
 from tests.scheduler.helpers import config, seed_step
 
@@ -47,7 +48,7 @@ def test_recorded_run_replays_byte_for_byte_and_differs_under_a_changed_config(s
 
 
 def test_seed_livelock_step_replays_and_json_records_are_read(tmp_path, capsys):
-    """The seed's step (three prefills, 4096 budget, 2048 grid): recorded in the JSON form, it
+    """The livelock's step (three prefills, 4096 budget, 2048 grid): recorded in the JSON form, it
     replays identically; without micro-slicing the plan differs."""
     step = seed_step(1)
     path = tmp_path / "seed.jsonl"

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve import cli
-from hybridserve.cli.timeline.records import load_records
-from hybridserve.cli.timeline.view import build_timeline
+import hybridserve_cli as cli
+from hybridserve_cli.timeline.records import load_records
+from hybridserve_cli.timeline.view import build_timeline
 from tests.observability.timeline_run import RecordedRun, record_run
 
 pytestmark = pytest.mark.slow

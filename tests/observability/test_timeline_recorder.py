@@ -7,12 +7,12 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from gpu_worker.engine.finish import FinishReason
+import hybridserve_cli as cli
 from gpu_worker.engine.records import FirstToken, RequestFinished, RequestQueued
-from gpu_worker.step_recorder import StepRecorder
-from hybridserve import cli
-from hybridserve.cli.timeline.records import load_records
-from hybridserve.cli.timeline.view import build_timeline
+from gpu_worker.engine.request import FinishReason
+from gpu_worker.observers.recording import StepRecorder
+from hybridserve_cli.timeline.records import load_records
+from hybridserve_cli.timeline.view import build_timeline
 from scheduler_svc.core import plan_step
 from scheduler_svc.replay import replay_file
 from tests.observability.conftest import greedy, prompt_of

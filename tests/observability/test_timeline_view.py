@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from hybridserve.cli.timeline.page import render_page, view_json
-from hybridserve.cli.timeline.perfetto import trace_events
-from hybridserve.cli.timeline.records import RequestEvent, StepRecord
-from hybridserve.cli.timeline.view import Clock, build_timeline, grid_boundaries, step_intervals
+from hybridserve_cli.timeline.page import render_page, view_json
+from hybridserve_cli.timeline.perfetto import trace_events
+from hybridserve_cli.timeline.records import RequestEvent, StepRecord
+from hybridserve_cli.timeline.view import Clock, build_timeline, grid_boundaries, step_intervals
 from scheduler_svc.core import PlanStats, RequestState, Slice, StepInput, StepPlan
 from tests.scheduler.helpers import config
 

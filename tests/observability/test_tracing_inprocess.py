@@ -12,7 +12,7 @@ from opentelemetry.trace import SpanKind
 
 from hybridserve.telemetry import TracingConfig, setup_tracing, tracing_enabled
 from hybridserve.v1 import scheduler_pb2
-from scheduler_svc.replay import read_records
+from scheduler_svc.step_records import read_records
 from tests.observability.conftest import greedy, prompt_of
 
 PLAN_STEP = "hybridserve.v1.Scheduler/PlanStep"

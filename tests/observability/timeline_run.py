@@ -1,4 +1,4 @@
-"""A recorded run of real processes for the timeline tests (and the README's screenshot): a
+"""A recorded run of real processes for the timeline tests (and the user guide's screenshot): a
 `hybridserve scheduler` and a `hybridserve worker --record-steps` with a KV pool small enough to
 preempt, a micro-slicing budget, and a few concurrent requests of mixed lengths."""
 
@@ -14,8 +14,8 @@ import grpc
 
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc
+from hybridserve_cli.stack import Stack
 from tests.observability.conftest import greedy, prompt_of
-from tests.procs import ServerProcess
 
 # (prompt tokens, max tokens): long prompts take several chunks, short ones decode beside them
 JOBS = [(90, 12), (20, 24), (70, 10), (36, 20), (110, 6), (52, 16)]
@@ -38,17 +38,13 @@ def record_run(workdir: Path, model_dir: Path | None = None, env: dict[str, str]
     the steps are in workdir."""
     if model_dir is None:
         model_dir = workdir / "model"
-        cmd = [sys.executable, "-m", "hybridserve.cli", "init-model", str(model_dir)]
+        cmd = [sys.executable, "-m", "hybridserve_cli", "init-model", str(model_dir)]
         subprocess.run(cmd, check=True, timeout=300, capture_output=True)
     steps = workdir / "steps.jsonl"
-    scheduler = ServerProcess(["scheduler", "--port", "0"], env=env)
-    worker = None
+    stack = Stack(start_timeout_s=60, stop_timeout_s=30, die_with_parent=False, keep_lines=100_000)  # runs gRPC
     try:
-        worker = ServerProcess(
-            ["worker", "--model", str(model_dir), "--scheduler", scheduler.address, "--port", "0",
-             "--record-steps", str(steps), *WORKER_FLAGS],
-            env=env,
-        )  # fmt: skip
+        scheduler = stack.scheduler(env=env)
+        worker = stack.worker(model_dir, [scheduler], flags=["--record-steps", str(steps), *WORKER_FLAGS], env=env)
         with grpc.insecure_channel(worker.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
 
@@ -63,7 +59,6 @@ def record_run(workdir: Path, model_dir: Path | None = None, env: dict[str, str]
             assert counts == [str(m) for _, m in JOBS], counts
             info = stub.GetInfo(pb.GetInfoRequest(), timeout=30)
     finally:
-        if worker is not None:
-            assert worker.stop() == 0, worker.output
-        assert scheduler.stop() == 0, scheduler.output
+        codes = {s.name: stack.terminate(s.name) for s in reversed(stack.services)}  # worker, then scheduler
+        assert all(code == 0 for code in codes.values()), [(s.name, s.child.output) for s in stack.services]
     return RecordedRun(steps, tuple(f"req-{i}-p{n}" for i, (n, _) in enumerate(JOBS)), info)

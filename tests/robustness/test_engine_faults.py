@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from cache_svc import keys
+from gpu_worker.api.server import engine_alive
 from gpu_worker.cache.blocks import chain_hashes
-from gpu_worker.cache.checkpoint_io import BlockCheckpoint, BlockIdentity, seal, verify
-from gpu_worker.server import engine_alive
+from gpu_worker.runner.checkpoint_io import BlockCheckpoint, BlockIdentity, seal, verify
 from hybridserve.children import free_port
 from tests.worker.conftest import SCHEDULER, SHARED_ACCESS, collect, greedy_request, prompt_of
 
@@ -140,8 +140,8 @@ class ForgingSharedTier:
     def fetch_prefix(self, request_id, block_hashes, num_local_blocks, trace_context=None, policy=None):
         import torch
 
-        from gpu_worker.cache.checkpoint_io import BlockCheckpoint
         from gpu_worker.cache.remote import FetchedBlock, FetchResult
+        from gpu_worker.runner.checkpoint_io import BlockCheckpoint
 
         self.num_fetches += 1
         caches = self.runner.kv_pool.layer_caches()

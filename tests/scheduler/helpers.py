@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from scheduler_svc.core import MambaCacheMode, RequestState, SchedulerConfig, StepInput
 
-# The seed's deployment: 2048-token checkpoint grid, 256-token recurrent blocks.
+# The micro-slicing livelock's deployment: 2048-token checkpoint grid, 256-token recurrent blocks.
 SEED_CONFIG = SchedulerConfig(
     max_num_batched_tokens=8192,
     max_num_seqs=256,

@@ -1,4 +1,4 @@
-"""Checks of DESIGN §2's guarantees on one (input, plan) pair, written from the guarantees, not
+"""Checks of the planning guarantees (docs/design.md) on one (input, plan) pair, written from the guarantees, not
 from the planner's code: they recompute caps from the request states and the rule functions."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DESIGN §2's eight guarantees as properties over random configs and request sets, one step at a
+"""The eight planning guarantees (docs/design.md) as properties over random configs and request sets, one step at a
 time and over multi-step simulations that feed every plan back into the state."""
 
 from __future__ import annotations

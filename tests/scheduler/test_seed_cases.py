@@ -1,4 +1,4 @@
-"""The seed's cases, over a real in-process gRPC channel, plus the regression against the legacy
+"""The micro-slicing livelock's cases, over a real in-process gRPC channel, plus the regression against the legacy
 quantum rule that livelocked."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_none_mode_schedules_like_plain_chunked_prefill(stub):
 
 
 def shares_after_alignment(s: StepInput, quantum: int) -> list[int]:
-    """The micro-slicing allocation as the seed's code did it: split the budget among the running
+    """The micro-slicing allocation as the code before the fix did it: split the budget among the running
     prefills in quanta, then let the chunk aligner cut each share."""
     prefills = [r for r in s.running if r.is_prefill]
     shares = rules.split_quanta(s.config.max_num_prefill_tokens_per_step // quantum, len(prefills), s.step_index)

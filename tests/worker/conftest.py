@@ -10,13 +10,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gpu_worker.api.server import build_prefix_cache
+from gpu_worker.api.service import GenerationServicer, add_to_server
 from gpu_worker.cache.remote import SharedTierAccess
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.runner import ModelRunner, RunnerConfig
-from gpu_worker.server import build_prefix_cache
-from gpu_worker.service import GenerationServicer, add_to_server
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 from hybridserve import grpc_server
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.batch import Batch, SequenceChunk
-from gpu_worker.cuda_graphs import DecodeGraphs, bucket_sizes, pick_bucket
-from gpu_worker.init_model import ModelSpec, write_random_checkpoint
-from gpu_worker.input_builder import build_inputs
+from gpu_worker.model.backends import attach_kernels
 from gpu_worker.model.context import ForwardContext
-from gpu_worker.model.kernels import attach_kernels
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.batch import Batch, SequenceChunk
+from gpu_worker.runner.cuda_graphs import DecodeGraphs, bucket_sizes, pick_bucket
+from gpu_worker.runner.input_builder import build_inputs
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
 CPU = torch.device("cpu")
 VOCAB = 11

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import BambaForCausalLM as HFBamba
 
-from gpu_worker.demo_model.default import write_default_checkpoint
-from gpu_worker.tokenizer import load_tokenizer
+from gpu_worker.model.tokenizer import load_tokenizer
 from hybridserve.v1 import generation_pb2 as pb
+from hybridserve_cli.demo_model.default import write_default_checkpoint
 from tests.worker.conftest import hf_greedy
 
 PROMPTS = ("def fibonacci(n):", "import os\n\n\n", 'class Stack:\n    """')

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
-from gpu_worker.tokenizer import (
+from gpu_worker.model.tokenizer import (
     BYTE_VOCAB_SIZE,
     IncrementalDetokenizer,
     Tokenizer,

@@ -13,19 +13,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpu_worker.batch import Batch, ForwardOutput
 from gpu_worker.engine.engine import Engine
-from gpu_worker.engine.finish import FinishReason
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.records import Occupancy, RequestFinished, StepRecord
-from gpu_worker.engine.request import GenerationParams, Request, RequestOutput
+from gpu_worker.engine.request import FinishReason, GenerationParams, Request, RequestOutput, StopChecker
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.engine.stop_checker import StopChecker
-from gpu_worker.kv_pool import KVPagePool
-from gpu_worker.runner import RunnerConfig
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.state_pool import MambaStatePool
-from gpu_worker.tokenizer import Tokenizer, build_byte_tokenizer
+from gpu_worker.model.tokenizer import Tokenizer, build_byte_tokenizer
+from gpu_worker.runner.batch import Batch, ForwardOutput
+from gpu_worker.runner.kv_pool import KVPagePool
+from gpu_worker.runner.runner import RunnerConfig
+from gpu_worker.runner.sampling import SamplingParams
+from gpu_worker.runner.state_pool import MambaStatePool
 from hybridserve.errors import DeadlineExceededError, HybridServeError, ResourceExhaustedError, UnavailableError
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig, StepInput, StepPlan, plan_step
 

@@ -1,5 +1,5 @@
 """The engine stays behind its edges: importing it loads no gRPC or protobuf (wire conversion is
-gpu_worker/convert.py's), and the prefix cache never imports the engine (it has its own protocol)."""
+gpu_worker/api/convert.py's), and the prefix cache never imports the engine (it has its own protocol)."""
 
 from __future__ import annotations
 

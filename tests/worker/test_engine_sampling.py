@@ -10,15 +10,14 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_worker.batch import Batch, ForwardOutput
 from gpu_worker.engine.engine import Engine
-from gpu_worker.engine.request import GenerationParams, Request, RequestOutput
+from gpu_worker.engine.request import GenerationParams, Request, RequestOutput, StopChecker
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.engine.stop_checker import StopChecker
-from gpu_worker.kv_pool import KVPagePool
-from gpu_worker.runner import RunnerConfig
-from gpu_worker.sampling import SamplingParams, make_generator
-from gpu_worker.state_pool import MambaStatePool
+from gpu_worker.runner.batch import Batch, ForwardOutput
+from gpu_worker.runner.kv_pool import KVPagePool
+from gpu_worker.runner.runner import RunnerConfig
+from gpu_worker.runner.sampling import SamplingParams, make_generator
+from gpu_worker.runner.state_pool import MambaStatePool
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig, plan_step
 
 VOCAB = 64

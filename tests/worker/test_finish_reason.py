@@ -6,7 +6,7 @@ import enum
 
 import pytest
 
-from gpu_worker.service import FINISH_REASON_PB, finish_reason_to_pb
+from gpu_worker.api.service import FINISH_REASON_PB, finish_reason_to_pb
 from hybridserve.v1 import generation_pb2 as pb
 
 

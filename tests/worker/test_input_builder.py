@@ -8,8 +8,8 @@ import random
 
 import torch
 
-from gpu_worker.batch import SequenceChunk
-from gpu_worker.input_builder import _decode_tables
+from gpu_worker.runner.batch import SequenceChunk
+from gpu_worker.runner.input_builder import _decode_tables
 
 
 def test_decode_tables_match_their_definition() -> None:

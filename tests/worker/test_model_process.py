@@ -1,4 +1,4 @@
-"""The model in its own process (gpu_worker.model_process): the same logits and pool contents as the
+"""The model in its own process (gpu_worker.runner.model_process): the same logits and pool contents as the
 in-process runner, the pools shared both ways, bad batches refused without losing the process, and a
 dead model process reported rather than waited for."""
 
@@ -17,16 +17,16 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from gpu_worker.batch import Batch
-from gpu_worker.cpu_alloc import usable_cores
-from gpu_worker.model_process import (
+from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.model_process import (
     ModelProcessError,
     ProcessRunner,
     build_runner,
     resolve_processes,
     wants_model_process,
 )
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.tuning import usable_cores
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc

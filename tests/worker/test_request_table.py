@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from gpu_worker.engine.request import GenerationParams, Request
-from gpu_worker.engine.stop_checker import StopChecker
+from gpu_worker.engine.request import GenerationParams, Request, StopChecker
 from gpu_worker.engine.table import RequestTable
-from gpu_worker.sampling import SamplingParams
+from gpu_worker.runner.sampling import SamplingParams
 
 
 def make(rid: str, deadline: float | None, sampling: SamplingParams | None = None) -> Request:

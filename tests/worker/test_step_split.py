@@ -1,4 +1,4 @@
-"""How a step is dealt among several model processes (gpu_worker.step_split): decode rows together,
+"""How a step is dealt among several model processes (gpu_worker.runner.step_split): decode rows together,
 prefill chunks by estimated finish and learned speed; and the prefill chunk cap that lets the processes
 share a long prompt's step (--long-prefill-token-threshold on auto)."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.batch import Batch, SequenceChunk
-from gpu_worker.server import settings_from_args as worker_settings
-from gpu_worker.server import with_chunk_cap
-from gpu_worker.step_split import Split, prefill_chunk_cap
-from hybridserve.cli import build_parser
+from gpu_worker.api.server import settings_from_args as worker_settings
+from gpu_worker.api.server import with_chunk_cap
+from gpu_worker.runner.batch import Batch, SequenceChunk
+from gpu_worker.runner.step_split import Split, prefill_chunk_cap
 from hybridserve.errors import InvalidArgumentError
+from hybridserve_cli import build_parser
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig
 
 

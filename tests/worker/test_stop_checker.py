@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from gpu_worker.engine.stop_checker import TRIM_CHARS, StopChecker
-from gpu_worker.tokenizer import Tokenizer, build_byte_tokenizer
+from gpu_worker.engine.request import TRIM_CHARS, StopChecker
+from gpu_worker.model.tokenizer import Tokenizer, build_byte_tokenizer
 
 TOKENIZER = Tokenizer(build_byte_tokenizer())
 

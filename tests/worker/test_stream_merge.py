@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import queue
 
-from gpu_worker.engine.finish import FinishReason
-from gpu_worker.engine.request import RequestOutput
-from gpu_worker.service import merge_events, output_to_pb, take_queued
+from gpu_worker.api.service import merge_events, output_to_pb, take_queued
+from gpu_worker.engine.request import FinishReason, RequestOutput
 from hybridserve.errors import AbortedError
 from hybridserve.v1 import generation_pb2 as pb
 

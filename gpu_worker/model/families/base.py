@@ -35,7 +35,7 @@ class Source:
 
 
 class SpecLike(Protocol):
-    """The sizes `hybridserve init-model` asks of a family's tiny config (see `gpu_worker.init_model`)."""
+    """The sizes `hybridserve init-model` asks of a family's tiny config (see `hybridserve_cli.init_model`)."""
 
     @property
     def vocab_size(self) -> int: ...

@@ -1,0 +1,297 @@
+"""`hybridserve worker`: loads a model, runs the engine, serves the Generation API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gpu_worker.api import lifecycle
+from gpu_worker.api.service import GenerationServicer, add_to_server, server_threads
+from gpu_worker.cache.manager import PrefixCacheManager
+from gpu_worker.cache.remote import SharedTier, SharedTierAccess
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.settings import EngineSettings
+from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
+from gpu_worker.runner.checkpoint_io import MIN_KEY_BYTES, CheckpointLayout
+from gpu_worker.runner.model_process import build_runner
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.step_split import prefill_chunk_cap
+from gpu_worker.runner.tuning import freeze_startup_objects, keep_freed_memory
+from hybridserve import grpc_server
+from hybridserve.auth import load_keys, load_secret
+from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
+from hybridserve.settings import (
+    API_KEYS_ENV,
+    CHECKPOINT_KEY_ENV,
+    CLUSTER_TOKEN_ENV,
+    Flag,
+    add_settings_arguments,
+    secret_from_env,
+)
+from hybridserve.settings import settings_from_args as settings_from_args_of
+from hybridserve.tls import TlsSettings, add_tls_arguments
+from scheduler_svc.client import SchedulerClient
+from scheduler_svc.flags import add_config_arguments, chunk_cap_is_auto, config_from_args
+
+log = logging.getLogger("hybridserve.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerServerSettings:
+    """`hybridserve worker`'s own settings; with EngineSettings, RunnerConfig and SchedulerConfig, its
+    flags (or HYBRIDSERVE_WORKER_* variables)."""
+
+    model: Path | None = None  # checkpoint folder (Hugging Face Bamba format)
+    host: str = "127.0.0.1"  # bind address
+    port: int = 50052  # 0 picks a free port
+    prefix_caching: bool = True  # reuse cached prefixes (KV + Mamba state at block boundaries)
+    metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = a free port
+    record_steps: Path | None = None  # JSONL file of sampled steps' scheduler input and plan
+    record_sample_rate: float = 1.0  # fraction of steps recorded
+    api_key_file: Path | None = None  # accepted API keys, one per line (or API_KEYS_ENV); none = open
+    checkpoint_key_file: Path | None = None  # the workers' checkpoint MAC key (or CHECKPOINT_KEY_ENV)
+    cluster_token_file: Path | None = None  # the cache service's cluster token (or CLUSTER_TOKEN_ENV)
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may run before they are cut
+
+
+FLAGS = {
+    "model": Flag("checkpoint folder (Hugging Face Bamba format); see `hybridserve init-model`", metavar="DIR"),
+    "host": Flag("bind address"),
+    "port": Flag("0 picks a free port"),
+    "scheduler_addresses": Flag("scheduler address(es), comma separated: host:port[,host:port]", name="--scheduler"),
+    "cache_address": Flag("cache service host:port", name="--cache"),
+    "async_scheduling": Flag("plan step N+1 while step N runs"),
+    "max_queue_len": Flag("waiting requests at most; more get RESOURCE_EXHAUSTED"),
+    "default_max_tokens": Flag("max_tokens of a request that leaves it at 0"),
+    "max_model_len": Flag("prompt + max_tokens limit (0 = what the KV pool holds)"),
+    "scheduler_deadline_s": Flag("seconds one PlanStep call may take"),
+    "scheduler_give_up_s": Flag("fail in-flight requests when no scheduler answers for this long"),
+    "prefix_caching": Flag("reuse cached prefixes (KV + Mamba state at block boundaries)"),
+    "memory_budget_bytes": Flag(
+        "KV pages + Mamba state slots + checkpoints, MiB", name="--memory-budget-mb", scale=1 << 20
+    ),
+    "num_checkpoint_slots": Flag("Mamba state checkpoints kept on the worker (one per cached block)"),
+    "checkpoint_memory_bytes": Flag(
+        "memory for Mamba state checkpoints, MiB; when set, replaces --num-checkpoint-slots (LRU within it)",
+        name="--checkpoint-memory-mb",
+        scale=1 << 20,
+    ),
+    "device": Flag("auto | cpu | cuda[:i]"),
+    "dtype": Flag("auto | float32 | bfloat16"),
+    "cpu_threads": Flag("torch intra-op threads on CPU; 0 = one per core but one (for the server threads)"),
+    "cpu_prefill_threads": Flag(
+        "torch intra-op threads on CPU for steps of at least --cpu-prefill-min-tokens tokens (prefill-sized"
+        " GEMMs split well; e.g. every core for long-prompt workloads); 0 = --cpu-threads throughout"
+    ),
+    "cpu_prefill_min_tokens": Flag("tokens in a step from which it runs on --cpu-prefill-threads"),
+    "decode_compile": Flag(
+        "torch.compile the Mamba decode step on CPU in the background at start-up, decoding eagerly until it"
+        " is ready: auto (when a C++ compiler is found) | on | off"
+    ),
+    "model_process": Flag(
+        "run the model in a process of its own beside the worker, the pools in memory both map (the forward"
+        " then never waits for the worker's threads): auto (on CPU) | on | off"
+    ),
+    "model_process_min_rows": Flag(
+        "with a model process, steps of fewer rows than this run in the worker's own process, eagerly (the"
+        " worker then keeps its references to the weights); 0 = every step in the model process (the default)"
+    ),
+    "model_processes": Flag(
+        "model processes sharing each step on as many cores (the decode rows stay together in the first; prefill"
+        " chunks are dealt to whichever would finish first, by how fast each went); 0 = auto: two on a CPU with"
+        " at least two usable cores, else one"
+    ),
+    "model_process_split_min_tokens": Flag(
+        "with several model processes, steps of at least this many tokens (a decode row counting 2.5) are shared"
+    ),
+    "model_process_lone_threads": Flag(
+        "with several model processes, a process runs its step on this many threads while the others are idle:"
+        " from the start when it has the whole step (at least 64 prefill tokens), or once they finished their"
+        " parts (at least 512); decode rows stay on one thread; 0 = auto: the processes' threads together, or"
+        " the cores but one where that is more; 1 = off"
+    ),
+    "cpu_warm_rows": Flag(
+        "on CPU, build oneDNN's projection kernels for every 16-row bucket up to this many rows in the"
+        " background at start-up (a first call with a new row count costs ~10-20 ms a forward); 0 = off"
+    ),
+    "metrics_port": Flag(METRICS_PORT_HELP),
+    "record_steps": Flag(
+        "append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
+        metavar="FILE",
+    ),
+    "record_sample_rate": Flag("fraction of steps recorded (1.0 = every step)"),
+    "api_key_file": Flag(f"accepted API keys, one per line (or {API_KEYS_ENV}, comma separated)", metavar="FILE"),
+    "checkpoint_key_file": Flag(
+        f"the key sealing shared-tier checkpoints, the same on every worker (or {CHECKPOINT_KEY_ENV})", metavar="FILE"
+    ),
+    "cluster_token_file": Flag(f"the cache service's cluster token (or {CLUSTER_TOKEN_ENV})", metavar="FILE"),
+    "drain_timeout_s": Flag(
+        "on SIGTERM: stop admitting, let requests in flight finish for up to this long, then end the rest"
+        " (UNAVAILABLE); give the process this plus 10 s before SIGKILL"
+    ),
+}
+SECURITY_FIELDS = ("api_key_file", "checkpoint_key_file", "cluster_token_file")
+ENGINE_FIELDS = (
+    "scheduler_addresses", "cache_address", "async_scheduling", "max_queue_len", "default_max_tokens",
+    "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s",
+)  # fmt: skip
+RUNNER_FIELDS = (
+    "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
+    "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "model_process",
+    "model_process_min_rows", "model_processes", "model_process_split_min_tokens", "model_process_lone_threads",
+    "cpu_warm_rows",
+)  # fmt: skip  # the rest follow the config
+OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
+SERVICE = "WORKER"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(
+        parser, WorkerServerSettings, SERVICE, flags=FLAGS, exclude=OBSERVABILITY_FIELDS + SECURITY_FIELDS
+    )
+    add_config_arguments(parser, SERVICE)
+    group = parser.add_argument_group("engine")
+    add_settings_arguments(
+        group, EngineSettings, SERVICE, flags=FLAGS, only=ENGINE_FIELDS,
+        defaults={"scheduler_addresses": ("127.0.0.1:50051",)},
+    )  # fmt: skip
+    group = parser.add_argument_group("model runner")
+    add_settings_arguments(
+        group,
+        RunnerConfig,
+        SERVICE,
+        flags=FLAGS,
+        only=RUNNER_FIELDS,
+        defaults={"decode_compile": "auto", "model_process": "auto", "cpu_warm_rows": 1024},
+    )  # a served worker compiles, and runs its model apart, when it can; a runner built in-process does not
+    group = parser.add_argument_group("observability (tracing: the standard OTEL_* variables)")
+    add_settings_arguments(group, WorkerServerSettings, SERVICE, flags=FLAGS, only=OBSERVABILITY_FIELDS)
+    group = parser.add_argument_group("security (secrets: files or variables, never flags)")
+    add_settings_arguments(group, WorkerServerSettings, SERVICE, flags=FLAGS, only=SECURITY_FIELDS)
+    add_tls_arguments(group, SERVICE)
+
+
+def observer_settings(server_settings: WorkerServerSettings) -> ObserverSettings:
+    """The observers' settings from the worker's (the metrics port starts the endpoint)."""
+    return ObserverSettings(
+        record_steps=server_settings.record_steps, record_sample_rate=server_settings.record_sample_rate
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> EngineSettings:
+    # Chunks keep the state at every block boundary they cross (gpu_worker/model/boundary_states.py),
+    # so the planner need not stop a prompt's last chunk at its last boundary.
+    scheduler = config_from_args(args, stop_at_last_boundary=False)
+    runner = settings_from_args_of(
+        RunnerConfig, args, kv_page_size_tokens=scheduler.kv_page_size, max_num_seqs=scheduler.max_num_seqs
+    )
+    return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner)
+
+
+def with_chunk_cap(settings: EngineSettings, args: argparse.Namespace, runner: Any) -> EngineSettings:
+    """The settings with --long-prefill-token-threshold resolved when left on auto: capped so that the
+    model processes share a step's prefill (gpu_worker.runner.step_split.prefill_chunk_cap), else none."""
+    if not chunk_cap_is_auto(args):
+        return settings
+    processes = int(runner.describe().get("model_processes", 1))  # a ModelRunner's names none: one
+    cap = prefill_chunk_cap(settings.scheduler, processes)
+    if cap:
+        log.info("prefill chunks capped at %d tokens: a step's prefill shared by %d model processes", cap, processes)
+    return replace(settings, scheduler=replace(settings.scheduler, long_prefill_token_threshold=cap).validate())
+
+
+def build_prefix_cache(
+    runner: ModelRunner, settings: EngineSettings, enabled: bool, access: SharedTierAccess | None = None
+) -> PrefixCacheManager | None:
+    """The local tier, plus the shared tier when --cache is given; None when caching is off or there
+    are no checkpoint slots. Any mamba_cache_mode works: chunks keep the state at every block
+    boundary they cross, so no chunk has to end on the grid. Without `access` checkpoints are
+    sealed with a random key of this process alone."""
+    if not enabled or runner.state_pool.num_checkpoint_slots == 0:
+        return None
+    shared = None
+    if settings.cache_address:
+        access = access or SharedTierAccess(secrets.token_bytes(32))
+        block_size = settings.scheduler.block_size
+        layout = CheckpointLayout.of_runner(runner, block_size)
+        shared = SharedTier(settings.cache_address, runner.loaded.fingerprint, block_size, layout, access)
+    return PrefixCacheManager(runner, settings.scheduler.block_size, shared)
+
+
+def shared_tier_access(server: WorkerServerSettings, tls: TlsSettings) -> SharedTierAccess:
+    """The checkpoint key, cluster token and TLS for the shared tier. Without a configured key the
+    worker seals with a random key of its own (warned): no other worker can use its checkpoints."""
+    try:
+        key = load_secret(server.checkpoint_key_file, secret_from_env(CHECKPOINT_KEY_ENV))
+        token = load_secret(server.cluster_token_file, secret_from_env(CLUSTER_TOKEN_ENV))
+    except OSError as exc:
+        raise SystemExit(f"worker secrets: {exc}") from None
+    if key is not None and len(key.encode()) < MIN_KEY_BYTES:
+        raise SystemExit(f"the checkpoint key must be at least {MIN_KEY_BYTES} bytes")
+    if key is None:
+        log.warning(
+            "no checkpoint key (%s or --checkpoint-key-file): this worker seals shared-tier checkpoints "
+            "with a random key of its own, so no other worker can use them", CHECKPOINT_KEY_ENV,
+        )  # fmt: skip
+    first_token = token.split(",")[0].strip() if token else None  # rotation: servers accept "new,old"
+    return SharedTierAccess(key.encode() if key else secrets.token_bytes(32), first_token, tls)
+
+
+def api_keys(server: WorkerServerSettings) -> frozenset[str]:
+    try:
+        return load_keys(server.api_key_file, secret_from_env(API_KEYS_ENV))
+    except OSError as exc:
+        raise SystemExit(f"--api-key-file: {exc}") from None
+
+
+def engine_alive(engine: Engine) -> bool:
+    """Liveness: the engine's loop still runs."""
+    return engine.is_alive()
+
+
+def run(args: argparse.Namespace) -> int:
+    server_settings = settings_from_args_of(WorkerServerSettings, args)
+    if server_settings.model is None:
+        raise SystemExit("--model DIR is required (write the default model with `hybridserve init-model DIR`)")
+    settings = settings_from_args(args)
+    tls = settings_from_args_of(TlsSettings, args)
+    keys = api_keys(server_settings)
+    keep_freed_memory()  # glibc: reuse freed activation memory instead of page-faulting it back each step
+    stop_telemetry = start_service_telemetry("hybridserve-worker", server_settings.metrics_port, server_settings.host)
+    observers = observers_from_settings(observer_settings(server_settings), model_name=Path(server_settings.model).name)
+    runner = build_runner(server_settings.model, settings.runner)
+    log.info("model %s loaded: %s", server_settings.model, runner.describe())
+    settings = with_chunk_cap(settings, args, runner)
+    client = SchedulerClient(
+        settings.scheduler_addresses,
+        deadline_s=settings.scheduler_deadline_s,
+        give_up_after_s=settings.scheduler_give_up_s,
+        tls=tls,
+    )
+    access = shared_tier_access(server_settings, tls) if settings.cache_address else None
+    prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching, access)
+    engine = Engine(runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix)
+    freeze_startup_objects()  # full collections skip the model's and the libraries' objects
+    engine.start()
+    servicer = GenerationServicer(engine, model_name=server_settings.model.name)
+    server, port, health = grpc_server.create_server(
+        [add_to_server(servicer)], host=server_settings.host, port=server_settings.port,
+        max_workers=server_threads(engine), tls=tls, keys=keys,  # a stream holds a thread to its end
+    )  # fmt: skip
+    watch = lifecycle.HealthWatch(health, engine, servicer, client.is_reachable)
+    stop = grpc_server.stop_on_signal()  # before the port is announced
+    server.start()
+    grpc_server.announce(server_settings.host, port)
+    grpc_server.wait_for(stop)
+    lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s)
+    watch.stop()  # before the scheduler channel closes: no probe in flight
+    client.close()
+    observers.close()
+    if hasattr(runner, "close"):
+        runner.close()  # the model process
+    stop_telemetry()
+    return 0

@@ -1,0 +1,180 @@
+"""Dense projections on CPU through oneDNN instead of torch's default BLAS.
+
+On CPU, `F.linear` in float32 runs MKL's sgemm, which takes its AVX2 path on AMD processors; oneDNN
+(bundled with torch, reached through `torch.ops.mkldnn._linear_pointwise` on ordinary dense tensors)
+uses AVX-512 there. Measured on one core of this project's AMD EPYC CI machine, float32, every
+projection shape of the benchmark model (256 -> 1160 / 1024 / 256 / 128, 512 -> 256):
+
+    rows      1      8     32    128    512   2048
+    oneDNN  0.4-0.8x  0.6-1.3x  1.1-1.7x  1.7-2.1x  2.1-2.2x  2.2-2.3x  faster than F.linear
+
+so a prefill step's projections (in_proj, out_proj, q/k/v/o, MLP: two thirds of its time) take less
+than half as long, while a few-row decode keeps `F.linear`, whose per-call cost is lower. vLLM's CPU
+build routes the same layers through oneDNN. Results differ from `F.linear` by float32 rounding only
+(another summation order: ~2e-6 on values of order 1).
+
+Prepacked weights. Given the weight as a plain dense tensor, oneDNN reorders it into its blocked layout on
+every call, a third or more of a few-row call's cost. Reordered once (`torch.ops.mkldnn.
+_reorder_linear_weight`) and kept beside the parameter, the same projection on one core, us per call
+with the weight hot in cache:
+
+    rows                       1      3      8     16     32    128   2048
+    F.linear (MKL)            17     43     69    111    196    710  11150   (256 -> 1160)
+    oneDNN, plain weight      25     43     54     72    112    331   4930
+    oneDNN, prepacked         25     26     36     53     93    313   4730
+
+and in a forward, where each weight is read once per step from the last-level cache (24 weights of one
+shape in turn), us per call at 1 / 2 rows, F.linear against prepacked: 256 -> 1160 47.6 / 29.6 and
+61.5 / 35.9, 256 -> 1024 40.1 / 26.5, 256 -> 512 23.0 / 18.7, 512 -> 256 17.2 / 18.7 and 23.6 / 19.5,
+256 -> 256 11.3 / 14.2, 256 -> 128 7.4 / 12.1. So a decode step's projections take the pack from one
+row on where the weight has at least PACK_FEW_ROWS_BYTES, from PACKED_MIN_ROWS rows on where it is
+smaller (one call's fixed cost outweighs reading it). The pack is a private copy of the weight (model
+processes share the parameters, not the packs), so it is made only while the model's projection
+weights total at most PACK_MAX_BYTES; it is rebuilt when the parameter's storage or version changes (a
+model process swaps its parameters for the worker's shared ones after load).
+
+`use_onednn_linears(model)` switches every plain `nn.Linear` of a model to `OneDnnLinear` in place
+(same parameters, same state dict); the CPU runner calls it at load."""
+
+from __future__ import annotations
+
+import threading
+import typing
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Fewest rows that go to oneDNN; below, F.linear's lower per-call cost wins (see the table above). A
+# decode step of the benchmark model, one thread, ms (oneDNN from 32 rows / from 16 rows, 8-row
+# buckets below 64), three rounds: 16 sequences 7.35-8.59 / 6.98-7.65, 24: 9.31-9.50 / 7.90-8.41,
+# 8 and 12 (F.linear either way, or oneDNN from 8 rows: no better) unchanged.
+ONEDNN_MIN_ROWS = 16
+# With the weight prepacked, small weights go to oneDNN from this many rows, those of at least
+# PACK_FEW_ROWS_BYTES from one (the tables above). Whole decode steps of the benchmark model, compiled Mamba
+# step, ms, packed / unpacked (bench_decode --unpacked): 1 row 2.23 / 2.39, 2 rows 2.56 / 2.82, 4 rows
+# 3.31 / 3.84, 8 rows 3.75 / 4.79, 16 rows 5.41 / 6.98, 32 rows 8.03 / 8.77.
+PACKED_MIN_ROWS = 3
+PACK_FEW_ROWS_BYTES = 512 << 10
+# The most projection-weight bytes a model may have for its projections to be packed (one private copy
+# per process that runs the model: the 6.4M-parameter benchmark model has 25 MB).
+PACK_MAX_BYTES = 256 << 20
+# The batch size the pack's layout is chosen for; packed for 64 rows it serves any row count (measured
+# as fast as a pack made for the exact count, 8 rows: 35.6 vs 36.3 us).
+PACK_ROWS_HINT = 64
+# oneDNN builds (and caches) a kernel per input shape: the first call with a new row count costs
+# 0.3-1 ms more per projection, ~10-20 ms for a forward of the benchmark model, and a serving step's row
+# count (a prefill chunk plus the decoding rows) is new nearly every step. Rows are padded up to a
+# multiple of ROW_BUCKET (of SMALL_ROW_BUCKET below SMALL_ROWS, where padding would cost most), so
+# shapes repeat; up to EXACT_ROWS (a decode step's few rows, where a padded row costs most) not at all.
+ROW_BUCKET = 16
+SMALL_ROW_BUCKET = 8
+SMALL_ROWS = 64
+EXACT_ROWS = 8
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count `rows` runs padded to (up to EXACT_ROWS, none: a decode step's few rows)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = SMALL_ROW_BUCKET if rows < SMALL_ROWS else ROW_BUCKET
+    return -(-rows // step) * step
+
+
+_DTYPES = (torch.float32,)
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN and its dense linear entry point."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # type: ignore[no-untyped-call]
+
+
+class OneDnnLinear(nn.Linear):
+    """An `nn.Linear` whose forward sends inputs of at least `min_rows` rows to oneDNN on CPU: ONEDNN_MIN_ROWS,
+    or fewer once `set_packing(True)` has given oneDNN the weight prepacked.
+
+    Anything else (few rows, another device or dtype, autograd recording) takes `F.linear`, so the
+    module stays a drop-in `nn.Linear`."""
+
+    # set per module by set_packing (the class is switched in place: no __init__ runs)
+    packs = False
+    min_rows = ONEDNN_MIN_ROWS
+    _pack: torch.Tensor | None = None
+    _pack_of: tuple[int, int] | None = None  # (data pointer, version) of the weight `_pack` was made from
+
+    def set_packing(self, on: bool) -> None:
+        """Prepacked weight (from one row where the weight is large) or the plain one (from ONEDNN_MIN_ROWS)."""
+        self.packs = on
+        large = self.weight.numel() * self.weight.element_size() >= PACK_FEW_ROWS_BYTES
+        self.min_rows = (1 if large else PACKED_MIN_ROWS) if on else ONEDNN_MIN_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (
+            rows < self.min_rows
+            or x.device.type != "cpu"
+            or x.dtype not in _DTYPES
+            or x.dtype != self.weight.dtype
+            or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        ):
+            return F.linear(x, self.weight, self.bias)
+        flat = (x if x.dim() == 2 else x.reshape(rows, x.shape[-1])).contiguous()
+        padded = bucket_rows(rows)
+        if padded != rows:  # rows are independent: the extra ones only make the shape one seen before
+            flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1])))
+        weight = self.packed_weight() if self.packs else self.weight
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(flat, weight, self.bias, "none", [], "")
+        if padded != rows:
+            out = out[:rows]
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+    def packed_weight(self) -> torch.Tensor:
+        """The weight in oneDNN's layout, made again whenever the parameter's storage or values changed."""
+        weight = self.weight
+        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)
+        if self._pack is None or self._pack_of != key:
+            with torch.no_grad():
+                self._pack = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+            self._pack_of = key  # after the pack: a reader that sees the key sees its pack
+        return self._pack
+
+
+def use_onednn_linears(model: nn.Module) -> int:
+    """Switches every plain `nn.Linear` in `model` to `OneDnnLinear` (in place: the class changes, the
+    parameters and the state dict do not). Returns how many were switched; 0 when oneDNN is missing."""
+    if not onednn_available():
+        return 0
+    switched = [module for module in model.modules() if type(module) is nn.Linear]
+    packs = pack_available() and sum(m.weight.numel() * m.weight.element_size() for m in switched) <= PACK_MAX_BYTES
+    for module in switched:
+        module.__class__ = OneDnnLinear
+        typing.cast(OneDnnLinear, module).set_packing(packs)
+    return len(switched)
+
+
+def pack_available() -> bool:
+    """Whether this torch build can reorder a dense weight into oneDNN's layout."""
+    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def warm_onednn_linears(model: nn.Module, max_rows: int, stop: threading.Event | None = None) -> int:
+    """Packs every projection's weight (where packing is on) and builds oneDNN's kernel for every row
+    bucket from the fewest rows oneDNN takes up to `max_rows`, once per distinct projection shape of
+    `model` (the kernels are cached by shape, not by weights), so that no serving step pays for a first
+    call; ends early once `stop` is set. Returns the number of kernel-building calls made."""
+    shapes: dict[tuple[int, int, bool, bool, int], OneDnnLinear] = {}
+    for module in model.modules():
+        if isinstance(module, OneDnnLinear):
+            if module.packs:
+                module.packed_weight()
+            key = (module.in_features, module.out_features, module.bias is not None, module.packs, module.min_rows)
+            shapes.setdefault(key, module)
+    calls = 0
+    with torch.inference_mode():
+        for layer in shapes.values():
+            for rows in sorted({bucket_rows(rows) for rows in range(layer.min_rows, max_rows + 1)}):
+                if stop is not None and stop.is_set():
+                    return calls
+                layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device))
+                calls += 1
+    return calls

@@ -1,0 +1,183 @@
+"""Decode steps under CUDA graphs: one graph per batch-size bucket, captured once at start-up.
+
+A decode step launches a few kernels per layer, each too short to hide its launch cost; replaying a
+captured graph launches them all at once. A graph replays fixed addresses and shapes, so:
+- every input lives in a static buffer sized for the largest bucket; a step copies its inputs into the
+  first rows (one host-to-device copy from pinned memory for the ids, positions and slots, one for the
+  used columns of the page table) and pads the rest of its bucket;
+- a padded row has position -1 (attention reads 0 keys), KV write slot -1 and state slot -1 (the
+  kernels skip it), so it reads and writes nothing in the pools; its logits are dropped;
+- the KV pages and state rows are updated in place by the kernels, exactly as in an eager step;
+- buckets are captured largest first into one shared memory pool, so the graphs' activations cost about
+  one largest-bucket forward (reported as `pool_bytes`).
+Steps a graph cannot run (prefill chunks, all-position logits, more sequences than the largest bucket, a
+context longer than the page table) run eagerly. Only the CUDA backend's kernels honour padded rows, so
+graphs are built only when they are attached. `capture` is injectable: tests pass a stand-in that
+records what would be captured and runs the step eagerly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from gpu_worker.model.context import ForwardContext
+from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.input_builder import PackedInputs
+
+DecodeForward = Callable[[torch.Tensor, ForwardContext], torch.Tensor]  # (input_ids, ctx) -> logits [b, vocab]
+Replay = Callable[[], None]
+
+
+class GraphCapture(Protocol):
+    """Captures `step` (which reads and writes only static buffers) and returns what replays it."""
+
+    def __call__(self, step: Callable[[], None]) -> Replay: ...
+
+
+def bucket_sizes(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 2 to 16, of 4 to 32, of 8 to 64, of 16 to 128, of 32 beyond, capped at
+    `max_batch`.
+
+    A padded row costs nearly a real row's work (its activations, its share of the matmuls), so a batch
+    of more than 8 is padded by less than a quarter; below 8 rows a step costs about its weights read
+    whatever the width. 24 graphs for 256 sequences (capture time and pool memory stay small)."""
+    steps = [*range(10, 17, 2), *range(20, 33, 4), *range(40, 65, 8), *range(80, 129, 16)]
+    sizes = [1, 2, 4, 8, *steps, *range(160, max(max_batch, 160) + 1, 32)]
+    return tuple(sorted({s for s in sizes if s < max_batch} | {max_batch}))
+
+
+def pick_bucket(buckets: tuple[int, ...], num_seqs: int) -> int | None:
+    """The smallest bucket that holds `num_seqs` rows; None when none does."""
+    for size in buckets:
+        if size >= num_seqs:
+            return size
+    return None
+
+
+class CudaGraphCapture:
+    """torch.cuda.CUDAGraph capture into one pool shared by every bucket (capture largest first)."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+    def __call__(self, step: Callable[[], None]) -> Replay:
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
+            step()
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step()
+        self.graphs.append(graph)
+        return graph.replay
+
+
+class DecodeGraphs:
+    """Static buffers, one captured step per bucket, and the copy-in of a decode batch."""
+
+    def __init__(
+        self,
+        forward: DecodeForward,
+        max_batch: int,
+        max_pages_per_seq: int,
+        page_size_tokens: int,
+        device: torch.device,
+        capture: GraphCapture,
+    ) -> None:
+        self.forward, self.capture, self.device = forward, capture, device
+        self.buckets = bucket_sizes(max_batch)
+        self.max_batch, self.max_pages, self.page_size = self.buckets[-1], max_pages_per_seq, page_size_tokens
+        pin = device.type == "cuda"
+        m, w = self.max_batch, max_pages_per_seq
+        # rows of `meta`: input ids, positions, KV write slots, state slots  [4, max_batch] int64
+        self.meta = torch.zeros(4, m, dtype=torch.int64, device=device)
+        self.page_table = torch.zeros(m, w, dtype=torch.int32, device=device)
+        self._table_scratch = torch.zeros(m * w, dtype=torch.int32, device=device)
+        self._meta_host = torch.zeros(4, m, dtype=torch.int64, pin_memory=pin)
+        self._table_host = torch.zeros(m * w, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None  # type: ignore[no-untyped-call]  # staging may be rewritten
+        self._no_mask = torch.zeros(0, dtype=torch.bool, device=device)
+        self._replays: dict[int, Replay] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.pool_bytes = 0
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.max_pages * self.page_size
+
+    def _context(self, bucket: int) -> ForwardContext:
+        ids, pos, write_slots, state_slots = self.meta[:, :bucket]
+        return ForwardContext(
+            positions=pos, kv_write_slots=write_slots, num_decode=bucket, decode_state_slots=state_slots,
+            decode_slot_start=None, kv_page_size_tokens=self.page_size, decode_page_table=self.page_table[:bucket],
+            decode_kv_mask=self._no_mask, prefills=(),
+        )  # fmt: skip
+
+    def _step(self, bucket: int) -> None:
+        self._logits[bucket] = self.forward(self.meta[0, :bucket], self._context(bucket))
+
+    def _pad_from(self, row: int) -> None:
+        """Rows [row, max_batch) become padding: id 0, position -1, slots -1."""
+        self.meta[0, row:] = 0
+        self.meta[1:, row:] = -1
+
+    def capture_all(self) -> int:
+        """Capture every bucket, largest first; returns the bytes the graphs hold (their shared pool)."""
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        self._pad_from(0)  # capture-time runs touch no pool row
+        for bucket in sorted(self.buckets, reverse=True):
+            self._replays[bucket] = self.capture(partial(self._step, bucket))
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            self.pool_bytes = torch.cuda.memory_allocated(self.device) - before
+        return self.pool_bytes
+
+    def can_run(self, batch: Batch) -> bool:
+        """A decode-only batch (one token per sequence) that fits a bucket and the page table."""
+        seqs = batch.sequences
+        return (
+            0 < len(seqs) <= self.max_batch
+            and not batch.return_all_logits
+            and all(len(s.token_ids) == 1 and s.start_pos < self.max_context_tokens for s in seqs)
+        )
+
+    def run(self, packed: PackedInputs) -> torch.Tensor:
+        """Replay the bucket of `packed` (built on CPU, decode rows only); logits [num_decode, vocab] in
+        packed order, valid until the next `run`."""
+        ctx = packed.ctx
+        n = ctx.num_decode
+        bucket = pick_bucket(self.buckets, n)
+        if bucket is None or bucket not in self._replays:
+            raise ValueError(f"no captured graph for {n} sequences (buckets {self.buckets})")
+        table = ctx.decode_page_table
+        width = table.shape[1]
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have left the staging buffers
+        self._meta_host[0, :n] = packed.input_ids
+        self._meta_host[1, :n] = ctx.positions
+        self._meta_host[2, :n] = ctx.kv_write_slots
+        self._meta_host[3, :n] = ctx.decode_state_slots
+        self._meta_host[0, n:bucket] = 0
+        self._meta_host[1:, n:bucket] = -1
+        self._table_host[: n * width].view(n, width).copy_(table)
+        self.meta.copy_(self._meta_host, non_blocking=True)  # whole rows: one contiguous copy (32 B a row)
+        self._table_scratch[: n * width].copy_(self._table_host[: n * width], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self.page_table[:n, :width].copy_(self._table_scratch[: n * width].view(n, width))
+        self._replays[bucket]()
+        return self._logits[bucket][:n]
+
+    def describe(self) -> dict[str, int | str]:
+        return {
+            "cuda_graph_buckets": ",".join(str(b) for b in sorted(self._replays)),
+            "cuda_graph_pool_bytes": self.pool_bytes,
+            "cuda_graph_max_context_tokens": self.max_context_tokens,
+        }

