@@ -12,8 +12,10 @@ from hybridserve.v1 import scheduler_pb2 as pb
 from scheduler_svc.core import (
     MambaCacheMode,
     PlanStats,
+    PrefillShareMode,
     RequestState,
     SchedulerConfig,
+    ShareState,
     Slice,
     StepInput,
     StepPlan,
@@ -36,6 +38,12 @@ def config_from_pb(msg: pb.SchedulerConfig) -> SchedulerConfig:
         raise InvalidArgumentError(
             f"config.mamba_cache_mode = {msg.mamba_cache_mode} is unknown; use NONE (0) or ALIGN (1)"
         ) from None
+    try:
+        share_mode = PrefillShareMode(msg.prefill_share_mode)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"config.prefill_share_mode = {msg.prefill_share_mode} is unknown; use OFF (0), FIXED (1) or AUTO (2)"
+        ) from None
     return SchedulerConfig(
         max_num_batched_tokens=msg.max_num_batched_tokens,
         max_num_seqs=msg.max_num_seqs,
@@ -46,6 +54,14 @@ def config_from_pb(msg: pb.SchedulerConfig) -> SchedulerConfig:
         mamba_cache_mode=mode,
         kv_page_size=msg.kv_page_size,
         stop_at_last_boundary=msg.stop_at_last_boundary,
+        micro_slice_long_prompts_only=msg.micro_slice_long_prompts_only,
+        prefill_share_mode=share_mode,
+        prefill_share=msg.prefill_share,
+        prefill_share_min=msg.prefill_share_min,
+        prefill_share_max=msg.prefill_share_max,
+        prefill_share_deadband=msg.prefill_share_deadband,
+        prefill_share_half_life_s=msg.prefill_share_half_life_s,
+        prefill_share_slew_per_s=msg.prefill_share_slew_per_s,
     )
 
 
@@ -60,7 +76,31 @@ def config_to_pb(config: SchedulerConfig) -> pb.SchedulerConfig:
         mamba_cache_mode=int(config.mamba_cache_mode),  # type: ignore[arg-type]
         kv_page_size=config.kv_page_size,
         stop_at_last_boundary=config.stop_at_last_boundary,
+        micro_slice_long_prompts_only=config.micro_slice_long_prompts_only,
+        prefill_share_mode=int(config.prefill_share_mode),  # type: ignore[arg-type]
+        prefill_share=config.prefill_share,
+        prefill_share_min=config.prefill_share_min,
+        prefill_share_max=config.prefill_share_max,
+        prefill_share_deadband=config.prefill_share_deadband,
+        prefill_share_half_life_s=config.prefill_share_half_life_s,
+        prefill_share_slew_per_s=config.prefill_share_slew_per_s,
     )
+
+
+def share_from_pb(msg: pb.PlanStepRequest) -> ShareState | None:
+    """The request's share accounting, or None when it sent none."""
+    if not msg.HasField("share"):
+        return None
+    s = msg.share
+    return ShareState(s.prefill_service_s, s.decode_service_s, s.target, s.prefill_token_s, s.decode_row_s, s.forward_s)
+
+
+def _fill_share(msg: pb.PlanStepRequest, share: ShareState | None) -> None:
+    if share is not None:
+        msg.share.CopyFrom(pb.ShareState(
+            prefill_service_s=share.prefill_service_s, decode_service_s=share.decode_service_s, target=share.target,
+            prefill_token_s=share.prefill_token_s, decode_row_s=share.decode_row_s, forward_s=share.forward_s,
+        ))  # fmt: skip
 
 
 def state_from_pb(msg: pb.RequestState) -> RequestState:
@@ -134,6 +174,7 @@ def step_from_pb(msg: pb.PlanStepRequest) -> StepInput:
         waiting=waiting,
         step_index=msg.step_index,
         num_free_kv_pages=msg.num_free_kv_pages,
+        share=share_from_pb(msg),
     )
 
 
@@ -141,6 +182,7 @@ def step_to_pb(step: StepInput) -> pb.PlanStepRequest:
     msg = pb.PlanStepRequest(
         config=config_to_pb(step.config), step_index=step.step_index, num_free_kv_pages=step.num_free_kv_pages
     )
+    _fill_share(msg, step.share)
     # In place, as plan_to_pb does: this runs for every request of every step.
     for add, states in ((msg.running.add, step.running), (msg.waiting.add, step.waiting)):
         for r in states:
@@ -179,6 +221,7 @@ def step_to_pb_columns(step: StepInput) -> pb.PlanStepRequest:
     )
     _fill_columns(msg.running_columns, step.running)
     _fill_columns(msg.waiting_columns, step.waiting)
+    _fill_share(msg, step.share)
     return msg
 
 

@@ -21,9 +21,23 @@ CONFIG_FLAGS = {
         " for them to share; else none)"
     ),
     "max_num_prefill_tokens_per_step": Flag(
-        "micro-slicing: in a step with decodes, prompts longer than this share at most this many prefill"
-        " tokens, in quanta; shorter prompts are planned as without it (0 = off)"
+        "micro-slicing: in a step with decodes, the prefills together take at most this many tokens, in"
+        " quanta (0 = off)"
     ),
+    "micro_slice_long_prompts_only": Flag(
+        "micro-slicing caps only prompts longer than its budget; shorter ones take the rest of the step",
+        switch=True,
+    ),
+    "prefill_share_mode": Flag(
+        "the prefill compute share: in a step with decodes, prefill gets a target share of the service time"
+        " (fixed: --prefill-share; auto: steered by the backlog within --prefill-share-min..max); off: none"
+    ),
+    "prefill_share": Flag("fixed: prefill's target share of the service time, 0..1; auto: where it starts"),
+    "prefill_share_min": Flag("auto: the lowest target share"),
+    "prefill_share_max": Flag("auto: the highest target share"),
+    "prefill_share_deadband": Flag("auto: the target stays while the backlog's share is this close to it"),
+    "prefill_share_half_life_s": Flag("half-life of the service times the share is measured on, seconds"),
+    "prefill_share_slew_per_s": Flag("auto: the most the target share moves in a second"),
     "block_size": Flag("checkpoint / prefix-cache grid, tokens"),
     "mamba_block_size": Flag("recurrent block, tokens (divides --block-size)"),
     "mamba_cache_mode": Flag("align: non-final prefill chunks end on the block grid (hybrid models); none: no grid"),

@@ -24,6 +24,7 @@ def plan_request(request: pb.PlanStepRequest) -> StepPlan:
             len(request.waiting_columns.request_id),
             request.step_index,
             request.num_free_kv_pages,
+            convert.share_from_pb(request),
         )
         if plan is not None:
             return plan

@@ -11,11 +11,20 @@ class MambaCacheMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MAMBA_CACHE_MODE_NONE: _ClassVar[MambaCacheMode]
     MAMBA_CACHE_MODE_ALIGN: _ClassVar[MambaCacheMode]
+
+class PrefillShareMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFILL_SHARE_MODE_OFF: _ClassVar[PrefillShareMode]
+    PREFILL_SHARE_MODE_FIXED: _ClassVar[PrefillShareMode]
+    PREFILL_SHARE_MODE_AUTO: _ClassVar[PrefillShareMode]
 MAMBA_CACHE_MODE_NONE: MambaCacheMode
 MAMBA_CACHE_MODE_ALIGN: MambaCacheMode
+PREFILL_SHARE_MODE_OFF: PrefillShareMode
+PREFILL_SHARE_MODE_FIXED: PrefillShareMode
+PREFILL_SHARE_MODE_AUTO: PrefillShareMode
 
 class SchedulerConfig(_message.Message):
-    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_num_prefill_tokens_per_step", "block_size", "mamba_block_size", "mamba_cache_mode", "kv_page_size", "stop_at_last_boundary")
+    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_num_prefill_tokens_per_step", "block_size", "mamba_block_size", "mamba_cache_mode", "kv_page_size", "stop_at_last_boundary", "micro_slice_long_prompts_only", "prefill_share_mode", "prefill_share", "prefill_share_min", "prefill_share_max", "prefill_share_deadband", "prefill_share_half_life_s", "prefill_share_slew_per_s")
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     LONG_PREFILL_TOKEN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +34,14 @@ class SchedulerConfig(_message.Message):
     MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     STOP_AT_LAST_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    MICRO_SLICE_LONG_PROMPTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SHARE_MODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SHARE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SHARE_MIN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SHARE_MAX_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SHARE_DEADBAND_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SHARE_HALF_LIFE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SHARE_SLEW_PER_S_FIELD_NUMBER: _ClassVar[int]
     max_num_batched_tokens: int
     max_num_seqs: int
     long_prefill_token_threshold: int
@@ -34,7 +51,31 @@ class SchedulerConfig(_message.Message):
     mamba_cache_mode: MambaCacheMode
     kv_page_size: int
     stop_at_last_boundary: bool
-    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., max_num_prefill_tokens_per_step: _Optional[int] = ..., block_size: _Optional[int] = ..., mamba_block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., kv_page_size: _Optional[int] = ..., stop_at_last_boundary: _Optional[bool] = ...) -> None: ...
+    micro_slice_long_prompts_only: bool
+    prefill_share_mode: PrefillShareMode
+    prefill_share: float
+    prefill_share_min: float
+    prefill_share_max: float
+    prefill_share_deadband: float
+    prefill_share_half_life_s: float
+    prefill_share_slew_per_s: float
+    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., max_num_prefill_tokens_per_step: _Optional[int] = ..., block_size: _Optional[int] = ..., mamba_block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., kv_page_size: _Optional[int] = ..., stop_at_last_boundary: _Optional[bool] = ..., micro_slice_long_prompts_only: _Optional[bool] = ..., prefill_share_mode: _Optional[_Union[PrefillShareMode, str]] = ..., prefill_share: _Optional[float] = ..., prefill_share_min: _Optional[float] = ..., prefill_share_max: _Optional[float] = ..., prefill_share_deadband: _Optional[float] = ..., prefill_share_half_life_s: _Optional[float] = ..., prefill_share_slew_per_s: _Optional[float] = ...) -> None: ...
+
+class ShareState(_message.Message):
+    __slots__ = ("prefill_service_s", "decode_service_s", "target", "prefill_token_s", "decode_row_s", "forward_s")
+    PREFILL_SERVICE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SERVICE_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ROW_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    prefill_service_s: float
+    decode_service_s: float
+    target: float
+    prefill_token_s: float
+    decode_row_s: float
+    forward_s: float
+    def __init__(self, prefill_service_s: _Optional[float] = ..., decode_service_s: _Optional[float] = ..., target: _Optional[float] = ..., prefill_token_s: _Optional[float] = ..., decode_row_s: _Optional[float] = ..., forward_s: _Optional[float] = ...) -> None: ...
 
 class RequestState(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "max_tokens", "priority", "arrival_time")
@@ -73,7 +114,7 @@ class RequestStateColumns(_message.Message):
     def __init__(self, request_id: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PlanStepRequest(_message.Message):
-    __slots__ = ("config", "running", "waiting", "step_index", "num_free_kv_pages", "running_columns", "waiting_columns")
+    __slots__ = ("config", "running", "waiting", "step_index", "num_free_kv_pages", "running_columns", "waiting_columns", "share")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +122,7 @@ class PlanStepRequest(_message.Message):
     NUM_FREE_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     WAITING_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     config: SchedulerConfig
     running: _containers.RepeatedCompositeFieldContainer[RequestState]
     waiting: _containers.RepeatedCompositeFieldContainer[RequestState]
@@ -88,7 +130,8 @@ class PlanStepRequest(_message.Message):
     num_free_kv_pages: int
     running_columns: RequestStateColumns
     waiting_columns: RequestStateColumns
-    def __init__(self, config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., running: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., step_index: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., running_columns: _Optional[_Union[RequestStateColumns, _Mapping]] = ..., waiting_columns: _Optional[_Union[RequestStateColumns, _Mapping]] = ...) -> None: ...
+    share: ShareState
+    def __init__(self, config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., running: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., step_index: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., running_columns: _Optional[_Union[RequestStateColumns, _Mapping]] = ..., waiting_columns: _Optional[_Union[RequestStateColumns, _Mapping]] = ..., share: _Optional[_Union[ShareState, _Mapping]] = ...) -> None: ...
 
 class Slice(_message.Message):
     __slots__ = ("request_id", "num_tokens", "is_prefill", "ends_on_checkpoint")

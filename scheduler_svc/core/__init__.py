@@ -4,13 +4,16 @@ tests/scheduler/test_layering.py fails if an edge library (grpc, protobuf, torch
 from scheduler_svc.core.config import MambaCacheMode, SchedulerConfig
 from scheduler_svc.core.plan import PlanStats, Slice, StepPlan
 from scheduler_svc.core.planner import plan_step
+from scheduler_svc.core.share import PrefillShareMode, ShareState
 from scheduler_svc.core.state import RequestState, StepInput
 
 __all__ = [
     "MambaCacheMode",
     "PlanStats",
+    "PrefillShareMode",
     "RequestState",
     "SchedulerConfig",
+    "ShareState",
     "Slice",
     "StepInput",
     "StepPlan",

@@ -8,10 +8,12 @@ naming the field, the value and what would be accepted.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from hybridserve.errors import InvalidArgumentError
 from scheduler_svc.core import rules
+from scheduler_svc.core.share import PrefillShareMode
 
 
 class MambaCacheMode(enum.IntEnum):
@@ -27,12 +29,33 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens (prefill + decode) one step may compute
     max_num_seqs: int = 32  # requests one step may run (also the worker's Mamba state slots)
     long_prefill_token_threshold: int = 0  # per-request cap on a prefill chunk, tokens; 0 = none
-    max_num_prefill_tokens_per_step: int = 0  # micro-slicing: cap of long prompts in a mixed step; 0 = off
+    max_num_prefill_tokens_per_step: int = 0  # micro-slicing: prefill tokens of a step with decodes, at most; 0 = off
     block_size: int = 256  # checkpoint / prefix-cache grid, tokens
     mamba_block_size: int = 64  # recurrent block, tokens
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
     kv_page_size: int = 16  # KV capacity unit, tokens
     stop_at_last_boundary: bool = False  # ALIGN: the prompt-finishing chunk stops at its last block boundary
+    # Micro-slicing caps only the prompts longer than its budget; shorter ones take the rest of the
+    # step as plain chunked prefill gives it (off: every prefill token of the step counts)
+    micro_slice_long_prompts_only: bool = False
+    # The prefill compute share (scheduler_svc/core/share.py): prefill's target share of the service
+    # time while both classes are runnable, which sets a mixed step's prefill budget
+    prefill_share_mode: PrefillShareMode = PrefillShareMode.OFF
+    prefill_share: float = 0.5  # FIXED: the target share (0..1); AUTO: where the target starts
+    prefill_share_min: float = 0.2  # AUTO: the lowest target
+    prefill_share_max: float = 0.8  # AUTO: the highest target
+    prefill_share_deadband: float = 0.1  # AUTO: the target stays while the backlog's share is this close
+    prefill_share_half_life_s: float = 2.0  # decay of the service times, seconds
+    prefill_share_slew_per_s: float = 0.05  # AUTO: the most the target moves in a second
+
+    @property
+    def sliced_prompt_threshold(self) -> int:
+        """Prompts longer than this share a mixed step's prefill budget (rules.sliced_prompt_threshold)."""
+        return rules.sliced_prompt_threshold(self.max_num_prefill_tokens_per_step, self.micro_slice_long_prompts_only)
+
+    @property
+    def has_prefill_share(self) -> bool:
+        return self.prefill_share_mode != PrefillShareMode.OFF
 
     @property
     def is_aligned(self) -> bool:
@@ -91,7 +114,29 @@ class SchedulerConfig:
             f"must be a multiple of the prefill quantum {quantum} (lcm of mamba_block_size and block_size"
             f" while chunks must end on the block grid); use {_nearest_multiples(budget, quantum)}",
         )
+        if self.has_prefill_share:
+            self._validate_share()
         return self
+
+    def _validate_share(self) -> None:
+        for name in ("prefill_share", "prefill_share_min", "prefill_share_max", "prefill_share_deadband"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and 0.0 <= value < 1.0, name, value, "must be within [0, 1)")
+        _require(
+            self.prefill_share_min <= self.prefill_share_max,
+            "prefill_share_min",
+            self.prefill_share_min,
+            f"must be <= prefill_share_max ({self.prefill_share_max})",
+        )
+        for name in ("prefill_share_half_life_s", "prefill_share_slew_per_s"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value > 0, name, value, "must be > 0 seconds")
+        _require(
+            not self.micro_slice_long_prompts_only,
+            "micro_slice_long_prompts_only",
+            self.micro_slice_long_prompts_only,
+            "must be off with a prefill share: the share counts every prefill token of a step",
+        )
 
     def warnings(self) -> list[str]:
         """Valid but probably unintended settings, one sentence each."""
@@ -110,7 +155,7 @@ class SchedulerConfig:
         return found
 
 
-def _require(ok: bool, field: str, value: int, why: str) -> None:
+def _require(ok: bool, field: str, value: object, why: str) -> None:
     if not ok:
         raise InvalidArgumentError(f"config.{field} = {value} {why}")
 

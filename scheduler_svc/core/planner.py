@@ -5,22 +5,26 @@ Algorithm (docs/design.md, Planning rules):
    while the token and sequence budgets last. A decode that needs a KV page when none is free
    preempts the lowest-priority, latest-arrived running request (itself last) until the page fits.
    Prefills never take a page or a token from a running decode.
-2. The prefill budget is what the decodes left. In a step that carries decodes with micro-slicing
-   on (the step is "micro-sliced"), the prefills of prompts longer than
-   max_num_prefill_tokens_per_step (rules.is_sliced_prompt) share at most that many tokens; the
-   prompts that fit in it are planned as plain chunked prefill plans them. Short prompts are not
-   what stalls a decode; a long prompt's big chunks are.
+2. The prefill budget is what the decodes left. In a step that carries decodes, the prefills share
+   a mixed-step cap (mixed_prefill_cap): max_num_prefill_tokens_per_step with micro-slicing on (the
+   step is "micro-sliced"), the compute share's budget with a share mode on (core/share.py), or the
+   smaller of the two. Every prefill of the step shares it: the step time the decodes wait on is
+   every prefill token's. With micro_slice_long_prompts_only, only the prompts longer than the
+   micro budget share it (rules.sliced_prompt_threshold), and the ones that fit in it are planned as
+   plain chunked prefill plans them.
 3. Micro-sliced: the sliced prompts' budget is split among their running prefills in whole quanta
    (rules.split_quanta); each share is capped by the prompt left, the long-prefill threshold and the
    free pages, then aligned (rules.align_chunk). Budget a share could not use is offered again, in
-   quanta, in rotation order (work conserving). Then the other running prefills take what is left
-   of the step's budget first come first served, as plain chunked prefill does.
+   quanta, in rotation order (work conserving). Then any other running prefills (long-prompts-only
+   mode) take what is left of the step's budget first come first served, as plain chunked prefill
+   does.
 4. Waiting requests are admitted in queue order with what is left (a sliced prompt in whole quanta
    of the sliced budget left), within max_num_seqs, and not in a step that preempted.
 5. Stall breaker: if running prefills are pending and none could start for lack of pages that other
    running prefills hold, the latest of those is preempted and the prefills are planned again.
 
-With micro-slicing on and no prompt longer than its budget, every plan is plain chunked prefill's.
+In long-prompts-only mode with no prompt longer than the budget, every plan is plain chunked
+prefill's.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from operator import attrgetter
 from scheduler_svc.core import rules
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.plan import PlanStats, Slice, StepPlan
+from scheduler_svc.core.share import mixed_prefill_cap
 from scheduler_svc.core.state import RequestState, StepInput
 from scheduler_svc.core.validation import validate_step
 
@@ -73,19 +78,20 @@ def plan_step(step: StepInput) -> StepPlan:
     decodes = _schedule_decodes(running, config, ledger, preempted)
     micro_sliced = bool(decodes) and config.max_num_prefill_tokens_per_step > 0
     budget = ledger.tokens_left
-    micro_cap = config.max_num_prefill_tokens_per_step if micro_sliced else 0
+    cap = mixed_prefill_cap(config, step.share, len(decodes))
+    threshold = config.sliced_prompt_threshold
     preempted_ids = {r.request_id for r in preempted}
     prefills_running = [  # r.is_prefill, inlined: this runs over every running request every step
         r for r in running if r.num_computed_tokens < r.num_prompt_tokens and r.request_id not in preempted_ids
     ]
-    sliced_only = micro_cap > 0 and all(  # every pending prompt shares the micro budget
-        rules.is_sliced_prompt(r.num_prompt_tokens, micro_cap) for r in chain(prefills_running, step.waiting)
+    sliced_only = cap is not None and all(  # every pending prompt shares the mixed budget
+        r.num_prompt_tokens > threshold for r in chain(prefills_running, step.waiting)
     )
     unit = rules.progress_unit(quantum, sliced_only, config.sub_block_exception)
     while True:
         trial = replace(ledger)
         waiting = [] if preempted else sorted(step.waiting, key=_QUEUE_ORDER)
-        prefills = _schedule_prefills(prefills_running, waiting, config, trial, budget, micro_cap, step.step_index)
+        prefills = _schedule_prefills(prefills_running, waiting, config, trial, budget, cap, step.step_index)
         if prefills or not _is_stuck_on_pages(prefills_running, config, trial, budget, unit):
             break
         victim = prefills_running.pop()  # lowest priority, latest arrival
@@ -102,7 +108,7 @@ def plan_step(step: StepInput) -> StepPlan:
             prefills,
             prefills_running,
             step,
-            budget,
+            budget if cap is None or threshold else min(budget, cap),
             micro_sliced,
             unit,
             _has_place(prefills_running, step.waiting, trial, preempted),
@@ -156,20 +162,22 @@ def _schedule_prefills(
     config: SchedulerConfig,
     ledger: _Ledger,
     budget: int,
-    micro_cap: int,
+    cap: int | None,
     step_index: int,
 ) -> list[_Grant]:
     """Grants of running prefills, then admissions of waiting requests, within `budget` tokens.
-    micro_cap > 0 (a micro-sliced step): the prompts longer than micro_cap share at most micro_cap
-    of those tokens, split in quanta; the others are planned as without micro-slicing."""
+    With a mixed-step cap (mixed_prefill_cap), the sliced prompts (every prompt, or in
+    long-prompts-only mode those longer than the micro budget) share at most `cap` of those tokens,
+    split in quanta; any others are planned as plain chunked prefill plans them."""
     grants = [_Grant(r) for r in running]
     quantum = config.quantum
-    sliced_left = min(budget, micro_cap)  # what the sliced prompts may still take
+    threshold = config.sliced_prompt_threshold
+    sliced_left = budget if cap is None else min(budget, cap)  # what the sliced prompts may still take
     plain = grants
-    if micro_cap:
-        sliced = [g for g in grants if rules.is_sliced_prompt(g.request.num_prompt_tokens, micro_cap)]
+    if cap is not None:
+        sliced = [g for g in grants if g.request.num_prompt_tokens > threshold]
         if sliced:
-            plain = [g for g in grants if not rules.is_sliced_prompt(g.request.num_prompt_tokens, micro_cap)]
+            plain = [g for g in grants if g.request.num_prompt_tokens <= threshold]
             took = _share_in_quanta(sliced, sliced_left, quantum, config, ledger, step_index)
             budget -= took
             sliced_left -= took
@@ -178,7 +186,7 @@ def _schedule_prefills(
     for request in waiting:
         if budget <= 0 or ledger.seats_left <= 0:
             break
-        is_sliced = micro_cap > 0 and rules.is_sliced_prompt(request.num_prompt_tokens, micro_cap)
+        is_sliced = cap is not None and request.num_prompt_tokens > threshold
         unit = quantum if is_sliced else 1
         offer = (min(budget, sliced_left) if is_sliced else budget) // unit * unit
         grant = _Grant(request)

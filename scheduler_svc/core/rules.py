@@ -92,17 +92,20 @@ def smallest_useful_chunk(
 def progress_unit(quantum: int, sliced_only: bool, sub_block_exception: bool) -> int:
     """The least prefill budget with which a step must advance some prefill (guarantee 3): one
     quantum, except that plain chunked prefill under the sub-block exception advances with any
-    budget. sliced_only: the step is micro-sliced and every pending prompt is longer than the micro
-    budget (rules.is_sliced_prompt), so each advances only in quanta."""
+    budget. sliced_only: every pending prompt shares the step's mixed prefill budget
+    (sliced_prompt_threshold), so each advances only in quanta."""
     return 1 if sub_block_exception and not sliced_only else quantum
 
 
-def is_sliced_prompt(num_prompt_tokens: int, max_num_prefill_tokens_per_step: int) -> bool:
-    """Whether micro-slicing caps this prompt's prefill in a step that carries decodes: a prompt
-    longer than the micro-slicing budget. A prompt that fits in it is planned as plain chunked
-    prefill plans it (its one chunk is not what stalls a decode); a long prompt's work shares the
-    budget, split in quanta."""
-    return 0 < max_num_prefill_tokens_per_step < num_prompt_tokens
+def sliced_prompt_threshold(max_num_prefill_tokens_per_step: int, long_prompts_only: bool) -> int:
+    """The prompt length above which a prompt shares a mixed step's prefill budget (micro-slicing's,
+    the compute share's, or the smaller of the two), split in quanta. The budget bounds the step
+    time the decodes wait on, and that time is every prefill token of the step, so by default the
+    threshold is 0: every prompt shares it. With long_prompts_only
+    (SchedulerConfig.micro_slice_long_prompts_only) it is the micro budget: a prompt that fits in it
+    is planned as plain chunked prefill plans it (its one chunk is not what stalls a decode, a long
+    prompt's big chunks are), and a step may then carry more prefill tokens than the budget."""
+    return max_num_prefill_tokens_per_step if long_prompts_only else 0
 
 
 def pages_for_tokens(num_tokens: int, kv_page_size: int) -> int:

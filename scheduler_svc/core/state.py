@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.share import ShareState
 
 
 class RequestState(NamedTuple):
@@ -44,3 +45,4 @@ class StepInput:
     waiting: tuple[RequestState, ...]  # not admitted yet, any order
     step_index: int  # engine step counter; rotates micro-slice remainders
     num_free_kv_pages: int  # pages free in the worker's pool now
+    share: ShareState | None = None  # the prefill compute share's accounting (config.prefill_share_mode on)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.plan import PlanStats, Slice, StepPlan
+from scheduler_svc.core.share import ShareState, mixed_prefill_cap
 
 
 class StateColumns(NamedTuple):
@@ -36,7 +37,12 @@ class StateColumns(NamedTuple):
 
 
 def plan_steady_decodes(
-    config: SchedulerConfig, running: StateColumns, num_waiting: int, step_index: int, num_free_kv_pages: int
+    config: SchedulerConfig,
+    running: StateColumns,
+    num_waiting: int,
+    step_index: int,
+    num_free_kv_pages: int,
+    share: ShareState | None = None,
 ) -> StepPlan | None:
     """plan_step's plan when the step is a steady decode step and the input is valid; else None."""
     quantum = config.validate().quantum  # raises on an invalid config, as plan_step does first
@@ -44,6 +50,8 @@ def plan_steady_decodes(
     n = len(ids)
     if n == 0 or num_waiting or step_index < 0 or num_free_kv_pages < 0:
         return None
+    if share is not None:
+        share.validate()  # raises as plan_step would, whose next check it is
     if n > config.max_num_seqs or n > config.max_num_batched_tokens:
         return None  # not every decode fits the step: plan_step picks which (or rejects the input)
     computed = running.num_computed_tokens
@@ -63,7 +71,10 @@ def plan_steady_decodes(
     # Slice(id, 1, False, ends) per decode, through tuple.__new__ (see planner._to_slices).
     slices = tuple(map(tuple.__new__, repeat(Slice), zip(ids, repeat(1), repeat(False), ends)))
     micro_sliced = config.max_num_prefill_tokens_per_step > 0
-    budget = config.max_num_batched_tokens - n  # the micro budget caps only long prompts' share of it
+    budget = config.max_num_batched_tokens - n
+    cap = mixed_prefill_cap(config, share, n)
+    if cap is not None and not config.sliced_prompt_threshold:  # the cap bounds every prefill
+        budget = min(budget, cap)
     stats = PlanStats(
         num_decode_tokens=n,
         num_prefill_tokens=0,

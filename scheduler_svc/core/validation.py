@@ -15,6 +15,8 @@ def validate_step(step: StepInput) -> None:
         raise InvalidArgumentError(f"step_index = {step.step_index} must be >= 0")
     if step.num_free_kv_pages < 0:
         raise InvalidArgumentError(f"num_free_kv_pages = {step.num_free_kv_pages} must be >= 0")
+    if step.share is not None:
+        step.share.validate()
     if len(step.running) > config.max_num_seqs:
         raise InvalidArgumentError(
             f"{len(step.running)} running requests exceed config.max_num_seqs = {config.max_num_seqs}"

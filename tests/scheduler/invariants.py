@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler_svc.core import RequestState, Slice, StepInput, StepPlan, rules
+from scheduler_svc.core.share import mixed_prefill_cap
 
 
 def smallest_useful_chunk(r: RequestState, step: StepInput) -> int:
@@ -33,6 +34,7 @@ class Facts:
     admitted: list[str]
     kept: list[RequestState]  # running and not preempted
     micro: bool  # the step was micro-sliced
+    cap: int | None  # the mixed-step prefill cap (micro-slicing's, the compute share's); None: none
     freed_pages: int  # by preemption
     pages: int  # taken by the plan
 
@@ -41,8 +43,12 @@ class Facts:
         return self.step.num_free_kv_pages + self.freed_pages - self.pages
 
     def is_sliced(self, r: RequestState) -> bool:
-        """A prompt longer than the micro budget, in a micro-sliced step."""
-        return self.micro and r.num_prompt_tokens > self.step.config.max_num_prefill_tokens_per_step
+        """A prompt that shares the mixed-step cap, in a step with one: every prompt, or with
+        micro_slice_long_prompts_only a prompt longer than the micro budget."""
+        cfg = self.step.config
+        return self.cap is not None and (
+            not cfg.micro_slice_long_prompts_only or r.num_prompt_tokens > cfg.max_num_prefill_tokens_per_step
+        )
 
     @property
     def sliced_prefill_tokens(self) -> int:
@@ -78,6 +84,7 @@ def facts_of(step: StepInput, plan: StepPlan) -> Facts:
         admitted=[rid for rid in slices if rid not in running_ids],
         kept=[r for r in step.running if r.request_id not in preempted],
         micro=decode_tokens > 0 and cfg.max_num_prefill_tokens_per_step > 0,
+        cap=mixed_prefill_cap(cfg, step.share, sum(1 for s in plan.slices if not s.is_prefill)),
         freed_pages=sum(rules.pages_for_tokens(by_id[rid].num_computed_tokens, cfg.kv_page_size) for rid in preempted),
         pages=sum(
             rules.new_pages_needed(by_id[rid].num_computed_tokens, s.num_tokens, cfg.kv_page_size)
@@ -125,8 +132,15 @@ def check_limits(f: Facts) -> None:
     assert len(f.plan.slices) <= cfg.max_num_seqs
     assert len(f.running_ids) - len(f.preempted) + len(f.admitted) <= cfg.max_num_seqs
     assert f.plan.stats.micro_sliced == f.micro
-    if f.micro:  # the prompts longer than the micro budget share it; the others are not capped by it
+    if f.micro and not cfg.micro_slice_long_prompts_only:  # every prefill token of the step counts
+        assert f.prefill_tokens <= cfg.max_num_prefill_tokens_per_step
+    if f.micro:  # long-prompts-only: the prompts longer than the budget share it, the others are not capped
         assert f.sliced_prefill_tokens <= cfg.max_num_prefill_tokens_per_step
+    if f.cap is not None:  # the compute share's budget too, where it is on
+        assert f.sliced_prefill_tokens <= f.cap
+    left_after_decodes = cfg.max_num_batched_tokens - f.decode_tokens
+    whole = f.cap is None or cfg.sliced_prompt_threshold > 0  # no cap, or one that caps only long prompts
+    assert f.plan.stats.prefill_budget_tokens == (left_after_decodes if whole else min(left_after_decodes, f.cap))
     assert f.pages == f.plan.stats.num_kv_pages_allocated
     assert f.pages <= f.step.num_free_kv_pages + f.freed_pages
 
@@ -194,7 +208,7 @@ def check_work_conserving(f: Facts) -> None:
     at its prompt end, threshold, or alignment cap)."""
     cfg = f.step.config
     leftover = f.plan.stats.prefill_budget_tokens - f.prefill_tokens
-    sliced_leftover = min(leftover, cfg.max_num_prefill_tokens_per_step - f.sliced_prefill_tokens)
+    sliced_leftover = leftover if f.cap is None else min(leftover, f.cap - f.sliced_prefill_tokens)
     if leftover < 1 or len(f.plan.slices) >= cfg.max_num_seqs:
         return
     pages_left, seats_left = f.pages_left, f.seats_left

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from scheduler_svc.core import MambaCacheMode, RequestState, SchedulerConfig, StepInput
+from scheduler_svc.core import MambaCacheMode, PrefillShareMode, RequestState, SchedulerConfig, ShareState, StepInput
 
 
 @st.composite
@@ -24,11 +24,27 @@ def configs(draw: st.DrawFn, max_block: int = 512) -> SchedulerConfig:
         mamba_cache_mode=mode,
         kv_page_size=page,
         stop_at_last_boundary=draw(st.booleans()),
+        micro_slice_long_prompts_only=draw(st.booleans()),
     )
     micro = draw(st.one_of(st.just(0), st.integers(1, 6).map(lambda k: k * base.quantum)))
     from dataclasses import replace
 
+    share_mode = draw(st.sampled_from(list(PrefillShareMode)))
+    if share_mode != PrefillShareMode.OFF:  # the share counts every prefill token
+        base = replace(base, prefill_share_mode=share_mode, micro_slice_long_prompts_only=False,
+                       prefill_share=draw(st.floats(0.0, 0.95)))  # fmt: skip
     return replace(base, max_num_prefill_tokens_per_step=micro).validate()
+
+
+@st.composite
+def share_states(draw: st.DrawFn) -> ShareState:
+    """Accounting as a worker sends it: any decayed service times, target and cost model."""
+    seconds = st.floats(0.0, 30.0)
+    return ShareState(
+        prefill_service_s=draw(seconds), decode_service_s=draw(seconds), target=draw(st.floats(0.0, 0.95)),
+        prefill_token_s=draw(st.floats(1e-6, 1e-2)), decode_row_s=draw(st.floats(0.0, 1e-2)),
+        forward_s=draw(st.floats(0.0, 5e-2)),
+    )  # fmt: skip
 
 
 @st.composite
@@ -57,4 +73,5 @@ def step_inputs(draw: st.DrawFn) -> StepInput:
         waiting=tuple(waiting),
         step_index=draw(st.integers(0, 10_000)),
         num_free_kv_pages=draw(st.one_of(st.integers(0, 64), st.integers(0, 5000))),
+        share=draw(share_states()) if config.has_prefill_share and draw(st.booleans()) else None,
     )

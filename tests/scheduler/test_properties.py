@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc import convert
-from scheduler_svc.core import RequestState, StepInput, plan_step
+from scheduler_svc.core import PrefillShareMode, RequestState, StepInput, plan_step
 from tests.scheduler.invariants import check_plan
 from tests.scheduler.simulator import Simulation
 from tests.scheduler.strategies import configs, step_inputs
@@ -40,8 +40,9 @@ def test_fairness_each_prefill_advances_within_ceil_p_over_k_steps(config, num_p
     """Guarantee 4: with P pending prefills and k quanta per step, each prefill advances within
     ceil(P/k) steps (stable set, ample capacity, micro-slicing on)."""
     config = replace(
-        config, long_prefill_token_threshold=0, max_num_prefill_tokens_per_step=0, max_num_batched_tokens=10**6
-    )
+        config, long_prefill_token_threshold=0, max_num_prefill_tokens_per_step=0, max_num_batched_tokens=10**6,
+        prefill_share_mode=PrefillShareMode.OFF,
+    )  # fmt: skip
     micro = k * config.quantum
     config = replace(
         config,

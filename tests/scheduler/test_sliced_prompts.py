@@ -1,5 +1,7 @@
-"""Micro-slicing caps the prompts longer than its budget (rules.is_sliced_prompt); the prompts that
-fit in it are planned as plain chunked prefill plans them."""
+"""Micro-slicing in its long-prompts-only mode (SchedulerConfig.micro_slice_long_prompts_only) caps
+the prompts longer than its budget (rules.sliced_prompt_threshold); the prompts that fit in it are planned
+as plain chunked prefill plans them. By default every prefill token counts
+(tests/scheduler/test_micro_budget.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,14 @@ from dataclasses import replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.core import StepInput, plan_step, rules
+from scheduler_svc.core import PrefillShareMode, StepInput, plan_step, rules
 from tests.scheduler.helpers import config, decode, prefill, step
 from tests.scheduler.invariants import check_plan
 from tests.scheduler.strategies import step_inputs
 
 # 2048-token steps, 512-token micro budget, 256-token grid (quantum 256): the convoy's profile.
 CONVOY = config(max_num_batched_tokens=2048, max_num_seqs=32, max_num_prefill_tokens_per_step=512,
-                block_size=256, mamba_block_size=64)  # fmt: skip
+                block_size=256, mamba_block_size=64, micro_slice_long_prompts_only=True)  # fmt: skip
 
 
 def prefills_of(s: StepInput) -> dict[str, int]:
@@ -24,9 +26,10 @@ def prefills_of(s: StepInput) -> dict[str, int]:
     return {sl.request_id: sl.num_tokens for sl in plan.slices if sl.is_prefill}
 
 
-def test_is_sliced_prompt_is_longer_than_the_budget_and_off_at_zero() -> None:
-    assert rules.is_sliced_prompt(513, 512) and not rules.is_sliced_prompt(512, 512)
-    assert not rules.is_sliced_prompt(10**6, 0)
+def test_the_sliced_prompts_are_those_longer_than_the_budget_and_by_default_all() -> None:
+    assert rules.sliced_prompt_threshold(512, True) == 512  # a 513-token prompt shares it, a 512 one does not
+    assert rules.sliced_prompt_threshold(512, False) == 0  # by default every prompt shares the budget
+    assert CONVOY.sliced_prompt_threshold == 512
 
 
 def test_short_prompts_take_the_step_budget_while_a_long_one_is_sliced() -> None:
@@ -67,10 +70,11 @@ def test_a_waiting_long_prompt_is_admitted_within_the_budget_left_and_short_ones
 def test_with_no_prompt_above_the_budget_plans_are_plain_chunked_prefills(step_input: StepInput, extra: int) -> None:
     """The chat workload's case: every prompt fits in the micro budget, so turning micro-slicing on
     changes nothing but the step's micro_sliced flag."""
-    cfg = step_input.config
+    cfg = replace(step_input.config, prefill_share_mode=PrefillShareMode.OFF)  # micro-slicing alone
+    step_input = replace(step_input, config=cfg, share=None)
     longest = max((r.num_prompt_tokens for r in step_input.running + step_input.waiting), default=1)
     budget = (-(-longest // cfg.quantum) + extra) * cfg.quantum  # a multiple of the quantum >= every prompt
-    sliced_cfg = replace(cfg, max_num_prefill_tokens_per_step=budget).validate()
+    sliced_cfg = replace(cfg, max_num_prefill_tokens_per_step=budget, micro_slice_long_prompts_only=True).validate()
     plain = plan_step(replace(step_input, config=replace(cfg, max_num_prefill_tokens_per_step=0)))
     sliced_input = replace(step_input, config=sliced_cfg)
     sliced = plan_step(sliced_input)

@@ -29,7 +29,7 @@ def columns_of(states: tuple[RequestState, ...]) -> StateColumns:
 
 def steady(step: StepInput):  # type: ignore[no-untyped-def]
     return plan_steady_decodes(
-        step.config, columns_of(step.running), len(step.waiting), step.step_index, step.num_free_kv_pages
+        step.config, columns_of(step.running), len(step.waiting), step.step_index, step.num_free_kv_pages, step.share
     )
 
 
