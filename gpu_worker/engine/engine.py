@@ -29,7 +29,7 @@ from gpu_worker.engine.allocator import Allocator
 from gpu_worker.engine.door import Door
 from gpu_worker.engine.observer import EngineObserver, finished_record, queued_record, served_slices
 from gpu_worker.engine.output import Ending, OutputProcessor
-from gpu_worker.engine.planning import PlanFn, Planned, Planning, Remedy, stall_remedy
+from gpu_worker.engine.planning import PlanFn, Planned, Planning, Remedy, ShareAccountant, stall_remedy
 from gpu_worker.engine.prepare import PreparedStep, preempt, prepare_step
 from gpu_worker.engine.records import EngineCounters, FirstToken, Occupancy, StepRecord
 from gpu_worker.engine.request import FinishReason, Request
@@ -65,6 +65,7 @@ class Engine:
         self.runner = runner
         self.settings = settings
         self.counters = EngineCounters()
+        self.share = ShareAccountant(settings.scheduler)  # the prefill compute share's accounting
         self.observer = observer or EngineObserver()
         self.prefix = prefix or NoPrefixCache()
         self.table = RequestTable()
@@ -233,6 +234,7 @@ class Engine:
             waiting=waiting,
             step_index=self.step_index,
             num_free_kv_pages=self.allocator.num_free_pages(self._most_pages_per_step),
+            share=self.share.state,
         )
 
     # ---- 2. prepare ------------------------------------------------------------------------------
@@ -321,6 +323,8 @@ class Engine:
             occupancy=self._occupancy(),
         )
         self.counters.add_step(record)
+        self.share.step_finished(record.step_input, record.plan, record.num_prefill_tokens, record.num_decode_tokens,
+                                 record.wall_s - waited_s, now)  # fmt: skip
         self.observer.step_finished(record)
 
     # ---- between steps ---------------------------------------------------------------------------

@@ -18,10 +18,12 @@ import enum
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpu_worker.engine.request import Request
-from scheduler_svc.core import StepInput, StepPlan
+from gpu_worker.runner.step_split import DECODE_ROW_TOKENS, FORWARD_FIXED_TOKENS
+from scheduler_svc.core import SchedulerConfig, ShareState, StepInput, StepPlan
+from scheduler_svc.core.share import StepCost, next_share
 
 PlanFn = Callable[[StepInput], StepPlan]
 
@@ -100,3 +102,36 @@ def stall_remedy(waiting: list[Request], running: list[Request]) -> StallRemedy:
     if running:
         return StallRemedy(Remedy.PREEMPT, max(running, key=_queue_key).request_id)
     return StallRemedy(Remedy.FAIL, min(waiting, key=_queue_key).request_id)
+
+
+class ShareAccountant:
+    """The prefill compute share's accounting (scheduler_svc/core/share.py), kept by the engine thread
+    and sent with every step input (`state`; None with no share mode). After each step it learns the
+    step-time cost model (seconds per cost unit, a unit being a prefill token and a decode row
+    DECODE_ROW_TOKENS of them, a forward FORWARD_FIXED_TOKENS: the model processes' split uses the same),
+    then advances the decayed service times and the target. The step's service time is its wall time
+    less the wait for the plan."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.state = ShareState(target=config.prefill_share) if config.has_prefill_share else None
+        self._seconds_per_unit: float | None = None  # learned, a fifth of the way each step
+        self._last_time_s: float | None = None  # monotonic seconds of the last update
+
+    def step_finished(self, step_input: StepInput | None, plan: StepPlan, prefill_tokens: int, decode_rows: int,
+                      service_s: float, end_time_s: float) -> None:  # fmt: skip
+        if self.state is None or step_input is None:
+            return
+        units = (FORWARD_FIXED_TOKENS + DECODE_ROW_TOKENS * decode_rows + prefill_tokens) if (
+            prefill_tokens or decode_rows) else 0.0  # fmt: skip
+        state = self.state
+        if units and service_s > 0:
+            seen = service_s / units
+            spu = seen if self._seconds_per_unit is None else 0.8 * self._seconds_per_unit + 0.2 * seen
+            self._seconds_per_unit = spu
+            state = replace(state, prefill_token_s=spu, decode_row_s=spu * DECODE_ROW_TOKENS,
+                            forward_s=spu * FORWARD_FIXED_TOKENS)  # fmt: skip
+        elapsed_s = end_time_s - self._last_time_s if self._last_time_s is not None else service_s
+        self._last_time_s = end_time_s
+        cost = StepCost(service_s, prefill_tokens, decode_rows, plan.stats.num_pending_prefills > 0, decode_rows > 0)
+        self.state = next_share(state, self.config, step_input, cost, elapsed_s)

@@ -207,6 +207,9 @@ def step_attributes(record: StepRecord) -> Attributes:
         attrs[PREFIX + "num_running"] = len(step_input.running)
         attrs[PREFIX + "num_waiting"] = len(step_input.waiting)
         attrs[PREFIX + "num_free_kv_pages"] = step_input.num_free_kv_pages
+        if step_input.share is not None:  # the prefill compute share this step was planned with
+            attrs[PREFIX + "prefill_share"] = step_input.share.share
+            attrs[PREFIX + "prefill_share_target"] = step_input.share.target
     return attrs
 
 

@@ -46,6 +46,8 @@ def step_event(step: StepView) -> dict[str, Any]:
             "prefill_tokens": step.num_prefill_tokens,
             "budget_tokens": step.budget_tokens,
             "prefill_budget_tokens": step.prefill_budget_tokens,
+            "prefill_share": step.prefill_share,
+            "prefill_share_target": step.prefill_share_target,
             "quantum": step.quantum,
             "stalled": step.stalled,
             "micro_sliced": step.micro_sliced,

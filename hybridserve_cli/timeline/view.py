@@ -36,6 +36,8 @@ class StepView:
     budget_tokens: int  # max_num_batched_tokens
     prefill_budget_tokens: int  # what prefills could use after decodes
     micro_budget_tokens: int  # max_num_prefill_tokens_per_step (0 = off)
+    prefill_share: float  # prefill's share of the service time the step was planned with; -1: no share mode
+    prefill_share_target: float  # the share it was steered to; -1: no share mode
     block_size: int  # the checkpoint grid, tokens
     quantum: int  # micro-slicing unit, tokens
     stalled: bool  # prefills pending, budget >= one quantum, none scheduled
@@ -250,6 +252,7 @@ def step_view(
     preempted: list[str],
 ) -> StepView:
     config, stats = record.step_input.config, record.plan.stats
+    share = record.step_input.share if config.has_prefill_share else None
     named = {s.request_id for s in record.plan.slices} | set(record.plan.preempted_request_ids)
     return StepView(
         position=k,
@@ -261,6 +264,8 @@ def step_view(
         budget_tokens=config.max_num_batched_tokens,
         prefill_budget_tokens=stats.prefill_budget_tokens,
         micro_budget_tokens=config.max_num_prefill_tokens_per_step,
+        prefill_share=share.share if share is not None else -1.0,
+        prefill_share_target=share.target if share is not None else -1.0,
         block_size=config.block_size,
         quantum=record.plan.quantum,
         stalled=stats.stalled,
