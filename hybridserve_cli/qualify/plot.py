@@ -1,8 +1,10 @@
-"""`qualify --plot DIR`: PNG charts of the two profiles (matplotlib, the `plot` extra).
+"""`qualify --plot DIR`: PNG charts of the profiles (matplotlib, the `plot` extra).
 
 ttft.png          TTFT distribution (CDF) per profile and client count
 itl.png           inter-token gap distribution (CDF, log x) of the chat requests
 tokens_per_step.png  prefill and decode tokens per step over time (from the workers' step records)
+pareto.png        each profile's aggregate tok/s against the chats' p99 inter-token gap and their
+                  median decode tok/s, a panel a client count, the Pareto front marked
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hybridserve.v1 import scheduler_pb2
-from hybridserve_cli.qualify.gates import RequestTrace
+from hybridserve_cli.qualify.gates import Measurement, RequestTrace
+from hybridserve_cli.qualify.pareto import pareto
 
 Traces = dict[str, dict[int, list[RequestTrace]]]  # profile -> clients -> traces
 
@@ -54,8 +58,11 @@ def step_series(path: Path) -> tuple[list[float], list[int], list[int]]:
     return [t - origin for t in times], prefill, decode
 
 
-def write_plots(folder: Path, traces: Traces, records: Path) -> list[Path]:
-    """Writes the charts; returns their paths. `records` holds PROFILE-steps.jsonl when recorded."""
+def write_plots(
+    folder: Path, traces: Traces, records: Path, measured: dict[int, dict[str, Measurement]] | None = None
+) -> list[Path]:
+    """Writes the charts; returns their paths. `records` holds PROFILE-steps.jsonl when recorded;
+    `measured` (clients -> profile -> the medians) draws pareto.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +101,40 @@ def write_plots(folder: Path, traces: Traces, records: Path) -> list[Path]:
     fig.savefig(folder / "tokens_per_step.png", dpi=110)
     plt.close(fig)
     written.append(folder / "tokens_per_step.png")
+    if measured:
+        written.append(_pareto_plot(plt, folder, measured))
     for profile in traces:
         if (records / f"{profile}-steps.jsonl").exists():
             written.append(Path(shutil.copy(records / f"{profile}-steps.jsonl", folder / f"{profile}-steps.jsonl")))
     return written
+
+
+def _itl_p99(m: Measurement) -> float:
+    return m.itl_p99_s
+
+
+def _median_decode(m: Measurement) -> float:
+    return m.median_decode_tokens_per_s
+
+
+def _pareto_plot(plt: Any, folder: Path, measured: dict[int, dict[str, Measurement]]) -> Path:
+    fig, axes = plt.subplots(2, len(measured), figsize=(4.5 * len(measured), 7), squeeze=False)
+    for col, (clients, by_profile) in enumerate(sorted(measured.items())):
+        front = set(pareto(by_profile).front)
+        for row, (label, get) in enumerate((
+            ("chat ITL p99 (s)", _itl_p99),
+            ("median decode tok/s", _median_decode),
+        )):  # fmt: skip
+            ax = axes[row, col]
+            for name, m in by_profile.items():
+                ax.plot(m.output_tokens_per_s, get(m), "o" if name in front else "x")
+                ax.annotate(name, (m.output_tokens_per_s, get(m)), fontsize=8)
+            ax.set_xlabel("aggregate output tok/s")
+            ax.set_ylabel(label)
+            ax.set_title(f"{clients} clients (o: Pareto front)")
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = folder / "pareto.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

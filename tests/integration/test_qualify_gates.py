@@ -155,14 +155,17 @@ def test_the_report_of_several_rounds_shows_each_rounds_ratios_under_the_medians
               {"baseline": asdict(BASE), "candidate": asdict(fast)},
               {"baseline": asdict(BASE), "candidate": asdict(BASE)}]  # fmt: skip
     summary = median_measurement([slow, fast, BASE])
-    result = {"runs": [{"clients": 16, "baseline": asdict(BASE), "candidate": asdict(summary), "rounds": rounds}]}
+    result = {"runs": [{"clients": 16, "baseline": asdict(BASE), "candidate": asdict(summary), "rounds": rounds}],
+              "passing": ["candidate"]}  # fmt: skip
     text = report_text(QualifySettings(rounds=3, baseline="--a", candidate="--b"), result)
     lines = text.splitlines()
     assert lines[1] == "3 rounds a client count, who goes first alternating; figures: each profile's median"
     assert format_report([(BASE, summary)]) in text and "verdict: PASS" in text  # the median round: 1000
-    assert lines[-1].startswith("rounds at 16 clients, candidate / baseline: aggregate 0.80 1.10 1.00; ")
-    assert "rounds" not in report_text(QualifySettings(rounds=1), {"runs": [{"clients": 16, "baseline": asdict(BASE),
-                                                                      "candidate": asdict(BASE)}]})  # fmt: skip
+    (each,) = [line for line in lines if line.startswith("rounds at ")]
+    assert each.startswith("rounds at 16 clients, candidate / baseline: aggregate 0.80 1.10 1.00; ")
+    assert lines[-1] == "profiles that pass every gate against the baseline: candidate"
+    single = {"runs": [{"clients": 16, "baseline": asdict(BASE), "candidate": asdict(BASE)}], "passing": []}
+    assert "rounds at" not in report_text(QualifySettings(rounds=1), single)
 
 
 def test_chats_may_ask_for_seeded_varied_lengths_with_the_same_prompts() -> None:
