@@ -187,26 +187,35 @@ def _schedule_prefills(
         if budget <= 0 or ledger.seats_left <= 0:
             break
         is_sliced = cap is not None and request.num_prompt_tokens > threshold
-        unit = quantum if is_sliced else 1
-        offer = (min(budget, sliced_left) if is_sliced else budget) // unit * unit
         grant = _Grant(request)
+        offer = _admission_offer(grant, budget, sliced_left, quantum, is_sliced)
         while offer > 0 and (took := _grow(grant, offer, config, ledger)):  # re-offer what alignment left
             budget -= took
             if is_sliced:
                 sliced_left -= took
-            offer = (min(budget, sliced_left) if is_sliced else budget) // unit * unit
+            offer = _admission_offer(grant, budget, sliced_left, quantum, is_sliced)
         if grant.num_tokens:
             ledger.seats_left -= 1
             grants.append(grant)
     return [g for g in grants if g.num_tokens > 0]
 
 
+def _admission_offer(grant: _Grant, budget: int, sliced_left: int, quantum: int, is_sliced: bool) -> int:
+    """A waiting prompt's offer: the step's budget left, or a sliced one's share of the cap left in
+    quanta (its whole rest when that fits, rules.quanta_offer)."""
+    if not is_sliced:
+        return budget
+    rest = grant.request.num_prefill_tokens_left - grant.num_tokens
+    return rules.quanta_offer(min(budget, sliced_left), quantum, rest)
+
+
 def _share_in_quanta(
     grants: list[_Grant], budget: int, quantum: int, config: SchedulerConfig, ledger: _Ledger, step_index: int
 ) -> int:
     """Splits `budget` among the grants in whole quanta, remainder quanta rotating with the step
-    index, then offers what alignment left unused again, in quanta, in rotation order (work
-    conserving). Returns the tokens taken."""
+    index, then offers what alignment left unused again, in quanta, in rotation order, and what is
+    left below a quantum to the prompts it finishes (work conserving, rules.quanta_offer). Returns
+    the tokens taken."""
     num_quanta = budget // quantum
     shares = rules.split_quanta(num_quanta, len(grants), step_index)
     order = rules.rotation_order(len(grants), num_quanta, step_index)
@@ -220,6 +229,11 @@ def _share_in_quanta(
             took = _grow(grants[index], left // quantum * quantum, config, ledger)
             left -= took
             taken += took
+    for index in order:  # what is left below a quantum finishes the prompts whose rest fits in it
+        grant = grants[index]
+        rest = grant.request.num_prefill_tokens_left - grant.num_tokens
+        if 0 < rest <= left:
+            left -= _grow(grant, rest, config, ledger)
     return budget - left
 
 

@@ -108,6 +108,16 @@ def sliced_prompt_threshold(max_num_prefill_tokens_per_step: int, long_prompts_o
     return max_num_prefill_tokens_per_step if long_prompts_only else 0
 
 
+def quanta_offer(available: int, quantum: int, tail_tokens: int) -> int:
+    """What a sliced prefill is offered of `available` budget tokens: whole quanta, or its whole
+    remaining prompt (`tail_tokens`) when that is more and fits. A chunk that finishes its prompt
+    needs no grid, so budget below a quantum can still finish a short prompt: without this, a
+    100-token prompt given a 2048-token quantum would leave 1948 tokens no other prefill could take,
+    and a mixed step of short prompts would serve one prompt a quantum."""
+    in_quanta = available // quantum * quantum
+    return tail_tokens if in_quanta < tail_tokens <= available else in_quanta
+
+
 def pages_for_tokens(num_tokens: int, kv_page_size: int) -> int:
     """KV pages that hold num_tokens tokens."""
     return -(-num_tokens // kv_page_size)

@@ -89,14 +89,15 @@ def decode_seconds(state: ShareState, num_decode_rows: int) -> float:
 
 
 def share_budget_tokens(state: ShareState, num_decode_rows: int, quantum: int) -> int:
-    """The prefill tokens a step with `num_decode_rows` decodes may take, in quanta: those after which
-    prefill's share of the service time would reach the target,
+    """The prefill tokens a step with `num_decode_rows` decodes may take: those after which prefill's
+    share of the service time would reach the target,
 
         (P + x) = target * (P + D + d + x)   =>   x = (target * (P + D + d) - P) / (1 - target)
 
     (P, D: the decayed prefill and decode time; d: this step's decode part; x: its prefill part), in
     tokens at the cost model's seconds per token. While prefill is below its target (strictly: ties
-    go to decode), at least one quantum."""
+    go to decode), at least one quantum. The planner splits it among the prefills in quanta; a part
+    below a quantum can still finish a short prompt (rules.quanta_offer)."""
     target = state.target
     prefill, decode = state.prefill_service_s, state.decode_service_s
     d = decode_seconds(state, num_decode_rows)
@@ -106,7 +107,7 @@ def share_budget_tokens(state: ShareState, num_decode_rows: int, quantum: int) -
     below = prefill < target * total if total > 0 else target > 0
     if below:
         tokens = max(tokens, quantum)
-    return tokens // quantum * quantum
+    return tokens
 
 
 def mixed_prefill_cap(config: SchedulerConfig, state: ShareState | None, num_decodes: int) -> int | None:

@@ -218,8 +218,11 @@ def check_work_conserving(f: Facts) -> None:
         got = f.slices[r.request_id].num_tokens if r.request_id in f.slices else 0
         # A sliced prompt is offered its share of the micro budget in quanta; any other prompt the
         # step's budget, token by token, as plain chunked prefill offers it.
-        unit, left = (f.plan.quantum, sliced_leftover) if f.is_sliced(r) else (1, leftover)
-        offer = min(got + left // unit * unit, r.num_prefill_tokens_left)
+        if f.is_sliced(r):  # whole quanta, or the prompt's whole rest where that fits
+            offer = got + rules.quanta_offer(sliced_leftover, f.plan.quantum, r.num_prefill_tokens_left - got)
+        else:
+            offer = got + leftover
+        offer = min(offer, r.num_prefill_tokens_left)
         if cfg.long_prefill_token_threshold:
             offer = min(offer, cfg.long_prefill_token_threshold)
         if cfg.is_aligned:

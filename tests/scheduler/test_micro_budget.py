@@ -37,7 +37,7 @@ def test_the_four_prompts_beside_two_decodes_get_at_most_the_budget() -> None:
         slices = prefill_slices(mixed_step(index))
         assert sum(slices.values()) <= 4096
         # two quanta over four prefills, rotating; the 100-token prompt's quantum leaves 1,948 tokens
-        # that no other prefill can use in quanta (they must end on the 2,048 grid)
+        # that no other prefill can use: none finishes in them, and the rest must end on the 2,048 grid
         assert sorted(slices.values()) in ([2048, 2048], [100, 2048])
 
 
@@ -64,7 +64,7 @@ def test_waiting_prompts_are_admitted_within_what_is_left_of_the_budget() -> Non
     running = [decode("d0"), prefill("r0", 16384, computed=14336)]  # its last 2,048 tokens
     waiting = [prefill("w0", 100, arrival=1.0), prefill("w1", 200, arrival=2.0)]
     slices = prefill_slices(step(MIXED, running, waiting))
-    assert slices == {"r0": 2048, "w0": 100}  # w0 takes the second quantum; w1 waits for one
+    assert slices == {"r0": 2048, "w0": 100, "w1": 200}  # both finish within the second quantum
     assert prefill_slices(step(MIXED, running[1:], waiting)) == {"r0": 2048, "w0": 100, "w1": 200}  # no decode
 
 
@@ -82,3 +82,14 @@ def test_guarantee_one_over_mixed_prompt_lengths(step_input: StepInput, quanta: 
     prefills = sum(sl.num_tokens for sl in plan.slices if sl.is_prefill)
     if decodes:
         assert plan.stats.micro_sliced and prefills <= cfg.max_num_prefill_tokens_per_step
+
+
+def test_budget_below_a_quantum_finishes_short_prompts_it_holds() -> None:
+    """A chunk that finishes its prompt needs no grid: what a quantum leaves goes to the prompts
+    whose rest fits in it, running or waiting, in rotation order (rules.quanta_offer)."""
+    running = [decode("d0"), prefill("a", 300), prefill("b", 500, arrival=1.0), prefill("c", 9000, arrival=2.0)]
+    waiting = [prefill("w", 1500, arrival=3.0)]
+    slices = prefill_slices(step(MIXED, running, waiting, step_index=0))
+    assert sum(slices.values()) <= 4096
+    assert slices["a"] == 300 and slices["b"] == 500  # both finish; c's quantum ends on the grid
+    assert slices.get("c") in (2048, None) and slices.get("w", 0) in (0, 1500)
