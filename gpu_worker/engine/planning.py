@@ -106,31 +106,50 @@ def stall_remedy(waiting: list[Request], running: list[Request]) -> StallRemedy:
 
 class ShareAccountant:
     """The prefill compute share's accounting (scheduler_svc/core/share.py), kept by the engine thread
-    and sent with every step input (`state`; None with no share mode). After each step it learns the
-    step-time cost model (seconds per cost unit, a unit being a prefill token and a decode row
-    DECODE_ROW_TOKENS of them, a forward FORWARD_FIXED_TOKENS: the model processes' split uses the same),
-    then advances the decayed service times and the target. The step's service time is its wall time
-    less the wait for the plan."""
+    and sent with every step input (`state`; None with no share mode). After each step it refines the
+    step-time cost model, then advances the decayed service times and the target. The step's service
+    time is its wall time less the wait for the plan.
+
+    The cost model is measured in two parts, each a fifth of the way a step: decode-only steps teach
+    the decode part (a forward of FORWARD_FIXED_TOKENS units plus DECODE_ROW_TOKENS units a row, the
+    weights the model processes' split uses, scaled to seconds), and steps with prefill teach the
+    seconds per prefill token from what is left of their time after that decode part. One shared
+    scale for both would charge prefill for decode rows that cost more than the split's weights say."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.state = ShareState(target=config.prefill_share) if config.has_prefill_share else None
-        self._seconds_per_unit: float | None = None  # learned, a fifth of the way each step
+        self._decode_unit_s: float | None = None  # seconds per decode cost unit, learned
+        self._prefill_token_s: float | None = None  # seconds per prefill token, learned
         self._last_time_s: float | None = None  # monotonic seconds of the last update
+
+    def _learn(self, prefill_tokens: int, decode_rows: int, service_s: float) -> None:
+        if service_s <= 0:
+            return
+        if decode_rows and not prefill_tokens:
+            seen = service_s / (FORWARD_FIXED_TOKENS + DECODE_ROW_TOKENS * decode_rows)
+            old = self._decode_unit_s
+            self._decode_unit_s = seen if old is None else 0.8 * old + 0.2 * seen
+        elif prefill_tokens:
+            unit = self._decode_unit_s
+            if unit is None:  # nothing decoded yet: the split's weights for the whole step
+                unit = service_s / (FORWARD_FIXED_TOKENS + DECODE_ROW_TOKENS * decode_rows + prefill_tokens)
+            decode_part = unit * (FORWARD_FIXED_TOKENS + DECODE_ROW_TOKENS * decode_rows)
+            seen = max(service_s - decode_part, 0.05 * service_s) / prefill_tokens
+            old = self._prefill_token_s
+            self._prefill_token_s = seen if old is None else 0.8 * old + 0.2 * seen
 
     def step_finished(self, step_input: StepInput | None, plan: StepPlan, prefill_tokens: int, decode_rows: int,
                       service_s: float, end_time_s: float) -> None:  # fmt: skip
         if self.state is None or step_input is None:
             return
-        units = (FORWARD_FIXED_TOKENS + DECODE_ROW_TOKENS * decode_rows + prefill_tokens) if (
-            prefill_tokens or decode_rows) else 0.0  # fmt: skip
+        self._learn(prefill_tokens, decode_rows, service_s)
         state = self.state
-        if units and service_s > 0:
-            seen = service_s / units
-            spu = seen if self._seconds_per_unit is None else 0.8 * self._seconds_per_unit + 0.2 * seen
-            self._seconds_per_unit = spu
-            state = replace(state, prefill_token_s=spu, decode_row_s=spu * DECODE_ROW_TOKENS,
-                            forward_s=spu * FORWARD_FIXED_TOKENS)  # fmt: skip
+        if self._decode_unit_s is not None:
+            state = replace(state, decode_row_s=self._decode_unit_s * DECODE_ROW_TOKENS,
+                            forward_s=self._decode_unit_s * FORWARD_FIXED_TOKENS)  # fmt: skip
+        if self._prefill_token_s is not None:
+            state = replace(state, prefill_token_s=self._prefill_token_s)
         elapsed_s = end_time_s - self._last_time_s if self._last_time_s is not None else service_s
         self._last_time_s = end_time_s
         cost = StepCost(service_s, prefill_tokens, decode_rows, plan.stats.num_pending_prefills > 0, decode_rows > 0)

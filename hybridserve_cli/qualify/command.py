@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, replace
@@ -308,6 +309,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     stack = Stack(start_timeout_s=START_TIMEOUT_S, die_with_parent=False)  # this process runs gRPC
+    # SIGTERM ends the run like Ctrl-C: through `finally`, which stops the workers (they get no death
+    # signal of their own, as this process runs gRPC)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     addresses: dict[str, str] = {BASELINE: s.baseline_worker, "candidate": s.candidate_worker}
     with tempfile.TemporaryDirectory(prefix="hybridserve-qualify-") as tmp:
         try:

@@ -23,15 +23,19 @@ def test_the_accountant_learns_the_cost_model_and_charges_mixed_steps_only() -> 
     step = StepInput(SHARED, (), (), 0, 100, accountant.state)
     plan = plan_step(step)
     mixed = replace(plan, stats=replace(plan.stats, num_pending_prefills=1))
-    accountant.step_finished(step, mixed, prefill_tokens=100, decode_rows=4, service_s=0.0128, end_time_s=1.0)
-    units = FORWARD_FIXED_TOKENS + DECODE_ROW_TOKENS * 4 + 100
+    decode_units = FORWARD_FIXED_TOKENS + DECODE_ROW_TOKENS * 4
+    # a decode-only step teaches the decode part: 28 units in 5.6 ms
+    accountant.step_finished(step, plan, prefill_tokens=0, decode_rows=4, service_s=0.0056, end_time_s=1.0)
     state = accountant.state
-    assert state.prefill_token_s == pytest.approx(0.0128 / units)
-    assert state.forward_s == pytest.approx(FORWARD_FIXED_TOKENS * 0.0128 / units)
-    assert state.prefill_service_s == pytest.approx(0.0128 * 100 / units)  # its part, by the model
-    assert state.prefill_service_s + state.decode_service_s == pytest.approx(0.0128)
-    accountant.step_finished(step, plan, prefill_tokens=0, decode_rows=4, service_s=0.01, end_time_s=1.01)
-    assert accountant.state.decode_service_s < state.decode_service_s + 1e-9  # no prefill pending: nothing charged
+    assert state.forward_s == pytest.approx(FORWARD_FIXED_TOKENS * 0.0056 / decode_units)
+    assert state.decode_row_s == pytest.approx(DECODE_ROW_TOKENS * 0.0056 / decode_units)
+    assert state.prefill_service_s == state.decode_service_s == 0.0  # no prefill pending: nothing charged
+    # a mixed step: what its decode part leaves, over its prefill tokens
+    accountant.step_finished(step, mixed, prefill_tokens=100, decode_rows=4, service_s=0.0256, end_time_s=1.03)
+    state = accountant.state
+    assert state.prefill_token_s == pytest.approx((0.0256 - 0.0056) / 100)
+    assert state.prefill_service_s == pytest.approx(0.02, rel=1e-6)  # its part, by the model
+    assert state.prefill_service_s + state.decode_service_s == pytest.approx(0.0256)
     assert ShareAccountant(CONFIG).state is None  # no share mode, no accounting
 
 
