@@ -102,7 +102,8 @@ def share_budget_tokens(state: ShareState, num_decode_rows: int, quantum: int) -
     prefill, decode = state.prefill_service_s, state.decode_service_s
     d = decode_seconds(state, num_decode_rows)
     seconds = (target * (prefill + decode + d) - prefill) / (1.0 - target)
-    tokens = int(max(seconds, 0.0) / state.prefill_token_s) if seconds < 1e9 else 1 << 40
+    ratio = max(seconds, 0.0) / state.prefill_token_s  # may be inf for a tiny (yet valid) cost per token
+    tokens = int(ratio) if ratio < 1 << 40 else 1 << 40
     total = prefill + decode
     below = prefill < target * total if total > 0 else target > 0
     if below:

@@ -36,6 +36,7 @@ def test_below_its_target_prefill_gets_at_least_a_quantum_and_ties_go_to_decode(
     )
     ahead = replace(COSTS, prefill_service_s=9.0, decode_service_s=1.0, target=0.3)
     assert share_budget_tokens(ahead, 8, 1) == 0
+    assert share_budget_tokens(replace(starved, prefill_token_s=5e-324), 8, 256) == 1 << 40  # no overflow
     fresh = replace(COSTS, target=0.3)  # nothing charged yet: below a positive target
     assert share_budget_tokens(fresh, 8, 256) == 256 and share_budget_tokens(replace(fresh, target=0.0), 8, 256) == 0
 
