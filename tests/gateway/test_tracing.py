@@ -20,7 +20,8 @@ CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
 
 def post_completion(address: str, headers: dict[str, str]) -> dict:
-    body = json.dumps({"model": MODEL_NAME, "prompt": "Trace me", "max_tokens": 3}).encode()
+    fields = {"model": MODEL_NAME, "prompt": "Trace me", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    body = json.dumps(fields).encode()
     request = urllib.request.Request(f"http://{address}/v1/completions", data=body, headers=headers)
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
@@ -57,7 +58,7 @@ def test_gateway_span_roots_the_trace_and_the_worker_joins_it(model_dir, schedul
     assert own.trace_id != CLIENT_TRACE_ID and own.parent_span_id == ""  # no traceparent: the gateway is the root
     for root in (joined, own):
         assert root.kind == SERVER and root.attributes["gen_ai.request.model"] == MODEL_NAME
-        assert root.attributes["gen_ai.usage.output_tokens"] == 3
+        assert root.attributes["gen_ai.usage.output_tokens"] == 3  # ignore_eos: a sampled EOS would end it early
         (generate,) = [s for s in spans if s.service == "hybridserve-worker" and s.trace_id == root.trace_id
                        and s.name == "hybridserve.v1.Generation/Generate"]  # fmt: skip
         assert generate.parent_span_id == root.span_id
