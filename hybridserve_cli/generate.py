@@ -39,9 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-ids", type=parse_token_ids, metavar="ID,ID,...",
                         help="prompt as comma-separated token ids instead of text")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=0, help="most tokens to generate (0 = the worker's default)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling (0 or 1 = off)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the model's generation_config.json, else greedy)",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling, 0 or 1 = off (default: the model's, else off)"
+    )
+    parser.add_argument("--top-k", type=int, default=None, help="0 = off (default: the model's, else off)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: nondeterministic)")
     parser.add_argument("--stop", action="extend", nargs="+", default=[], metavar="S", help="stop strings")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")

@@ -70,16 +70,17 @@ def build_request(
     prompt: str | Sequence[int],
     *,
     max_tokens: int = 0,
-    temperature: float = 0.0,
-    top_p: float = 0.0,
-    top_k: int = 0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
     logprobs: int = 0,
     request_id: str = "",
 ) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest for a text prompt or a token-id prompt."""
+    """A GenerateRequest for a text prompt or a token-id prompt; sampling left None is left unset (the
+    checkpoint's generation_config defaults, else greedy)."""
     sampling = generation_pb2.SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
         stop=list(stop), ignore_eos=ignore_eos, logprobs=logprobs,

@@ -16,6 +16,7 @@ from gpu_worker.model.loader import LoadedModel
 from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.sampling import SamplingParams, make_generator
 from hybridserve.errors import InvalidArgumentError
+from hybridserve.generation_config import GenerationDefaults
 
 # Documented limits of one request (README, "Limits of one request").
 MAX_TOP_LOGPROBS = 20  # sampling.logprobs: top alternatives per token
@@ -23,6 +24,7 @@ MAX_STOP_STRINGS = 16  # sampling.stop: strings per request (each is searched fo
 MAX_STOP_STRING_CHARS = 256  # characters in one stop string
 MAX_REQUEST_ID_CHARS = 256  # request_id
 MAX_TEMPERATURE = 100.0  # sampling.temperature; beyond it sampling is uniform in all but name
+GENERATION_API_SAMPLING = (0.0, 1.0, 0)  # (temperature, top_p, top_k) unset here and in the checkpoint: greedy
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,14 +35,16 @@ class GenerationInput:
     prompt: str | None  # text, or None when prompt_token_ids is given
     prompt_token_ids: tuple[int, ...] | None  # None when prompt is given; both None = neither was set
     max_tokens: int  # 0 = the worker's default
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 0.0  # 0 = off (1.0)
+    # None = unset: the checkpoint's generation_config value, else greedy / off (hybridserve.generation_config)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None  # 0 = off (1.0)
     seed: int | None = None
     logprobs: int = 0  # top alternatives per token
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     priority: int = 0
+    add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens (false: it holds them)
 
 
 def max_model_len(runner: ModelRunner, settings: EngineSettings) -> int:
@@ -59,7 +63,8 @@ def build_request(
         raise InvalidArgumentError(
             f"request_id has {len(asked.request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
         )
-    params = _params(asked, settings)  # cheap checks first: a bad request is refused before tokenising
+    # cheap checks first: a bad request is refused before tokenising
+    params = _params(asked, settings, loaded.generation_defaults)
     prompt = _prompt_ids(asked, loaded, limit)
     if len(prompt) + params.max_tokens > limit:
         raise InvalidArgumentError(
@@ -102,7 +107,7 @@ def _prompt_ids(asked: GenerationInput, loaded: LoadedModel, limit_tokens: int) 
                 "this model has no tokenizer.json; send prompt_token_ids instead of a text prompt"
             )
         _check_prompt_size(asked.prompt, loaded, limit_tokens)
-        ids = loaded.tokenizer.encode(asked.prompt)
+        ids = loaded.tokenizer.encode(asked.prompt, add_special_tokens=asked.add_special_tokens)
     elif asked.prompt_token_ids is not None:
         ids = list(asked.prompt_token_ids)
         if len(ids) > limit_tokens:
@@ -120,23 +125,24 @@ def _prompt_ids(asked: GenerationInput, loaded: LoadedModel, limit_tokens: int) 
     return ids
 
 
-def _params(s: GenerationInput, settings: EngineSettings) -> GenerationParams:
+def _params(s: GenerationInput, settings: EngineSettings, defaults: GenerationDefaults) -> GenerationParams:
     if s.max_tokens < 0:
         raise InvalidArgumentError(f"sampling.max_tokens must be >= 0 (0 = default), got {s.max_tokens}")
     if not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgumentError(f"sampling.logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.logprobs}")
     _check_stop(s.stop)
-    if not (math.isfinite(s.temperature) and 0.0 <= s.temperature <= MAX_TEMPERATURE):
+    if s.temperature is not None and not (math.isfinite(s.temperature) and 0.0 <= s.temperature <= MAX_TEMPERATURE):
         raise InvalidArgumentError(
             f"sampling.temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {s.temperature}"
         )
-    if not (math.isfinite(s.top_p) and 0.0 <= s.top_p <= 1.0):
+    if s.top_p is not None and not (math.isfinite(s.top_p) and 0.0 <= s.top_p <= 1.0):
         raise InvalidArgumentError(f"sampling.top_p must be a number in [0, 1] (0 or 1 = off), got {s.top_p}")
+    temperature, top_p, top_k = defaults.sampling(s.temperature, s.top_p, s.top_k, fallback=GENERATION_API_SAMPLING)
     try:
         sampling = SamplingParams(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=1.0 if s.top_p == 0 else s.top_p,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=1.0 if top_p == 0 else top_p,
             seed=s.seed,
             num_logprobs=s.logprobs,
         )

@@ -1,8 +1,9 @@
 """Loads a Hugging Face checkpoint of any supported family (`gpu_worker.model.families`) from a local folder.
 
 Folder layout: `config.json`; `model.safetensors` or `model.safetensors.index.json` + its shards;
-optional `generation_config.json` and `tokenizer.json`. Every failure is an InvalidArgumentError that names
-the file and what to do; weight errors name the checkpoint tensors. The returned model is in eval mode on
+optional `generation_config.json` (EOS ids, sampling defaults) and `tokenizer.json` (with its
+`tokenizer_config.json`). Every failure is an InvalidArgumentError that names the file and what to do;
+weight errors name the checkpoint tensors. The returned model is in eval mode on
 the requested device/dtype; Mamba's A_log, D and dt_bias and the MoE routers stay float32."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gpu_worker.model.families.base import Family, Source
 from gpu_worker.model.model import HybridForCausalLM, rope_inv_freq
 from gpu_worker.model.tokenizer import Tokenizer, load_tokenizer
 from hybridserve.errors import InvalidArgumentError
+from hybridserve.generation_config import GenerationDefaults, read_generation_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +45,8 @@ class LoadedModel:
     fingerprint: str  # sha256 hex of config + weights; the prefix-cache model identity
     device: torch.device
     dtype: torch.dtype  # weight dtype (SSM state is always float32)
+    # generation_config.json's sampling, for what a request leaves unset
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -74,6 +78,7 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     tensors = read_weights(root)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    generation = read_generation_config(root)
     fingerprint = fingerprint_weights(config, tensors)
     model = build_model(family, config, tensors, torch_device, torch_dtype)
     attach_kernels(model, "auto")  # the CUDA backend's kernels on CUDA, the torch reference elsewhere
@@ -83,7 +88,8 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
         family=family,
         model=model,
         tokenizer=load_tokenizer(root),
-        eos_token_ids=_generation_eos(root, config),
+        eos_token_ids=generation.eos_token_ids or config.eos_token_ids,
+        generation_defaults=generation,
         fingerprint=fingerprint,
         device=torch_device,
         dtype=torch_dtype,
@@ -245,17 +251,3 @@ def fingerprint_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -
         h.update(f"{name}|{t.dtype}|{list(t.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
-
-
-def _generation_eos(root: Path, config: ModelConfig) -> tuple[int, ...]:
-    path = root / "generation_config.json"
-    if path.exists():
-        try:
-            eos = json.loads(path.read_text()).get("eos_token_id")
-        except json.JSONDecodeError as exc:
-            raise InvalidArgumentError(f"{path}: not valid JSON ({exc})") from exc
-        if isinstance(eos, int):
-            return (eos,)
-        if isinstance(eos, list):
-            return tuple(int(e) for e in eos)
-    return config.eos_token_ids

@@ -1,7 +1,8 @@
 """Text <-> token ids for the worker, on the `tokenizers` library.
 
-`load_tokenizer(dir)` reads a checkpoint's `tokenizer.json` when present (None otherwise: the checkpoint then
-serves token-id prompts only). `build_byte_tokenizer()` makes the default model's tokenizer: three special
+`load_tokenizer(dir)` reads a checkpoint's `tokenizer.json` when present, with its `tokenizer_config.json` applied
+as transformers applies it (hybridserve.tokenizer_files; None without one: the checkpoint then serves token-id
+prompts only). `build_byte_tokenizer()` makes the default model's tokenizer: three special
 tokens (ids 0-2: pad, bos, eos, the Bamba config defaults) then one token per byte (ids 3-258), so any
 text round-trips and no merges are needed."""
 
@@ -14,7 +15,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from hybridserve.errors import InvalidArgumentError
+from hybridserve.tokenizer_files import load_tokenizer_json
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
 BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
@@ -44,13 +45,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with no special tokens added. A long text is encoded through the
-        batch call, which releases the GIL (the single call holds it throughout), so the engine and
-        the other RPCs run meanwhile."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, as transformers' `encode` gives them: with the special tokens the checkpoint
+        adds (a BOS, for most) unless `add_special_tokens` is false (a rendered chat template holds its own).
+        A long text is encoded through the batch call, which releases the GIL (the single call holds it
+        throughout), so the engine and the other RPCs run meanwhile."""
         if len(text) > RELEASE_GIL_CHARS:
-            return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+            return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     @cached_property
     def max_bytes_per_token(self) -> int:
@@ -163,10 +165,5 @@ class IncrementalDetokenizer:
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None when it has no `tokenizer.json`."""
-    path = model_dir / "tokenizer.json"
-    if not path.exists():
-        return None
-    try:
-        return Tokenizer(HFTokenizer.from_file(str(path)))
-    except Exception as exc:  # the Rust side raises a plain Exception on a malformed file
-        raise InvalidArgumentError(f"{path}: cannot load tokenizer ({exc})") from exc
+    tokenizer = load_tokenizer_json(model_dir)
+    return None if tokenizer is None else Tokenizer(tokenizer)

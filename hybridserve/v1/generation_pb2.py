@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fhybridserve/v1/generation.proto\x12\x0ehybridserve.v1\"\xa7\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x03\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x03\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x03\x42\x07\n\x05_seed\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x34\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x18.hybridserve.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.hybridserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x03\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x15\n\rcached_tokens\x18\x02 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x03\"\xe7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x31\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1b.hybridserve.v1.TopLogprobs\x12\x33\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1c.hybridserve.v1.FinishReason\x12$\n\x05usage\x18\x07 \x01(\x0b\x32\x15.hybridserve.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x10\n\x0eGetInfoRequest\"\xef\x06\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x03\x12\x12\n\nvocab_size\x18\x06 \x01(\x03\x12\x14\n\x0ckv_page_size\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x03\x12\x1a\n\x12num_kv_pages_total\x18\t \x01(\x03\x12\x19\n\x11num_kv_pages_free\x18\n \x01(\x03\x12\x1d\n\x15num_state_slots_total\x18\x0b \x01(\x03\x12\x1c\n\x14num_state_slots_free\x18\x0c \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\r \x01(\x03\x12\x1f\n\x17state_bytes_per_request\x18\x0e \x01(\x03\x12\x13\n\x0bnum_running\x18\x0f \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x10 \x01(\x03\x12\x15\n\rmax_queue_len\x18\x11 \x01(\x03\x12\x11\n\tnum_steps\x18\x12 \x01(\x03\x12\x19\n\x11step_wall_seconds\x18\x13 \x01(\x01\x12\x1e\n\x16scheduler_wait_seconds\x18\x14 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x15 \x01(\x03\x12\x19\n\x11num_stalled_steps\x18\x16 \x01(\x03\x12\x18\n\x10\x61sync_scheduling\x18\x17 \x01(\x08\x12\x1c\n\x14num_generated_tokens\x18\x18 \x01(\x03\x12\x14\n\x0c\x61rchitecture\x18\x19 \x01(\t\x12\x1c\n\x14prefix_cache_queries\x18\x1a \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x1b \x01(\x03\x12$\n\x1cprefix_cache_declined_tokens\x18\x1c \x01(\x03\x12^\n\x19prefix_cache_miss_reasons\x18\x1d \x03(\x0b\x32;.hybridserve.v1.GetInfoResponse.PrefixCacheMissReasonsEntry\x1a=\n\x1bPrefixCacheMissReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*\xa8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xef\x01\n\nGeneration\x12O\n\x08Generate\x12\x1f.hybridserve.v1.GenerateRequest\x1a .hybridserve.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.hybridserve.v1.AbortRequest\x1a\x1d.hybridserve.v1.AbortResponse\x12J\n\x07GetInfo\x12\x1e.hybridserve.v1.GetInfoRequest\x1a\x1f.hybridserve.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fhybridserve/v1/generation.proto\x12\x0ehybridserve.v1\"\xda\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x03\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x03\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xf2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x34\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x18.hybridserve.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.hybridserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x03\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x15\n\rcached_tokens\x18\x02 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x03\"\xe7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x31\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1b.hybridserve.v1.TopLogprobs\x12\x33\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1c.hybridserve.v1.FinishReason\x12$\n\x05usage\x18\x07 \x01(\x0b\x32\x15.hybridserve.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x10\n\x0eGetInfoRequest\"\xef\x06\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x03\x12\x12\n\nvocab_size\x18\x06 \x01(\x03\x12\x14\n\x0ckv_page_size\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x03\x12\x1a\n\x12num_kv_pages_total\x18\t \x01(\x03\x12\x19\n\x11num_kv_pages_free\x18\n \x01(\x03\x12\x1d\n\x15num_state_slots_total\x18\x0b \x01(\x03\x12\x1c\n\x14num_state_slots_free\x18\x0c \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\r \x01(\x03\x12\x1f\n\x17state_bytes_per_request\x18\x0e \x01(\x03\x12\x13\n\x0bnum_running\x18\x0f \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x10 \x01(\x03\x12\x15\n\rmax_queue_len\x18\x11 \x01(\x03\x12\x11\n\tnum_steps\x18\x12 \x01(\x03\x12\x19\n\x11step_wall_seconds\x18\x13 \x01(\x01\x12\x1e\n\x16scheduler_wait_seconds\x18\x14 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x15 \x01(\x03\x12\x19\n\x11num_stalled_steps\x18\x16 \x01(\x03\x12\x18\n\x10\x61sync_scheduling\x18\x17 \x01(\x08\x12\x1c\n\x14num_generated_tokens\x18\x18 \x01(\x03\x12\x14\n\x0c\x61rchitecture\x18\x19 \x01(\t\x12\x1c\n\x14prefix_cache_queries\x18\x1a \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x1b \x01(\x03\x12$\n\x1cprefix_cache_declined_tokens\x18\x1c \x01(\x03\x12^\n\x19prefix_cache_miss_reasons\x18\x1d \x03(\x0b\x32;.hybridserve.v1.GetInfoResponse.PrefixCacheMissReasonsEntry\x1a=\n\x1bPrefixCacheMissReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*\xa8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xef\x01\n\nGeneration\x12O\n\x08Generate\x12\x1f.hybridserve.v1.GenerateRequest\x1a .hybridserve.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.hybridserve.v1.AbortRequest\x1a\x1d.hybridserve.v1.AbortResponse\x12J\n\x07GetInfo\x12\x1e.hybridserve.v1.GetInfoRequest\x1a\x1f.hybridserve.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETINFORESPONSE_PREFIXCACHEMISSREASONSENTRY']._loaded_options = None
   _globals['_GETINFORESPONSE_PREFIXCACHEMISSREASONSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1757
-  _globals['_FINISHREASON']._serialized_end=1925
+  _globals['_FINISHREASON']._serialized_start=1864
+  _globals['_FINISHREASON']._serialized_end=2032
   _globals['_SAMPLINGPARAMS']._serialized_start=52
-  _globals['_SAMPLINGPARAMS']._serialized_end=219
-  _globals['_GENERATEREQUEST']._serialized_start=222
-  _globals['_GENERATEREQUEST']._serialized_end=408
-  _globals['_TOKENIDS']._serialized_start=410
-  _globals['_TOKENIDS']._serialized_end=433
-  _globals['_TOPLOGPROBS']._serialized_start=435
-  _globals['_TOPLOGPROBS']._serialized_end=485
-  _globals['_USAGE']._serialized_start=487
-  _globals['_USAGE']._serialized_end=567
-  _globals['_GENERATERESPONSE']._serialized_start=570
-  _globals['_GENERATERESPONSE']._serialized_end=801
-  _globals['_ABORTREQUEST']._serialized_start=803
-  _globals['_ABORTREQUEST']._serialized_end=837
-  _globals['_ABORTRESPONSE']._serialized_start=839
-  _globals['_ABORTRESPONSE']._serialized_end=854
-  _globals['_GETINFOREQUEST']._serialized_start=856
-  _globals['_GETINFOREQUEST']._serialized_end=872
-  _globals['_GETINFORESPONSE']._serialized_start=875
-  _globals['_GETINFORESPONSE']._serialized_end=1754
-  _globals['_GETINFORESPONSE_PREFIXCACHEMISSREASONSENTRY']._serialized_start=1693
-  _globals['_GETINFORESPONSE_PREFIXCACHEMISSREASONSENTRY']._serialized_end=1754
-  _globals['_GENERATION']._serialized_start=1928
-  _globals['_GENERATION']._serialized_end=2167
+  _globals['_SAMPLINGPARAMS']._serialized_end=270
+  _globals['_GENERATEREQUEST']._serialized_start=273
+  _globals['_GENERATEREQUEST']._serialized_end=515
+  _globals['_TOKENIDS']._serialized_start=517
+  _globals['_TOKENIDS']._serialized_end=540
+  _globals['_TOPLOGPROBS']._serialized_start=542
+  _globals['_TOPLOGPROBS']._serialized_end=592
+  _globals['_USAGE']._serialized_start=594
+  _globals['_USAGE']._serialized_end=674
+  _globals['_GENERATERESPONSE']._serialized_start=677
+  _globals['_GENERATERESPONSE']._serialized_end=908
+  _globals['_ABORTREQUEST']._serialized_start=910
+  _globals['_ABORTREQUEST']._serialized_end=944
+  _globals['_ABORTRESPONSE']._serialized_start=946
+  _globals['_ABORTRESPONSE']._serialized_end=961
+  _globals['_GETINFOREQUEST']._serialized_start=963
+  _globals['_GETINFOREQUEST']._serialized_end=979
+  _globals['_GETINFORESPONSE']._serialized_start=982
+  _globals['_GETINFORESPONSE']._serialized_end=1861
+  _globals['_GETINFORESPONSE_PREFIXCACHEMISSREASONSENTRY']._serialized_start=1800
+  _globals['_GETINFORESPONSE_PREFIXCACHEMISSREASONSENTRY']._serialized_end=1861
+  _globals['_GENERATION']._serialized_start=2035
+  _globals['_GENERATION']._serialized_end=2274
 # @@protoc_insertion_point(module_scope)
