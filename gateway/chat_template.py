@@ -18,8 +18,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.api_errors import bad_request
 from gateway.openai_request import Message
-
-_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+from hybridserve.errors import InvalidArgumentError
+from hybridserve.tokenizer_files import chat_template_source, read_tokenizer_config, special_tokens
 
 
 class TemplateError(Exception):
@@ -38,24 +38,6 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
-
-
-def _token_text(value: Any) -> str | None:
-    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _template_source(raw: Any) -> str | None:
-    """`chat_template` is a string, or a list of {"name", "template"} of which "default" is used."""
-    if isinstance(raw, str):
-        return raw
-    if isinstance(raw, list):
-        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
-        chosen = named.get("default")
-        return chosen if isinstance(chosen, str) else None
-    return None
 
 
 @dataclass(frozen=True)
@@ -86,18 +68,15 @@ class ChatTemplate:
 
 
 def load_chat_template(model_dir: Path | None, override: Path | None = None) -> ChatTemplate | None:
-    """The template of `override` (a Jinja file) or of model_dir/tokenizer_config.json's
-    `chat_template` (or model_dir/chat_template.jinja); None when there is none."""
-    config: dict[str, Any] = {}
-    if model_dir is not None and (model_dir / "tokenizer_config.json").is_file():
-        try:
-            config = json.loads((model_dir / "tokenizer_config.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise TemplateError(f"{model_dir / 'tokenizer_config.json'} is not readable JSON: {exc}") from exc
-    specials = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name))) is not None}
+    """The template of `override` (a Jinja file), else model_dir's (chat_template.jinja, else
+    tokenizer_config.json's `chat_template`: hybridserve.tokenizer_files.chat_template_source); None when
+    there is none."""
+    try:
+        config = read_tokenizer_config(model_dir) if model_dir is not None else {}
+    except InvalidArgumentError as exc:
+        raise TemplateError(str(exc)) from exc
+    specials = special_tokens(config)
     if override is not None:
         return ChatTemplate.compile(override.read_text(), specials)
-    source = _template_source(config.get("chat_template"))
-    if source is None and model_dir is not None and (model_dir / "chat_template.jinja").is_file():
-        source = (model_dir / "chat_template.jinja").read_text()
+    source = chat_template_source(model_dir, config) if model_dir is not None else None
     return None if source is None else ChatTemplate.compile(source, specials)

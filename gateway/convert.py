@@ -1,21 +1,27 @@
-"""An OpenAI request -> the worker's GenerateRequest, one per choice. Pure."""
+"""An OpenAI request -> the worker's GenerateRequest, one per choice. Pure.
+
+Sampling fields the request leaves unset take the checkpoint's generation_config.json values, else OpenAI's
+defaults (hybridserve.generation_config states the rule); the gateway sends them all explicitly."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from gateway.openai_request import ApiRequest
+from hybridserve.generation_config import GenerationDefaults
 from hybridserve.v1 import generation_pb2 as pb
 
 SEED_MASK = (1 << 63) - 1
+OPENAI_SAMPLING = (1.0, 1.0, 0)  # (temperature, top_p, top_k) OpenAI samples with when nothing says otherwise
 
 
-def sampling_of(api: ApiRequest, choice_index: int) -> pb.SamplingParams:
+def sampling_of(api: ApiRequest, choice_index: int, defaults: GenerationDefaults) -> pb.SamplingParams:
     """Choice i samples with seed + i, so n seeded choices differ from each other and each repeats."""
+    temperature, top_p, top_k = defaults.sampling(api.temperature, api.top_p, api.top_k, fallback=OPENAI_SAMPLING)
     sampling = pb.SamplingParams(
-        temperature=api.temperature,
-        top_p=api.top_p,
-        top_k=max(api.top_k, 0),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
         max_tokens=api.max_tokens,
         stop=list(api.stop),
         ignore_eos=api.ignore_eos,
@@ -26,14 +32,20 @@ def sampling_of(api: ApiRequest, choice_index: int) -> pb.SamplingParams:
     return sampling
 
 
-def generate_requests(api: ApiRequest, prompt: str | Sequence[int]) -> list[pb.GenerateRequest]:
+def generate_requests(
+    api: ApiRequest, prompt: str | Sequence[int], defaults: GenerationDefaults | None = None
+) -> list[pb.GenerateRequest]:
     """One GenerateRequest per choice; `prompt` is the text, or the token ids when the gateway has
-    tokenized it (or the client sent ids)."""
+    tokenized it (or the client sent ids). A chat prompt's text is the rendered template, which holds its
+    special tokens: the worker is told to add none."""
+    defaults = defaults if defaults is not None else GenerationDefaults()
     requests = []
     for i in range(api.n):
-        request = pb.GenerateRequest(sampling=sampling_of(api, i))
+        request = pb.GenerateRequest(sampling=sampling_of(api, i, defaults))
         if isinstance(prompt, str):
             request.prompt = prompt
+            if api.kind == "chat":
+                request.add_special_tokens = False
         else:
             request.prompt_token_ids.ids.extend(prompt)
         requests.append(request)

@@ -60,7 +60,10 @@ class GenerationProxy(pb_grpc.GenerationServicer):
         """The prompt as routing sees it: token ids when known (sent, or tokenized here), else text."""
         if request.WhichOneof("input") == "prompt_token_ids":
             return list(request.prompt_token_ids.ids)
-        return self.tokenizer.encode(request.prompt) if self.tokenizer is not None else request.prompt
+        if self.tokenizer is None:
+            return request.prompt
+        specials = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        return self.tokenizer.encode(request.prompt, add_special_tokens=specials)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         metadata = await self._check_key(context)

@@ -32,6 +32,7 @@ from gateway.openai_response import ChoiceState, ChunkFrame, envelope, final_bod
 from gateway.tokens import GatewayTokenizer, token_id_text
 from hybridserve import telemetry
 from hybridserve.auth import is_authorized
+from hybridserve.generation_config import GenerationDefaults
 from hybridserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("hybridserve.gateway.http")
@@ -51,6 +52,7 @@ class Gateway:
     tokenizer: GatewayTokenizer | None
     chat_template: ChatTemplate | None
     request_timeout_s: float
+    generation_defaults: GenerationDefaults = GenerationDefaults()  # the model's generation_config.json
 
     def served_model(self) -> str:
         if self.model_name:
@@ -131,8 +133,8 @@ class Generation:
                     "no_chat_template",
                 )
             text = gateway.chat_template.render(api.messages)
-        if isinstance(text, str) and gateway.tokenizer is not None:
-            return gateway.tokenizer.encode(text)
+        if isinstance(text, str) and gateway.tokenizer is not None:  # a rendered template holds its specials
+            return gateway.tokenizer.encode(text, add_special_tokens=api.kind != "chat")
         return text
 
     async def run_choice(
@@ -166,7 +168,7 @@ class Generation:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks = [
             asyncio.create_task(self.run_choice(r, prefix, len(prompt), queue, i, list(carrier.items())))
-            for i, r in enumerate(generate_requests(self.api, prompt))
+            for i, r in enumerate(generate_requests(self.api, prompt, self.gateway.generation_defaults))
         ]
         remaining = len(tasks)
         try:

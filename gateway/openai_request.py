@@ -83,9 +83,10 @@ class ApiRequest:
     prompt: str | tuple[int, ...]  # completions: text or token ids; chat: "" (rendered from messages)
     messages: tuple[Message, ...]  # chat only
     max_tokens: int  # 0 = the worker's default
-    temperature: float  # 0 = greedy
-    top_p: float  # 1 = off
-    top_k: int  # 0 = off (an extension beside OpenAI's fields)
+    # None = unset: the checkpoint's generation_config value, else OpenAI's default (gateway/convert.py)
+    temperature: float | None  # 0 = greedy
+    top_p: float | None  # 1 = off
+    top_k: int | None  # 0 = off (an extension beside OpenAI's fields; -1 is read as 0)
     seed: int | None
     stop: tuple[str, ...]
     n: int  # choices
@@ -111,7 +112,7 @@ def _int(body: Mapping[str, Any], name: str, default: int | None, low: int, high
     return value
 
 
-def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
+def _number(body: Mapping[str, Any], name: str, default: float | None, low: float, high: float) -> float | None:
     value = body.get(name)
     if value is None:
         return default
@@ -191,15 +192,16 @@ def _common(
 ) -> ApiRequest:
     stream = _bool(body, "stream", False)
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+    top_k = _int(body, "top_k", None, -1, 1 << 20)
     return ApiRequest(
         kind=kind,
         model=_model(body),
         prompt=prompt,
         messages=messages,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_int(body, "top_k", 0, -1, 1 << 20) or 0,
+        temperature=_number(body, "temperature", None, 0.0, 2.0),
+        top_p=_number(body, "top_p", None, 0.0, 1.0),
+        top_k=None if top_k is None else max(top_k, 0),
         seed=seed,
         stop=_stop(body),
         n=_int(body, "n", 1, 1, MAX_N) or 1,

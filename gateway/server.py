@@ -28,6 +28,8 @@ from gateway.pool import WorkerPool, split_host_port
 from gateway.tokens import GatewayTokenizer
 from hybridserve import telemetry
 from hybridserve.auth import load_keys
+from hybridserve.errors import InvalidArgumentError
+from hybridserve.generation_config import GenerationDefaults, read_generation_config
 from hybridserve.settings import (
     API_KEYS_ENV,
     Flag,
@@ -154,15 +156,25 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"chat template: {exc}") from None
     if template is None:
         log.warning("no chat template (give --model DIR or --chat-template FILE): /v1/chat/completions answers 400")
+    try:
+        tokenizer = GatewayTokenizer.from_model_dir(config.model_dir)
+        defaults = read_generation_config(config.model_dir)
+    except InvalidArgumentError as exc:
+        raise SystemExit(f"--model: {exc}") from None
     stop_tracing = telemetry.setup_tracing("hybridserve-gateway")
     try:
-        asyncio.run(serve(config, template))
+        asyncio.run(serve(config, template, tokenizer, defaults))
     finally:
         stop_tracing()
     return 0
 
 
-async def serve(config: GatewayConfig, template: ChatTemplate | None) -> None:
+async def serve(
+    config: GatewayConfig,
+    template: ChatTemplate | None,
+    tokenizer: GatewayTokenizer | None,
+    defaults: GenerationDefaults,
+) -> None:
     metrics = GatewayMetrics()
     table = PrefixTable()
     metadata = (("authorization", f"Bearer {config.worker_api_key}"),) if config.worker_api_key else ()
@@ -171,9 +183,15 @@ async def serve(config: GatewayConfig, template: ChatTemplate | None) -> None:
     )
     await pool.start()
     dispatcher = Dispatcher(pool, table, config.routing, metrics)
-    tokenizer = GatewayTokenizer.from_model_dir(config.model_dir)
     gateway = Gateway(
-        dispatcher, metrics, config.api_keys, config.served_model_name, tokenizer, template, config.request_timeout_s
+        dispatcher,
+        metrics,
+        config.api_keys,
+        config.served_model_name,
+        tokenizer,
+        template,
+        config.request_timeout_s,
+        defaults,
     )
     runner = web.AppRunner(build_app(gateway, config.max_body_bytes), handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -26,7 +26,10 @@ def rejected(parse, body) -> ApiError:
 
 def test_completion_defaults_follow_openai():
     api = parse_completion({"model": "m", "prompt": "hi"})
-    assert (api.max_tokens, api.temperature, api.top_p, api.n, api.stream) == (16, 1.0, 1.0, 1, False)
+    assert (api.max_tokens, api.n, api.stream) == (16, 1, False)
+    assert (api.temperature, api.top_p, api.top_k) == (None, None, None)  # unset: filled in at convert
+    sampling = generate_requests(api, "hi")[0].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, 0)  # OpenAI's defaults
     assert api.prompt == "hi" and not api.logprobs
     assert parse_completion({"model": "m", "prompt": [5, 6, 7]}).prompt == (5, 6, 7)
     assert parse_completion({"model": "m", "prompt": ["one"]}).prompt == "one"
