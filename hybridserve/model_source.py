@@ -191,7 +191,6 @@ def _quiet_progress_without_terminal() -> None:
     unless HF_HUB_DISABLE_PROGRESS_BARS says otherwise."""
     if "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ or sys.stderr.isatty():
         return
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils.tqdm import disable_progress_bars
 
     disable_progress_bars()
-

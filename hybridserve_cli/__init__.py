@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("hybridserve_cli.generate", "stream a completion from a running worker"),
     "bench": ("hybridserve_cli.loadgen", "drive N closed-loop clients against a worker and print a summary"),
     "qualify": ("hybridserve_cli.qualify.command", "two worker profiles, one seeded workload, the qualification gates"),
-    "download": ("hybridserve_cli.download", "fill the Hugging Face hub cache with a model's files (images, init containers)"),
+    "download": ("hybridserve_cli.download", "fill the hub cache with a model ahead of time (images, init containers)"),
     "init-model": ("hybridserve_cli.init_model", "write the default model (trained, or --random) to a folder"),
     "train-demo": ("hybridserve_cli.demo_model.train", "train the default model from scratch on the Python stdlib"),
     "health": ("hybridserve_cli.health", "exit 0 when a server's grpc.health.v1 check says SERVING (probes)"),

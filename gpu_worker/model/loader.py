@@ -5,9 +5,10 @@ optional `generation_config.json` and `tokenizer.json`. Weights are memory maps 
 (safetensors maps each file copy-on-write; a tensor keeps its mapping alive after the file is closed), so
 loading reads no file into memory of its own: pages come in as the fingerprint and the placement touch
 them, and on CPU a parameter in the checkpoint's dtype stays the mapped page. Shards are opened, and
-their read-ahead started, concurrently: one thread each, up to MAX_LOAD_THREADS. Every failure is an InvalidArgumentError that names
-the file and what to do; weight errors name the checkpoint tensors. The returned model is in eval mode on
-the requested device/dtype; Mamba's A_log, D and dt_bias and the MoE routers stay float32."""
+their read-ahead started, concurrently: one thread each, up to MAX_LOAD_THREADS. Every failure is an
+InvalidArgumentError that names the file and what to do; weight errors name the checkpoint tensors.
+The returned model is in eval mode on the requested device/dtype; Mamba's A_log, D and dt_bias and the
+MoE routers stay float32."""
 
 from __future__ import annotations
 
@@ -267,7 +268,7 @@ def fingerprint_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -
         t = tensors[name].contiguous().reshape(-1)
         h.update(f"{name}|{t.dtype}|{list(t.shape)}".encode())
         if t.numel():
-            h.update(t.view(torch.uint8).numpy())  # the buffer itself: no copy of the (mapped) bytes
+            h.update(t.view(torch.uint8).numpy().data)  # the buffer itself: no copy of the mapped bytes
     return h.hexdigest()
 
 

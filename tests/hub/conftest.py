@@ -36,7 +36,9 @@ class Hub:
     def env(self, home: Path, **extra: str) -> dict[str, str]:
         """A child's environment: this hub, a private HF_HOME (no token file), no HF_* of the caller."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
-        return env | {"HF_ENDPOINT": self.server.endpoint, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1"} | extra
+        return (
+            env | {"HF_ENDPOINT": self.server.endpoint, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1"} | extra
+        )
 
 
 def run_cli(*args: str, env: dict[str, str], timeout_s: float = 120) -> subprocess.CompletedProcess[str]:

@@ -86,7 +86,9 @@ class StandInHub:
 
     def fetched_files(self) -> set[str]:
         """File names the client downloaded (GET on resolve)."""
-        return {p.split("/resolve/", 1)[1].split("/", 1)[1] for m, p, _ in self.requests if m == "GET" and "/resolve/" in p}
+        return {
+            p.split("/resolve/", 1)[1].split("/", 1)[1] for m, p, _ in self.requests if m == "GET" and "/resolve/" in p
+        }
 
     def __enter__(self) -> StandInHub:
         for thread in self._threads:
@@ -191,4 +193,3 @@ def _handler(hub: StandInHub, is_cdn: bool) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(body)
 
     return Handler
-

@@ -38,7 +38,9 @@ def test_download_again_offline_resolves_from_the_cache(hub, filled_cache, tmp_p
 
 
 def test_gated_repo_downloads_with_hf_token(hub, tmp_path) -> None:
-    done = run_cli("download", GATED_ID, "--download-dir", str(tmp_path / "hub"), env=hub.env(tmp_path, HF_TOKEN=GATED_TOKEN))
+    done = run_cli(
+        "download", GATED_ID, "--download-dir", str(tmp_path / "hub"), env=hub.env(tmp_path, HF_TOKEN=GATED_TOKEN)
+    )
     assert done.returncode == 0, done.stderr
     snapshot = Path(done.stdout.strip())
     assert snapshot.parent == tmp_path / "hub" / "models--tiny-org--gated-hybrid" / "snapshots"
@@ -76,7 +78,9 @@ def test_download_errors_are_one_line_and_exit_2(hub, tmp_path, args, env_extra,
 
 def test_worker_and_gateway_give_the_same_one_line_errors(hub, tmp_path) -> None:
     offline = hub.env(tmp_path, HF_HUB_OFFLINE="1")
-    done = run_cli("worker", "--model", REPO_ID, "--download-dir", str(tmp_path / "empty"), "--device", "cpu", env=offline)
+    done = run_cli(
+        "worker", "--model", REPO_ID, "--download-dir", str(tmp_path / "empty"), "--device", "cpu", env=offline
+    )
     _one_line_exit_2(done, "hybridserve worker:", REPO_ID, "HF_HUB_OFFLINE")
     env = hub.env(tmp_path)
     done = run_cli("gateway", "--workers", "127.0.0.1:1", "--model", "tiny-org/no-such-model", "--port", "0", env=env)
