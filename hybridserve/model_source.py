@@ -115,10 +115,8 @@ def download_snapshot(
         folder = huggingface_hub.snapshot_download(
             repo_id, revision=revision, cache_dir=download_dir, allow_patterns=list(files)
         )
-    except Exception as exc:
-        if isinstance(exc, (OSError, ValueError, httpx2.HTTPError)):
-            raise ModelSourceError(hub_error_message(exc, repo_id, revision, cache)) from None
-        raise
+    except (OSError, ValueError, httpx2.HTTPError) as exc:  # every error the hub client raises on purpose
+        raise ModelSourceError(hub_error_message(exc, repo_id, revision, cache)) from None
     log.info("model %s%s: %s", repo_id, at, folder)
     return Path(folder)
 
