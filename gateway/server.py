@@ -1,7 +1,7 @@
 """`hybridserve gateway`: the OpenAI HTTP API and the proxied gRPC Generation API in front of workers.
 
     hybridserve gateway --workers HOST:PORT[,HOST:PORT...] [--port 8000] [--grpc-port 50050]
-                        [--model DIR] [--api-key-file FILE] [--routing prefix|round-robin]
+                        [--model DIR|ORG/NAME [--revision R]] [--api-key-file FILE] [--routing prefix|round-robin]
 
 Prints `listening on HOST:PORT` (HTTP) first, then `grpc listening on HOST:PORT`. SIGTERM or Ctrl-C:
 readiness turns NOT_SERVING, calls in flight get --grace-s to finish, then the process exits 0."""
@@ -30,6 +30,7 @@ from hybridserve import telemetry
 from hybridserve.auth import load_keys
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.generation_config import GenerationDefaults, read_generation_config
+from hybridserve.model_source import DOWNLOAD_DIR_HELP, GATEWAY_FILES, MODEL_HELP, REVISION_HELP, resolve_model
 from hybridserve.settings import (
     API_KEYS_ENV,
     Flag,
@@ -53,7 +54,9 @@ class GatewaySettings:
     host: str = "127.0.0.1"  # bind address
     port: int = 8000  # HTTP; 0 = a free port
     grpc_port: int = 50050  # the proxied Generation API; 0 = a free port
-    model: Path | None = None  # the workers' model folder: tokenizer.json and the chat template
+    model: str | None = None  # the workers' model (folder or repo id): tokenizer.json and the chat template
+    revision: str | None = None  # with a repo id: branch, tag or commit (None: main)
+    download_dir: Path | None = None  # with a repo id: the hub cache folder (None: huggingface_hub's default)
     served_model_name: str = ""  # the name clients send; "" = the workers' model name
     chat_template: Path | None = None  # a Jinja template file overriding the model's
     api_key_file: Path | None = None  # accepted API keys, one per line
@@ -71,8 +74,12 @@ FLAGS = {
     "port": Flag("HTTP; 0 = a free port"),
     "grpc_port": Flag("the proxied gRPC Generation API; 0 = a free port"),
     "model": Flag(
-        "the workers' model folder: its tokenizer (prefix routing, logprob tokens) and chat template", metavar="DIR"
-    ),  # fmt: skip
+        "the workers' model, " + MODEL_HELP + ": its tokenizer (prefix routing, logprob tokens) and chat template"
+        " (of an id, only those files are downloaded)",
+        metavar="DIR|ORG/NAME",
+    ),
+    "revision": Flag(REVISION_HELP),
+    "download_dir": Flag(DOWNLOAD_DIR_HELP, metavar="DIR"),
     "served_model_name": Flag("the model name clients send (default: the workers' model name)"),
     "chat_template": Flag("a Jinja chat template file", metavar="FILE"),
     "api_key_file": Flag(f"accepted API keys, one per line (or {API_KEYS_ENV}, comma separated)", metavar="FILE"),
@@ -129,12 +136,15 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         keys = load_keys(settings.api_key_file, secret_from_env(API_KEYS_ENV))
     except OSError as exc:
         raise SystemExit(f"--api-key-file: {exc}") from None
+    model_dir = None
+    if settings.model is not None:
+        model_dir = resolve_model(settings.model, settings.revision, settings.download_dir, GATEWAY_FILES).path
     return GatewayConfig(
         workers=workers,
         host=settings.host,
         port=settings.port,
         grpc_port=settings.grpc_port,
-        model_dir=settings.model,
+        model_dir=model_dir,
         served_model_name=settings.served_model_name,
         chat_template=settings.chat_template,
         api_keys=keys,

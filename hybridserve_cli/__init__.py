@@ -18,6 +18,8 @@ import importlib
 import logging
 import sys
 
+from hybridserve.model_source import ModelSourceError
+
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("hybridserve_cli.up", "start scheduler, worker (and cache) on this machine with embedded defaults"),
@@ -28,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("hybridserve_cli.generate", "stream a completion from a running worker"),
     "bench": ("hybridserve_cli.loadgen", "drive N closed-loop clients against a worker and print a summary"),
     "qualify": ("hybridserve_cli.qualify.command", "two worker profiles, one seeded workload, the qualification gates"),
+    "download": ("hybridserve_cli.download", "fill the hub cache with a model ahead of time (images, init containers)"),
     "init-model": ("hybridserve_cli.init_model", "write the default model (trained, or --random) to a folder"),
     "train-demo": ("hybridserve_cli.demo_model.train", "train the default model from scratch on the Python stdlib"),
     "health": ("hybridserve_cli.health", "exit 0 when a server's grpc.health.v1 check says SERVING (probes)"),
@@ -58,4 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except ModelSourceError as exc:  # --model names nothing servable: one line, the usage exit code
+        print(f"hybridserve {args.command}: {exc}", file=sys.stderr, flush=True)
+        return 2

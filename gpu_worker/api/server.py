@@ -23,6 +23,7 @@ from gpu_worker.runner.step_split import prefill_chunk_cap
 from gpu_worker.runner.tuning import freeze_startup_objects, keep_freed_memory
 from hybridserve import grpc_server
 from hybridserve.auth import load_keys, load_secret
+from hybridserve.model_source import DOWNLOAD_DIR_HELP, MODEL_HELP, REVISION_HELP, resolve_model
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
 from hybridserve.settings import (
     API_KEYS_ENV,
@@ -45,7 +46,9 @@ class WorkerServerSettings:
     """`hybridserve worker`'s own settings; with EngineSettings, RunnerConfig and SchedulerConfig, its
     flags (or HYBRIDSERVE_WORKER_* variables)."""
 
-    model: Path | None = None  # checkpoint folder (Hugging Face Bamba format)
+    model: str | None = None  # a checkpoint folder or a Hugging Face repo id (hybridserve.model_source)
+    revision: str | None = None  # with a repo id: branch, tag or commit (None: main)
+    download_dir: Path | None = None  # with a repo id: the hub cache folder (None: huggingface_hub's default)
     host: str = "127.0.0.1"  # bind address
     port: int = 50052  # 0 picks a free port
     prefix_caching: bool = True  # reuse cached prefixes (KV + Mamba state at block boundaries)
@@ -59,7 +62,9 @@ class WorkerServerSettings:
 
 
 FLAGS = {
-    "model": Flag("checkpoint folder (Hugging Face Bamba format); see `hybridserve init-model`", metavar="DIR"),
+    "model": Flag(MODEL_HELP + "; see `hybridserve init-model`", metavar="DIR|ORG/NAME"),
+    "revision": Flag(REVISION_HELP),
+    "download_dir": Flag(DOWNLOAD_DIR_HELP, metavar="DIR"),
     "host": Flag("bind address"),
     "port": Flag("0 picks a free port"),
     "scheduler_addresses": Flag("scheduler address(es), comma separated: host:port[,host:port]", name="--scheduler"),
@@ -256,15 +261,16 @@ def engine_alive(engine: Engine) -> bool:
 def run(args: argparse.Namespace) -> int:
     server_settings = settings_from_args_of(WorkerServerSettings, args)
     if server_settings.model is None:
-        raise SystemExit("--model DIR is required (write the default model with `hybridserve init-model DIR`)")
+        raise SystemExit("--model DIR|ORG/NAME is required (write the default model with `hybridserve init-model DIR`)")
+    source = resolve_model(server_settings.model, server_settings.revision, server_settings.download_dir)
     settings = settings_from_args(args)
     tls = settings_from_args_of(TlsSettings, args)
     keys = api_keys(server_settings)
     keep_freed_memory()  # glibc: reuse freed activation memory instead of page-faulting it back each step
     stop_telemetry = start_service_telemetry("hybridserve-worker", server_settings.metrics_port, server_settings.host)
-    observers = observers_from_settings(observer_settings(server_settings), model_name=Path(server_settings.model).name)
-    runner = build_runner(server_settings.model, settings.runner)
-    log.info("model %s loaded: %s", server_settings.model, runner.describe())
+    observers = observers_from_settings(observer_settings(server_settings), model_name=source.served_name)
+    runner = build_runner(source.path, settings.runner)
+    log.info("model %s loaded from %s: %s", source.served_name, source.path, runner.describe())
     settings = with_chunk_cap(settings, args, runner)
     client = SchedulerClient(
         settings.scheduler_addresses,
@@ -277,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix)
     freeze_startup_objects()  # full collections skip the model's and the libraries' objects
     engine.start()
-    servicer = GenerationServicer(engine, model_name=server_settings.model.name)
+    servicer = GenerationServicer(engine, model_name=source.served_name)
     server, port, health = grpc_server.create_server(
         [add_to_server(servicer)], host=server_settings.host, port=server_settings.port,
         max_workers=server_threads(engine), tls=tls, keys=keys,  # a stream holds a thread to its end

@@ -2,14 +2,21 @@
 
 Folder layout: `config.json`; `model.safetensors` or `model.safetensors.index.json` + its shards;
 optional `generation_config.json` (EOS ids, sampling defaults) and `tokenizer.json` (with its
-`tokenizer_config.json`). Every failure is an InvalidArgumentError that names the file and what to do;
-weight errors name the checkpoint tensors. The returned model is in eval mode on
-the requested device/dtype; Mamba's A_log, D and dt_bias and the MoE routers stay float32."""
+`tokenizer_config.json`). Weights are memory maps of the safetensors files
+(safetensors maps each file copy-on-write; a tensor keeps its mapping alive after the file is closed), so
+loading reads no file into memory of its own: pages come in as the fingerprint and the placement touch
+them, and on CPU a parameter in the checkpoint's dtype stays the mapped page. Shards are opened, and
+their read-ahead started, concurrently: one thread each, up to MAX_LOAD_THREADS. Every failure is an
+InvalidArgumentError that names the file and what to do; weight errors name the checkpoint tensors.
+The returned model is in eval mode on the requested device/dtype; Mamba's A_log, D and dt_bias and the
+MoE routers stay float32."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,7 @@ from hybridserve.generation_config import GenerationDefaults, read_generation_co
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MAX_LOAD_THREADS = 8  # shards opened at once
 FLOAT32_PARAMS = ("mixer.A_log", "mixer.D", "mixer.dt_bias", "router.weight", "router.bias")
 
 
@@ -127,11 +135,15 @@ def read_weights(root: Path) -> dict[str, torch.Tensor]:
         weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise InvalidArgumentError(f"{index_path}: not a valid safetensors index ({exc})") from exc
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
         if not (root / shard).exists():
             raise InvalidArgumentError(f"{index_path}: shard {shard} is listed but missing from the folder")
-        tensors.update(_load_safetensors(root / shard))
+    tensors: dict[str, torch.Tensor] = {}
+    threads = max(1, min(len(shards), MAX_LOAD_THREADS, os.cpu_count() or 1))
+    with ThreadPoolExecutor(threads, thread_name_prefix="load-shard") as pool:
+        for part in pool.map(_load_safetensors, [root / shard for shard in shards]):  # in order: the first error
+            tensors.update(part)
     missing = sorted(set(weight_map) - set(tensors))
     if missing:
         raise InvalidArgumentError(f"{index_path}: tensors {missing[:5]} are indexed but not in their shards")
@@ -139,10 +151,22 @@ def read_weights(root: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors, each a view of the file's memory map (see the module docstring). The kernel is
+    asked to read the file ahead in the background, so the shards' reads overlap."""
     try:
+        _read_ahead(path)
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise InvalidArgumentError(f"{path}: corrupted or unreadable safetensors file ({exc})") from exc
+
+
+def _read_ahead(path: Path) -> None:
+    if hasattr(os, "posix_fadvise"):  # Linux and most Unixes; a hint, so elsewhere the first touch reads
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 def build_model(
@@ -249,5 +273,6 @@ def fingerprint_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -
     for name in sorted(tensors):
         t = tensors[name].contiguous().reshape(-1)
         h.update(f"{name}|{t.dtype}|{list(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.view(torch.uint8).numpy().data)  # the buffer itself: no copy of the mapped bytes
     return h.hexdigest()

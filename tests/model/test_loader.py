@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpu_worker.model.loader import checkpoint_tensors, load_model, parse_config
+from gpu_worker.model.loader import checkpoint_tensors, load_model, parse_config, read_weights
 from hybridserve.errors import InvalidArgumentError
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 from tests.model.model_helpers import hf_logits, make_runner, run_schedule, save_hf_model
@@ -34,6 +34,34 @@ def test_unsharded_and_sharded_round_trip(small_checkpoint, tmp_path: Path) -> N
     ref = hf_logits(hf, ids)
     for folder in (path, sharded):
         assert (run_schedule(make_runner(folder), ids, [29]) - ref).abs().max().item() <= 1e-4
+
+
+def _mapped_files() -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's file-backed memory mappings (Linux)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            out.append((start, end, fields[5]))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_weights_are_memory_maps_of_their_shards(small_checkpoint, tmp_path: Path) -> None:
+    hf, _ = small_checkpoint
+    sharded = save_hf_model(hf, tmp_path / "sharded", max_shard_size="40KB")
+    tensors = read_weights(sharded)  # each shard opened, mapped and closed in a thread of its own
+    maps = _mapped_files()
+    backing = {
+        name: next((path for start, end, path in maps if start <= t.data_ptr() < end), None)
+        for name, t in tensors.items()
+        if t.numel()
+    }
+    shards = {str(p.resolve()) for p in sharded.glob("model-*.safetensors")}
+    assert set(backing.values()) == shards, "every tensor lies in a mapping of its shard, every shard is mapped"
+    reference = load_file(next(iter(sorted(sharded.glob("model-*.safetensors")))))
+    assert all(torch.equal(tensors[n], t) for n, t in reference.items()), "valid after the files were closed"
 
 
 def test_fingerprint_tracks_weights_and_config(small_checkpoint, tmp_path: Path) -> None:
