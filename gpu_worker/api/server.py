@@ -14,6 +14,7 @@ from gpu_worker.api import lifecycle
 from gpu_worker.api.service import GenerationServicer, add_to_server, server_threads
 from gpu_worker.cache.manager import PrefixCacheManager
 from gpu_worker.cache.remote import SharedTier, SharedTierAccess
+from gpu_worker.engine.admission import max_model_len_limit
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
@@ -299,10 +300,9 @@ def run(args: argparse.Namespace) -> int:
     )
     access = shared_tier_access(server_settings, tls) if settings.cache_address else None
     prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching, access)
-    engine = refuse_on_invalid(
-        Engine, runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix
-    )
-    log.info("max_model_len %d: %s", engine.model_len.tokens, engine.model_len.source)
+    model_len = refuse_on_invalid(max_model_len_limit, runner, settings)  # an impossible --max-model-len ends here
+    log.info("max_model_len %d: %s", model_len.tokens, model_len.source)
+    engine = Engine(runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix)
     freeze_startup_objects()  # full collections skip the model's and the libraries' objects
     engine.start()
     servicer = GenerationServicer(engine, model_name=server_settings.model.name)

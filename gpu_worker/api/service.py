@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 
 from gpu_worker.api.convert import generation_input_from_pb
-from gpu_worker.engine.admission import build_request
+from gpu_worker.engine.admission import build_request, max_model_len_limit
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.request import RequestOutput
 from hybridserve import grpc_server
@@ -114,15 +114,15 @@ class GenerationServicer:
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.GetInfoResponse:
         engine, runner = self.engine, self.engine.runner
         counters, settings = engine.counters, engine.settings
-        cache, memory = engine.prefix.stats(), runner.memory
+        cache, memory, model_len = engine.prefix.stats(), runner.memory, max_model_len_limit(runner, settings)
         return pb.GetInfoResponse(
             model=self.model_name,
             architecture=runner.config.architecture,
             model_fingerprint=runner.loaded.fingerprint,
             device=str(runner.device),
             dtype=str(runner.loaded.dtype).removeprefix("torch."),
-            max_model_len=engine.model_len.tokens,
-            max_model_len_source=engine.model_len.source,
+            max_model_len=model_len.tokens,
+            max_model_len_source=model_len.source,
             vocab_size=runner.config.vocab_size,
             kv_page_size=runner.kv_page_size_tokens,
             block_size=settings.scheduler.block_size,

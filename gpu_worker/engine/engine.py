@@ -25,7 +25,6 @@ from concurrent.futures import Future
 
 from gpu_worker.cache.interface import NoPrefixCache, PrefixCache
 from gpu_worker.engine import failures
-from gpu_worker.engine.admission import max_model_len_limit
 from gpu_worker.engine.allocator import Allocator
 from gpu_worker.engine.door import Door
 from gpu_worker.engine.observer import EngineObserver, finished_record, queued_record, served_slices
@@ -65,7 +64,6 @@ class Engine:
     ) -> None:
         self.runner = runner
         self.settings = settings
-        self.model_len = max_model_len_limit(runner, settings)  # an impossible --max-model-len is refused here
         self.counters = EngineCounters()
         self.share = ShareAccountant(settings.scheduler)  # the prefill compute share's accounting
         self.observer = observer or EngineObserver()

@@ -11,7 +11,9 @@ the profiled step has one sequence, the longest context for attention and the sc
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -91,25 +93,42 @@ def activation_bytes(loaded: LoadedModel, num_tokens: int, page_size: int, max_n
     return peak + logits_bytes(c, max_num_seqs), f"profiled: a step of {num_tokens} prompt tokens"
 
 
-@torch.inference_mode()
 def profile_step_bytes(loaded: LoadedModel, num_tokens: int, page_size: int) -> int:
     """The peak CUDA memory one forward of a `num_tokens`-token prompt allocates beyond what was allocated
     before it (the weights and its temporary pools), with the last token's logits."""
+    device = loaded.device
+    with dummy_step(loaded, num_tokens, page_size) as run:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
+@contextlib.contextmanager
+def dummy_step(loaded: LoadedModel, num_tokens: int, page_size: int) -> Iterator[Callable[[], torch.Tensor]]:
+    """Temporary pools for one `num_tokens`-token prompt and the forward of it (returning its last token's
+    logits [1, vocab]), to be run inside the block; the pools go when it ends."""
     c, device = loaded.config, loaded.device
     num_pages = -(-num_tokens // page_size)
     kv = KVPagePool(num_pages, page_size, c.num_attention_layers, c.num_key_value_heads, c.head_dim, loaded.dtype,
                     device)  # fmt: skip
     states = MambaStatePool(1, 0, c.num_mamba_layers, *state_shapes(c), loaded.dtype, device)
     tokens = tuple(i % c.vocab_size for i in range(num_tokens))
-    batch = Batch((SequenceChunk(tokens, 0, tuple(range(num_pages)), 0),))
-    packed = build_inputs(batch, page_size, states.num_slots, device)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    hidden = loaded.model(packed.input_ids, packed.ctx, kv.layer_caches(), states.layer_states())
-    loaded.model.compute_logits(hidden.index_select(0, packed.last_index))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    del kv, states, hidden, packed
-    torch.cuda.empty_cache()
-    return int(peak)
+    packed = build_inputs(Batch((SequenceChunk(tokens, 0, tuple(range(num_pages)), 0),)), page_size, 1, device)
+    held = [(kv, states, packed)]  # emptied at the end: `run` may outlive the block
+    del kv, states, packed
+
+    @torch.inference_mode()
+    def run() -> torch.Tensor:
+        pool, slots, inputs = held[0]
+        hidden = loaded.model(inputs.input_ids, inputs.ctx, pool.layer_caches(), slots.layer_states())
+        return loaded.model.compute_logits(hidden.index_select(0, inputs.last_index))
+
+    try:
+        yield run
+    finally:
+        held.clear()

@@ -6,12 +6,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from gpu_worker.engine.admission import model_len_limit
-from gpu_worker.model.loader import parse_config
+from gpu_worker.model.loader import load_model, parse_config
 from gpu_worker.runner.memory import GIB, PAGES_WITHOUT_ATTENTION, DeviceMemory, PoolShape, size_pools
+from gpu_worker.runner.profile import dummy_step, estimate_activation_bytes, weights_bytes
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 from hybridserve.errors import InvalidArgumentError
-from hybridserve_cli.init_model import ModelSpec
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
 # Granite-4.0-H-Tiny-like costs in bfloat16: 4 attention layers x 4 KV heads x 128 (K and V), 36 Mamba layers
 # (a 56 MiB state a sequence)
@@ -129,3 +132,30 @@ def test_every_family_reads_max_position_embeddings(arch):
     _, without = parse_config(raw)
     assert without.max_position_embeddings == 0
     assert without.to_canonical_json() == config.to_canonical_json()  # not part of the fingerprint
+
+
+def test_the_profiled_step_runs_a_whole_prompt_over_temporary_pools(tmp_path):
+    """The dummy step the CUDA profile measures, run here on CPU: one prompt of max_num_batched_tokens."""
+    spec = ModelSpec(hidden_size=64, num_hidden_layers=2, attn_layer_indices=(1,))
+    loaded = load_model(write_random_checkpoint(tmp_path / "m", spec, seed=1))
+    with dummy_step(loaded, 37, 4) as run:
+        logits = run()
+    assert logits.shape == (1, loaded.config.vocab_size) and torch.isfinite(logits).all()
+    estimate = estimate_activation_bytes(loaded.config, 2048, 32, 4)
+    assert estimate > 2 * estimate_activation_bytes(loaded.config, 512, 32, 4) > 0  # grows with the step
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]  # float32 weights, untied
+    assert weights_bytes(loaded.model) == sum(t.numel() * t.element_size() for t in tensors) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_pools_take_the_utilised_device_memory(tmp_path):
+    path = write_random_checkpoint(tmp_path / "m", ModelSpec(), seed=1)
+    runner = ModelRunner.from_model_dir(path, RunnerConfig(gpu_memory_utilization=0.3, max_num_seqs=4,
+                                                           num_checkpoint_slots=2, cuda_graph_max_batch=0))  # fmt: skip
+    memory = runner.memory
+    free, total = torch.cuda.mem_get_info()
+    assert memory.source.startswith("gpu-memory-utilization 0.30 of") and memory.device_total_bytes == total
+    assert memory.activation_source.startswith("profiled") and memory.activation_bytes > 0
+    assert memory.budget_bytes <= 0.3 * total - memory.weights_bytes - memory.activation_bytes
+    assert runner.kv_pool.num_pages == memory.num_kv_pages and free > 0.6 * total  # the rest left free

@@ -12,7 +12,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.admission import max_model_len_limit
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 from hybridserve.children import free_port
@@ -110,9 +110,9 @@ def test_a_max_model_len_above_what_the_pool_holds_is_refused_at_start_up(checkp
     runner = ModelRunner.from_model_dir(checkpoint, config)
     pool = runner.kv_pool.num_pages * 4
     settings = EngineSettings(scheduler=SCHEDULER, runner=config, scheduler_addresses=("127.0.0.1:1",))
-    assert Engine(runner, print, settings).model_len.tokens == pool  # the checkpoint's 262144 positions: capped
+    assert max_model_len_limit(runner, settings).tokens == pool  # the checkpoint's 262144 positions: capped
     with pytest.raises(InvalidArgumentError, match=f"--max-model-len {pool + 1} exceeds the {pool} tokens"):
-        Engine(runner, print, replace(settings, max_model_len=pool + 1))
+        max_model_len_limit(runner, replace(settings, max_model_len=pool + 1))
     runner.close()
     worker = subprocess.run(
         [sys.executable, "-m", "hybridserve_cli", "worker", "--model", str(checkpoint), "--device", "cpu",
