@@ -25,6 +25,7 @@ from hybridserve.errors import InvalidArgumentError
 
 PAGES_WITHOUT_ATTENTION = 1 << 16
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +67,19 @@ class MemorySplit:
 
     def describe(self) -> str:
         """One log line: the source, then each pool's count and size."""
+        how = f", {self.activation_source}" if self.activation_source else ""
         return (
-            f"memory {self.budget_bytes / GIB:.2f} GiB for the pools ({self.source}; weights"
-            f" {self.weights_bytes / GIB:.2f} GiB, activations {self.activation_bytes / GIB:.2f} GiB"
-            f"{', ' + self.activation_source if self.activation_source else ''}):"
-            f" KV {self.num_kv_pages} pages {self.kv_pool_bytes / GIB:.2f} GiB, state {self.num_state_slots} slots"
-            f" {self.state_pool_bytes / GIB:.2f} GiB, checkpoints {self.num_checkpoint_slots}"
-            f" {self.checkpoint_pool_bytes / GIB:.2f} GiB"
+            f"memory {size_text(self.budget_bytes)} for the pools ({self.source}; weights"
+            f" {size_text(self.weights_bytes)}, activations {size_text(self.activation_bytes)}{how}):"
+            f" KV {self.num_kv_pages} pages {size_text(self.kv_pool_bytes)}, state {self.num_state_slots} slots"
+            f" {size_text(self.state_pool_bytes)}, checkpoints {self.num_checkpoint_slots}"
+            f" {size_text(self.checkpoint_pool_bytes)}"
         )
+
+
+def size_text(num_bytes: int) -> str:
+    """A size for people: GiB from 1 GiB, MiB below."""
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / MIB:.1f} MiB"
 
 
 def device_budget(
