@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpu_worker.api import lifecycle
 from gpu_worker.api.service import GenerationServicer, add_to_server, server_threads
 from gpu_worker.cache.manager import PrefixCacheManager
 from gpu_worker.cache.remote import SharedTier, SharedTierAccess
+from gpu_worker.engine.admission import max_model_len_limit
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
@@ -23,6 +25,7 @@ from gpu_worker.runner.step_split import prefill_chunk_cap
 from gpu_worker.runner.tuning import freeze_startup_objects, keep_freed_memory
 from hybridserve import grpc_server
 from hybridserve.auth import load_keys, load_secret
+from hybridserve.errors import InvalidArgumentError
 from hybridserve.model_source import DOWNLOAD_DIR_HELP, MODEL_HELP, REVISION_HELP, resolve_model
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
 from hybridserve.settings import (
@@ -39,6 +42,7 @@ from scheduler_svc.client import SchedulerClient
 from scheduler_svc.flags import add_config_arguments, chunk_cap_is_auto, config_from_args
 
 log = logging.getLogger("hybridserve.worker")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +76,22 @@ FLAGS = {
     "async_scheduling": Flag("plan step N+1 while step N runs"),
     "max_queue_len": Flag("waiting requests at most; more get RESOURCE_EXHAUSTED"),
     "default_max_tokens": Flag("max_tokens of a request that leaves it at 0"),
-    "max_model_len": Flag("prompt + max_tokens limit (0 = what the KV pool holds)"),
+    "max_model_len": Flag(
+        "prompt + max_tokens limit; 0 = the checkpoint's max_position_embeddings, capped by what the KV pool holds"
+        " (a value above what the pool holds is refused at start-up)"
+    ),
     "scheduler_deadline_s": Flag("seconds one PlanStep call may take"),
     "scheduler_give_up_s": Flag("fail in-flight requests when no scheduler answers for this long"),
     "prefix_caching": Flag("reuse cached prefixes (KV + Mamba state at block boundaries)"),
     "memory_budget_bytes": Flag(
-        "KV pages + Mamba state slots + checkpoints, MiB", name="--memory-budget-mb", scale=1 << 20
+        "KV pages + Mamba state slots + checkpoints, MiB; 0 = auto: on CUDA --gpu-memory-utilization of the"
+        " device, on CPU 256; when set it wins over --gpu-memory-utilization",
+        name="--memory-budget-mb",
+        scale=1 << 20,
+    ),
+    "gpu_memory_utilization": Flag(
+        "on CUDA, the fraction of the device's memory this worker may use: less the weights and the activation"
+        " budget (a profiled worst-case step), the rest goes to KV pages, state slots and checkpoints"
     ),
     "num_checkpoint_slots": Flag("Mamba state checkpoints kept on the worker (one per cached block)"),
     "checkpoint_memory_bytes": Flag(
@@ -145,7 +159,8 @@ ENGINE_FIELDS = (
     "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s",
 )  # fmt: skip
 RUNNER_FIELDS = (
-    "memory_budget_bytes", "num_checkpoint_slots", "checkpoint_memory_bytes", "device", "dtype", "cpu_threads",
+    "memory_budget_bytes", "gpu_memory_utilization", "num_checkpoint_slots", "checkpoint_memory_bytes", "device",
+    "dtype", "cpu_threads",
     "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "model_process",
     "model_process_min_rows", "model_processes", "model_process_split_min_tokens", "model_process_lone_threads",
     "cpu_warm_rows",
@@ -192,8 +207,9 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     # so the planner need not stop a prompt's last chunk at its last boundary.
     scheduler = config_from_args(args, stop_at_last_boundary=False)
     runner = settings_from_args_of(
-        RunnerConfig, args, kv_page_size_tokens=scheduler.kv_page_size, max_num_seqs=scheduler.max_num_seqs
-    )
+        RunnerConfig, args, kv_page_size_tokens=scheduler.kv_page_size, max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+    )  # fmt: skip
     return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner)
 
 
@@ -253,6 +269,15 @@ def api_keys(server: WorkerServerSettings) -> frozenset[str]:
         raise SystemExit(f"--api-key-file: {exc}") from None
 
 
+def refuse_on_invalid(build: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`build(*args, **kwargs)`; a setting that cannot be served (InvalidArgumentError: the memory does not
+    fit, an impossible --max-model-len) ends the start-up with its one-line message instead of a traceback."""
+    try:
+        return build(*args, **kwargs)
+    except InvalidArgumentError as exc:
+        raise SystemExit(f"worker: {exc}") from None
+
+
 def engine_alive(engine: Engine) -> bool:
     """Liveness: the engine's loop still runs."""
     return engine.is_alive()
@@ -269,8 +294,9 @@ def run(args: argparse.Namespace) -> int:
     keep_freed_memory()  # glibc: reuse freed activation memory instead of page-faulting it back each step
     stop_telemetry = start_service_telemetry("hybridserve-worker", server_settings.metrics_port, server_settings.host)
     observers = observers_from_settings(observer_settings(server_settings), model_name=source.served_name)
-    runner = build_runner(source.path, settings.runner)
+    runner = refuse_on_invalid(build_runner, source.path, settings.runner)
     log.info("model %s loaded from %s: %s", source.served_name, source.path, runner.describe())
+    log.info("%s", runner.memory.describe())
     settings = with_chunk_cap(settings, args, runner)
     client = SchedulerClient(
         settings.scheduler_addresses,
@@ -280,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
     )
     access = shared_tier_access(server_settings, tls) if settings.cache_address else None
     prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching, access)
+    model_len = refuse_on_invalid(max_model_len_limit, runner, settings)  # an impossible --max-model-len ends here
+    log.info("max_model_len %d: %s", model_len.tokens, model_len.source)
     engine = Engine(runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix)
     freeze_startup_objects()  # full collections skip the model's and the libraries' objects
     engine.start()

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 
 from gpu_worker.api.convert import generation_input_from_pb
-from gpu_worker.engine.admission import build_request, max_model_len
+from gpu_worker.engine.admission import build_request, max_model_len_limit
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.request import RequestOutput
 from hybridserve import grpc_server
@@ -114,14 +114,15 @@ class GenerationServicer:
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.GetInfoResponse:
         engine, runner = self.engine, self.engine.runner
         counters, settings = engine.counters, engine.settings
-        cache = engine.prefix.stats()
+        cache, memory, model_len = engine.prefix.stats(), runner.memory, max_model_len_limit(runner, settings)
         return pb.GetInfoResponse(
             model=self.model_name,
             architecture=runner.config.architecture,
             model_fingerprint=runner.loaded.fingerprint,
             device=str(runner.device),
             dtype=str(runner.loaded.dtype).removeprefix("torch."),
-            max_model_len=max_model_len(runner, settings),
+            max_model_len=model_len.tokens,
+            max_model_len_source=model_len.source,
             vocab_size=runner.config.vocab_size,
             kv_page_size=runner.kv_page_size_tokens,
             block_size=settings.scheduler.block_size,
@@ -145,6 +146,15 @@ class GenerationServicer:
             prefix_cache_hits=cache.prefix_cache_hits,
             prefix_cache_declined_tokens=cache.num_declined_tokens,
             prefix_cache_miss_reasons=cache.miss_reasons or {},
+            memory_budget_bytes=memory.budget_bytes,
+            kv_pool_bytes=memory.kv_pool_bytes,
+            state_pool_bytes=memory.state_pool_bytes,
+            checkpoint_pool_bytes=memory.checkpoint_pool_bytes,
+            num_checkpoint_slots=memory.num_checkpoint_slots,
+            weights_bytes=memory.weights_bytes,
+            activation_budget_bytes=memory.activation_bytes,
+            memory_source=memory.source,
+            device_memory_bytes=memory.device_total_bytes,
         )
 
 

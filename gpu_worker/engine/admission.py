@@ -47,11 +47,53 @@ class GenerationInput:
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens (false: it holds them)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelLenLimit:
+    """The most tokens (prompt + max_tokens) one request may have, and why."""
+
+    tokens: int
+    source: str  # e.g. "max_position_embeddings of config.json (the KV pool holds 250000)"
+
+
+def model_len_limit(asked: int, max_position_embeddings: int, pool_tokens: int) -> ModelLenLimit:
+    """`--max-model-len` when given (`asked` > 0); else the checkpoint's `max_position_embeddings`, capped by
+    what the KV pool holds (`pool_tokens`); the pool alone when the checkpoint names no length.
+
+    A request needs its whole context in KV pages at once, so an asked limit above the pool is refused
+    (InvalidArgumentError, at start-up): a request that long could never run, and capping it silently
+    would hide the misconfiguration. An asked limit above max_position_embeddings is served (hybrids'
+    Mamba layers and NoPE attention carry no position table; the limit is the user's call), and its
+    source says so. The activation budget does not bound a prompt: prompts are computed in chunks of at
+    most max_num_batched_tokens, the step the budget was profiled for."""
+    if pool_tokens <= 0:
+        raise InvalidArgumentError(f"the KV pool holds no tokens ({pool_tokens})")
+    if asked > pool_tokens:
+        raise InvalidArgumentError(
+            f"--max-model-len {asked} exceeds the {pool_tokens} tokens the KV pool holds; lower --max-model-len or"
+            " give the pools more memory (--gpu-memory-utilization, --memory-budget-mb)"
+        )
+    if asked > 0:
+        above = 0 < max_position_embeddings < asked
+        return ModelLenLimit(
+            asked, f"--max-model-len (above max_position_embeddings {max_position_embeddings})" if above
+            else "--max-model-len",
+        )  # fmt: skip
+    if 0 < max_position_embeddings <= pool_tokens:
+        return ModelLenLimit(max_position_embeddings, f"max_position_embeddings (the KV pool holds {pool_tokens})")
+    if max_position_embeddings > pool_tokens:
+        return ModelLenLimit(pool_tokens, f"the KV pool (max_position_embeddings {max_position_embeddings})")
+    return ModelLenLimit(pool_tokens, "the KV pool (config.json names no max_position_embeddings)")
+
+
+def max_model_len_limit(runner: ModelRunner, settings: EngineSettings) -> ModelLenLimit:
+    """This worker's limit (see model_len_limit)."""
+    pool_tokens = runner.kv_pool.num_pages * runner.kv_page_size_tokens
+    return model_len_limit(settings.max_model_len, runner.config.max_position_embeddings, pool_tokens)
+
+
 def max_model_len(runner: ModelRunner, settings: EngineSettings) -> int:
-    """Prompt plus generated tokens one request may reach: the flag, capped by what the KV pool
-    can ever hold."""
-    capacity = runner.kv_pool.num_pages * runner.kv_page_size_tokens
-    return min(settings.max_model_len, capacity) if settings.max_model_len > 0 else capacity
+    """Prompt plus generated tokens one request may reach (see model_len_limit)."""
+    return max_model_len_limit(runner, settings).tokens
 
 
 def build_request(

@@ -18,7 +18,9 @@ class EngineSettings:
     async_scheduling: bool = True  # plan step N+1 while step N runs
     max_queue_len: int = 1024  # waiting requests at most; more get RESOURCE_EXHAUSTED
     default_max_tokens: int = 256  # when a request leaves max_tokens at 0
-    max_model_len: int = 0  # prompt + max_tokens at most; 0 = what the KV pool can hold
+    # prompt + max_tokens at most; 0 = the checkpoint's max_position_embeddings capped by the KV pool
+    # (gpu_worker.engine.admission.model_len_limit)
+    max_model_len: int = 0
     scheduler_deadline_s: float = 2.0  # per PlanStep call
     scheduler_give_up_s: float = 30.0  # no replica answered for this long: fail in-flight requests
     idle_wait_s: float = 0.05  # how long the loop sleeps when there is no work

@@ -83,6 +83,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # the longest sequence (tokens) the checkpoint says it serves; 0 = it names none. A serving limit, not a
+    # shape: it is left out of the fingerprint (two checkpoints that differ only here compute the same)
+    max_position_embeddings: int = 0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -113,7 +116,9 @@ class ModelConfig:
 
     def to_canonical_json(self) -> str:
         """A stable serialisation (sorted keys, inf spelled out) for fingerprints."""
-        return json.dumps(asdict(self), sort_keys=True, default=str, allow_nan=True)
+        fields = asdict(self)
+        del fields["max_position_embeddings"]
+        return json.dumps(fields, sort_keys=True, default=str, allow_nan=True)
 
 
 def _validate(c: ModelConfig) -> None:
@@ -133,6 +138,8 @@ def _validate(c: ModelConfig) -> None:
     for name in positive:
         if getattr(c, name) <= 0:
             raise bad(f"{name} must be positive, got {getattr(c, name)}")
+    if c.max_position_embeddings < 0:
+        raise bad(f"max_position_embeddings must be >= 0, got {c.max_position_embeddings}")
     unknown = sorted(set(c.blocks) - set(BLOCK_KINDS))
     if unknown or not c.blocks:
         raise bad(f"layer types {unknown or 'empty'} are not supported (supported: {', '.join(BLOCK_KINDS)})")

@@ -118,6 +118,7 @@ class ProcessRunner(RunnerFacts):
         self.runner_config = plan.config
         self.kv_bytes_per_token = plan.kv_bytes_per_token
         self.state_bytes_per_request = plan.state_bytes_per_request
+        self.memory = plan.memory
         count, child_config = resolve_processes(config)
         arena = SharedArena("hybridserve-pool")
         self.kv_pool: KVPagePool

@@ -4,8 +4,10 @@ The engine's loop is: build a `Batch` from the plan -> `runner.forward(batch)` -
 The runner knows nothing about requests or queues: the engine allocates pages and slots from
 `runner.kv_pool` / `runner.state_pool`, fills page tables, and frees them when a request ends.
 
-Pool sizing: the state pool gets `max_num_seqs` live slots plus `num_checkpoint_slots` checkpoints; the
-rest of `memory_budget_bytes` becomes KV pages."""
+Pool sizing (gpu_worker.runner.memory): the pools' memory is `memory_budget_bytes` when given (and on CPU,
+CPU_MEMORY_BUDGET_BYTES by default), else on CUDA `gpu_memory_utilization` of the device less the weights
+and the profiled activation budget (gpu_worker.runner.profile). The state pool gets `max_num_seqs` live
+slots plus `num_checkpoint_slots` checkpoints; the rest becomes KV pages."""
 
 from __future__ import annotations
 
@@ -27,19 +29,21 @@ from gpu_worker.runner.batch import Batch, ForwardOutput
 from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from gpu_worker.runner.input_builder import build_inputs
 from gpu_worker.runner.kv_pool import KVPagePool
+from gpu_worker.runner.memory import MemorySplit, PoolShape, size_pools
+from gpu_worker.runner.profile import activation_bytes, device_memory, weights_bytes
 from gpu_worker.runner.shared_memory import Allocator
-from gpu_worker.runner.state_pool import MambaStatePool
+from gpu_worker.runner.state_pool import MambaStatePool, state_shapes
 from gpu_worker.runner.tuning import StepThreads, set_cpu_threads
 from hybridserve.errors import InvalidArgumentError
 
-PAGES_WITHOUT_ATTENTION = 1 << 16
+CPU_MEMORY_BUDGET_BYTES = 256 << 20  # the pools' memory on CPU unless --memory-budget-mb says otherwise
 # The SSD scan's chunk length is a kernel choice: the result does not depend on it (up to float
 # rounding). Checkpoints pick it for GPUs (e.g. 256); on CPU the [chunk x chunk] decay matrices make
 # long chunks slow and pad short prompts to a whole chunk (bench/bench_model.py: 16 prompts of 128
 # tokens 2.3x faster with 64 than with 256). 32 since the packed scan's transposed chunk states and
 # per-chunk carry (bench_prefill, SSD scan ms of a step, 64 -> 32: 32 x 16..256 196 -> 180 and
 # 197 -> 174, 4 x 2,000 277 -> 248 and 265 -> 237, 8 x 256 61 -> 56 and 60 -> 59).
-CPU_SCAN_CHUNK_TOKENS = 32  # a pure-Mamba model still gets page ids for accounting (0 bytes each)
+CPU_SCAN_CHUNK_TOKENS = 32
 DECODE_COMPILE_MODES = ("auto", "on", "off")
 # A step a model process computes alone on the other processes' threads too (RunnerConfig.
 # model_process_lone_threads) from this many tokens: prefill, whose GEMMs split well. A decode row stays
@@ -55,7 +59,11 @@ WIDEN_MIN_TOKENS = 512
 class RunnerConfig:
     """Worker-side model settings, built once from flags."""
 
-    memory_budget_bytes: int = 256 << 20  # KV pages + state slots + checkpoints (bytes)
+    # KV pages + state slots + checkpoints (bytes); 0 = auto: on CUDA gpu_memory_utilization of the device,
+    # on CPU CPU_MEMORY_BUDGET_BYTES
+    memory_budget_bytes: int = 0
+    gpu_memory_utilization: float = 0.9  # on CUDA: the fraction of the device's memory this worker may use
+    max_num_batched_tokens: int = 2048  # the largest step (tokens), profiled for the activation budget
     kv_page_size_tokens: int = 16  # tokens per KV page
     max_num_seqs: int = 32  # live Mamba state slots = most requests running at once
     num_checkpoint_slots: int = 64  # Mamba state checkpoints kept on the worker (one per cached block)
@@ -92,11 +100,15 @@ class RunnerConfig:
     cpu_warm_rows: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("memory_budget_bytes", "kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens"):
+        positive = ("kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens", "max_num_batched_tokens")
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.checkpoint_memory_bytes < 0:
-            raise InvalidArgumentError(f"checkpoint_memory_bytes must be >= 0, got {self.checkpoint_memory_bytes}")
+        for name in ("memory_budget_bytes", "checkpoint_memory_bytes"):
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         names = (
             "cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "model_processes", "cpu_warm_rows",
             "model_process_lone_threads",
@@ -129,19 +141,39 @@ class PoolPlan:
     """The pools' sizes for a model and a config (the worker and its model process compute the same)."""
 
     loaded: LoadedModel
-    config: RunnerConfig  # with num_checkpoint_slots resolved from checkpoint_memory_bytes
+    config: RunnerConfig  # with num_checkpoint_slots resolved from the memory split
     kv_bytes_per_token: int
     state_bytes_per_request: int
-    num_pages: int
+    memory: MemorySplit
+
+    @property
+    def num_pages(self) -> int:
+        return self.memory.num_kv_pages
 
     @classmethod
     def of(cls, loaded: LoadedModel, config: RunnerConfig) -> PoolPlan:
+        """Sizes the pools (see gpu_worker.runner.memory); on CUDA this profiles a worst-case step first."""
         c = loaded.config
         kv_bytes = KVPagePool.bytes_per_token(c.num_attention_layers, c.num_key_value_heads, c.head_dim, loaded.dtype)
-        state_bytes = MambaStatePool.bytes_per_slot(c.num_mamba_layers, *_state_shapes(c), loaded.dtype)
-        if config.checkpoint_memory_bytes > 0 and state_bytes > 0:  # an MB budget, LRU within it
-            config = replace(config, num_checkpoint_slots=config.checkpoint_memory_bytes // state_bytes)
-        return cls(loaded, config, kv_bytes, state_bytes, _num_kv_pages(config, kv_bytes, state_bytes))
+        state_bytes = MambaStatePool.bytes_per_slot(c.num_mamba_layers, *state_shapes(c), loaded.dtype)
+        shape = PoolShape(
+            kv_bytes, config.kv_page_size_tokens, state_bytes, config.max_num_seqs, config.num_checkpoint_slots,
+            config.checkpoint_memory_bytes,
+        )  # fmt: skip
+        activations, how = activation_bytes(
+            loaded, config.max_num_batched_tokens, config.kv_page_size_tokens, config.max_num_seqs
+        )
+        budget, source = config.memory_budget_bytes, "--memory-budget-mb"
+        if not budget and loaded.device.type != "cuda":
+            budget, source = CPU_MEMORY_BUDGET_BYTES, f"the CPU default {CPU_MEMORY_BUDGET_BYTES >> 20} MiB"
+        memory = size_pools(
+            shape, weights_bytes=weights_bytes(loaded.model), activation_bytes=activations,
+            device=device_memory(loaded.device), utilization=config.gpu_memory_utilization, budget_bytes=budget,
+            budget_source=source,
+        )  # fmt: skip
+        memory = replace(memory, activation_source=how)
+        config = replace(config, num_checkpoint_slots=memory.num_checkpoint_slots)
+        return cls(loaded, config, kv_bytes, state_bytes, memory)
 
     def build(self, alloc: Allocator | None = None) -> tuple[KVPagePool, MambaStatePool]:
         c, cfg, loaded = self.loaded.config, self.config, self.loaded
@@ -150,15 +182,10 @@ class PoolPlan:
             loaded.dtype, loaded.device, alloc,
         )  # fmt: skip
         state_pool = MambaStatePool(
-            cfg.max_num_seqs, cfg.num_checkpoint_slots, c.num_mamba_layers, *_state_shapes(c), loaded.dtype,
+            cfg.max_num_seqs, cfg.num_checkpoint_slots, c.num_mamba_layers, *state_shapes(c), loaded.dtype,
             loaded.device, alloc,
         )  # fmt: skip
         return kv_pool, state_pool
-
-
-def _state_shapes(c: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """(conv, ssm) state shapes of one Mamba layer for one slot."""
-    return (c.conv_dim, c.mamba_d_conv - 1), (c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
 
 
 class RunnerFacts:
@@ -167,6 +194,7 @@ class RunnerFacts:
 
     loaded: LoadedModel
     runner_config: RunnerConfig
+    memory: MemorySplit  # the pools' memory and where it came from
 
     @property
     def config(self) -> ModelConfig:
@@ -220,6 +248,7 @@ class ModelRunner(RunnerFacts):
         self.runner_config = plan.config
         self.kv_bytes_per_token = plan.kv_bytes_per_token
         self.state_bytes_per_request = plan.state_bytes_per_request
+        self.memory = plan.memory
         self.kv_pool, self.state_pool = pools if pools is not None else plan.build(alloc)
         self._kv_caches = self.kv_pool.layer_caches()
         self._states = self.state_pool.layer_states()
@@ -332,18 +361,3 @@ class ModelRunner(RunnerFacts):
             "num_state_slots": self.state_pool.num_slots,
             "num_checkpoint_slots": self.state_pool.num_checkpoint_slots,
         }
-
-
-def _num_kv_pages(config: RunnerConfig, kv_bytes_per_token: int, state_bytes_per_slot: int) -> int:
-    state_bytes = state_bytes_per_slot * (config.max_num_seqs + config.num_checkpoint_slots)
-    if kv_bytes_per_token == 0:
-        return PAGES_WITHOUT_ATTENTION
-    page_bytes = kv_bytes_per_token * config.kv_page_size_tokens
-    num_pages = (config.memory_budget_bytes - state_bytes) // page_bytes
-    if num_pages < 1:
-        raise InvalidArgumentError(
-            f"memory_budget_bytes={config.memory_budget_bytes} is too small: Mamba state for "
-            f"{config.max_num_seqs} slots + {config.num_checkpoint_slots} checkpoints needs {state_bytes} bytes "
-            f"and one KV page {page_bytes}; raise the budget or lower max_num_seqs / num_checkpoint_slots"
-        )
-    return int(num_pages)

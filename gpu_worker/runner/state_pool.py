@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.model.config import ModelConfig
 from gpu_worker.runner.shared_memory import Allocator
 from hybridserve.errors import InvalidArgumentError, ResourceExhaustedError
+
+
+def state_shapes(c: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """(conv, ssm) state shapes of one Mamba layer for one slot."""
+    return (c.conv_dim, c.mamba_d_conv - 1), (c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
 
 
 class MambaStatePool:

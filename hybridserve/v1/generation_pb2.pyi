@@ -115,7 +115,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "device", "dtype", "max_model_len", "vocab_size", "kv_page_size", "block_size", "num_kv_pages_total", "num_kv_pages_free", "num_state_slots_total", "num_state_slots_free", "kv_bytes_per_token", "state_bytes_per_request", "num_running", "num_waiting", "max_queue_len", "num_steps", "step_wall_seconds", "scheduler_wait_seconds", "num_preemptions", "num_stalled_steps", "async_scheduling", "num_generated_tokens", "architecture", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_declined_tokens", "prefix_cache_miss_reasons")
+    __slots__ = ("model", "model_fingerprint", "device", "dtype", "max_model_len", "vocab_size", "kv_page_size", "block_size", "num_kv_pages_total", "num_kv_pages_free", "num_state_slots_total", "num_state_slots_free", "kv_bytes_per_token", "state_bytes_per_request", "num_running", "num_waiting", "max_queue_len", "num_steps", "step_wall_seconds", "scheduler_wait_seconds", "num_preemptions", "num_stalled_steps", "async_scheduling", "num_generated_tokens", "architecture", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_declined_tokens", "prefix_cache_miss_reasons", "memory_budget_bytes", "kv_pool_bytes", "state_pool_bytes", "checkpoint_pool_bytes", "num_checkpoint_slots", "weights_bytes", "activation_budget_bytes", "memory_source", "device_memory_bytes", "max_model_len_source")
     class PrefixCacheMissReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,16 @@ class GetInfoResponse(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_DECLINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_MISS_REASONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_SOURCE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     device: str
@@ -181,4 +191,14 @@ class GetInfoResponse(_message.Message):
     prefix_cache_hits: int
     prefix_cache_declined_tokens: int
     prefix_cache_miss_reasons: _containers.ScalarMap[str, int]
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_pages_total: _Optional[int] = ..., num_kv_pages_free: _Optional[int] = ..., num_state_slots_total: _Optional[int] = ..., num_state_slots_free: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., state_bytes_per_request: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_wall_seconds: _Optional[float] = ..., scheduler_wait_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_stalled_steps: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., num_generated_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_declined_tokens: _Optional[int] = ..., prefix_cache_miss_reasons: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    memory_budget_bytes: int
+    kv_pool_bytes: int
+    state_pool_bytes: int
+    checkpoint_pool_bytes: int
+    num_checkpoint_slots: int
+    weights_bytes: int
+    activation_budget_bytes: int
+    memory_source: str
+    device_memory_bytes: int
+    max_model_len_source: str
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_pages_total: _Optional[int] = ..., num_kv_pages_free: _Optional[int] = ..., num_state_slots_total: _Optional[int] = ..., num_state_slots_free: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., state_bytes_per_request: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_wall_seconds: _Optional[float] = ..., scheduler_wait_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_stalled_steps: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., num_generated_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_declined_tokens: _Optional[int] = ..., prefix_cache_miss_reasons: _Optional[_Mapping[str, int]] = ..., memory_budget_bytes: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., checkpoint_pool_bytes: _Optional[int] = ..., num_checkpoint_slots: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_budget_bytes: _Optional[int] = ..., memory_source: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., max_model_len_source: _Optional[str] = ...) -> None: ...

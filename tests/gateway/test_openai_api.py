@@ -240,3 +240,22 @@ def test_missing_or_wrong_key_is_401_and_health_stays_open(stack):
     for path in ("/health", "/ready", "/metrics"):
         with urllib.request.urlopen(f"http://{stack.gateway.address}{path}", timeout=10) as response:
             assert response.status == 200
+
+
+def test_a_worker_reports_its_memory_split_and_model_length(stack, model_dir):
+    """GetInfo from a worker process on CPU, given --memory-budget-mb 24, --max-num-seqs 2 and 64 checkpoints."""
+    with grpc.insecure_channel(stack.worker_addresses[0]) as channel:
+        info = pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest(), timeout=30)
+    assert (info.memory_budget_bytes, info.memory_source) == (24 << 20, "--memory-budget-mb")
+    assert info.device_memory_bytes == 0  # CPU
+    assert info.kv_pool_bytes == info.num_kv_pages_total * info.kv_page_size * info.kv_bytes_per_token > 0
+    assert info.state_pool_bytes == 2 * info.state_bytes_per_request > 0
+    assert info.num_checkpoint_slots == 64 and info.checkpoint_pool_bytes == 64 * info.state_bytes_per_request
+    spare = info.memory_budget_bytes - info.kv_pool_bytes - info.state_pool_bytes - info.checkpoint_pool_bytes
+    assert 0 <= spare < info.kv_page_size * info.kv_bytes_per_token
+    assert info.weights_bytes > 0 and info.activation_budget_bytes > 0
+    positions = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    pool_tokens = info.num_kv_pages_total * info.kv_page_size
+    assert info.max_model_len == min(positions, pool_tokens)
+    expected = "max_position_embeddings" if positions <= pool_tokens else "the KV pool"
+    assert info.max_model_len_source.startswith(expected), info.max_model_len_source

@@ -3,15 +3,22 @@ queue, UNAVAILABLE when no scheduler answers, DEADLINE_EXCEEDED for a passed dea
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
 
+from gpu_worker.engine.admission import max_model_len_limit
+from gpu_worker.engine.settings import EngineSettings
+from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 from hybridserve.children import free_port
+from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import generation_pb2 as pb
-from tests.worker.conftest import collect, greedy_request, prompt_of
+from tests.worker.conftest import SCHEDULER, collect, greedy_request, prompt_of
 
 
 def code_and_message(call) -> tuple[grpc.StatusCode, str]:
@@ -95,3 +102,24 @@ def test_deadline_is_honoured(start_worker):
         time.sleep(0.05)
     info = worker.info()
     assert info.num_running == 0 and info.num_kv_pages_free == info.num_kv_pages_total
+
+
+def test_a_max_model_len_above_what_the_pool_holds_is_refused_at_start_up(checkpoint):
+    config = RunnerConfig(memory_budget_bytes=1 << 20, kv_page_size_tokens=4, max_num_seqs=8, num_checkpoint_slots=0,
+                          device="cpu", dtype="float32")  # fmt: skip
+    runner = ModelRunner.from_model_dir(checkpoint, config)
+    pool = runner.kv_pool.num_pages * 4
+    settings = EngineSettings(scheduler=SCHEDULER, runner=config, scheduler_addresses=("127.0.0.1:1",))
+    assert max_model_len_limit(runner, settings).tokens == pool  # the checkpoint's 262144 positions: capped
+    with pytest.raises(InvalidArgumentError, match=f"--max-model-len {pool + 1} exceeds the {pool} tokens"):
+        max_model_len_limit(runner, replace(settings, max_model_len=pool + 1))
+    runner.close()
+    worker = subprocess.run(
+        [sys.executable, "-m", "hybridserve_cli", "worker", "--model", str(checkpoint), "--device", "cpu",
+         "--memory-budget-mb", "1", "--num-checkpoint-slots", "0", "--max-model-len", "100000000",
+         "--scheduler", "127.0.0.1:1", "--port", "0", "--model-process", "off", "--decode-compile", "off"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert worker.returncode != 0 and "Traceback" not in worker.stderr, worker.stderr
+    last = worker.stderr.strip().splitlines()[-1]
+    assert last.startswith("worker: --max-model-len 100000000 exceeds the") and "KV pool holds" in last, last

@@ -98,6 +98,7 @@ def parse(raw: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=get.eos_ids(),
         pad_token_id=raw.get("pad_token_id"),
+        max_position_embeddings=get.integer("max_position_embeddings", default=0),
     )
 
 
