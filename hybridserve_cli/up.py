@@ -1,6 +1,6 @@
 """`hybridserve up`: the whole stack on this machine, on embedded defaults, as child processes.
 
-    hybridserve up [--home DIR] [--model DIR] [--host H] [--scheduler-port P] [--worker-port W]
+    hybridserve up [--home DIR] [--model DIR|ORG/NAME [--revision R]] [--host H] [--scheduler-port P] [--worker-port W]
                    [--gateway-port G] [--gateway-grpc-port R] [--no-cache] [--tls]
                    [--api-key-file FILE] [-- WORKER FLAGS...]
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridserve.children import ChildExited, Interrupted, connect_address, free_port, hybridserve_command
+from hybridserve.model_source import DOWNLOAD_DIR_HELP, MODEL_HELP, REVISION_HELP, ModelSourceError, resolve_model
 from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 from hybridserve_cli import COMMANDS
 from hybridserve_cli.stack import Stack
@@ -45,6 +46,16 @@ _print_lock = threading.Lock()
 Endpoint = tuple[str, str, str]  # (service, address, note)
 
 
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the worker and the gateway are told to serve: `--model` and its flags, and the environment
+    they need (a resolved id: offline, from the cache `up` filled)."""
+
+    spec: str  # --model: a folder, or a repo id
+    flags: tuple[str, ...] = ()  # with an id: --revision COMMIT (and --download-dir)
+    env: tuple[tuple[str, str], ...] = ()
+
+
 class UpError(Exception):
     """A start-up step failed in a way the message explains."""
 
@@ -54,7 +65,9 @@ class UpSettings:
     """`hybridserve up`'s settings: flags, or HYBRIDSERVE_UP_* variables (HYBRIDSERVE_UP_HOME, ...)."""
 
     home: Path = Path(DEFAULT_HOME)  # where the default model (and embedded Redis's folder) live
-    model: Path | None = None  # checkpoint folder to serve; None = HOME/models/default
+    model: str | None = None  # checkpoint folder or Hugging Face repo id to serve; None = HOME/models/default
+    revision: str | None = None  # with a repo id: branch, tag or commit (None: the repo's main)
+    download_dir: Path | None = None  # with a repo id: the hub cache folder (None: huggingface_hub's default)
     host: str = "127.0.0.1"  # bind address of every service
     scheduler_port: int = 50051  # 0 picks a free port
     worker_port: int = 50052
@@ -70,7 +83,13 @@ class UpSettings:
 
 FLAGS = {
     "home": Flag("where the default model lives", metavar="DIR"),
-    "model": Flag("checkpoint folder to serve (default: HOME/models/default, written on first run)", metavar="DIR"),
+    "model": Flag(
+        MODEL_HELP + " (default: HOME/models/default, written on first run); an id is downloaded once, then"
+        " the worker and the gateway read it from the cache offline, at the commit it resolved to",
+        metavar="DIR|ORG/NAME",
+    ),
+    "revision": Flag(REVISION_HELP),
+    "download_dir": Flag(DOWNLOAD_DIR_HELP, metavar="DIR"),
     "host": Flag("bind address of every service"),
     "scheduler_port": Flag("0 picks a free port"),
     "worker_port": Flag("0 picks a free port"),
@@ -108,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
     secrets: StackSecrets | None = None
     try:
         secrets = StackSecrets.create(settings.host, settings.tls, settings.api_key_file)
-        model_dir = ensure_model(settings, stack)
-        endpoints = start_services(settings, model_dir, worker_flags(args.worker_args), stack, secrets)
+        model = ensure_model(settings, stack)
+        endpoints = start_services(settings, model, worker_flags(args.worker_args), stack, secrets)
         print_endpoints(endpoints, secrets)
         watch(stack, stop)
         code = 0
@@ -144,17 +163,16 @@ def worker_flags(raw: list[str]) -> list[str]:
     return raw[1:] if raw[:1] == ["--"] else list(raw)
 
 
-def ensure_model(args: UpSettings, stack: Stack) -> Path:
-    """The checkpoint to serve: --model as given, else HOME/models/default, written on first run."""
+def ensure_model(args: UpSettings, stack: Stack) -> ServedModel:
+    """The checkpoint to serve: --model as given (a folder, or a repo id downloaded here once and
+    then read offline by the children at the commit it resolved to), else HOME/models/default,
+    written on first run."""
     if args.model is not None:
-        model = Path(args.model).expanduser()
-        if not (model / "config.json").is_file():
-            raise UpError(f"--model {model}: no config.json there (a Hugging Face checkpoint folder is expected)")
-        return model
+        return given_model(args)
     model = Path(args.home).expanduser() / "models" / "default"
     if (model / "config.json").is_file():
         log.info("using the default model at %s", model)
-        return model
+        return ServedModel(str(model))
     # Written next to its final place, then renamed: an interrupted first run leaves no half model.
     partial = model.parent / f".default.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
@@ -171,18 +189,38 @@ def ensure_model(args: UpSettings, stack: Stack) -> Path:
                 raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return model
+    return ServedModel(str(model))
+
+
+def given_model(args: UpSettings) -> ServedModel:
+    """--model as given. A folder must hold a config.json. A repo id is resolved (and downloaded)
+    here, once, so a bad id stops `up` before anything starts; the children then get the id pinned
+    to the resolved commit, offline, so both read the very snapshot `up` checked."""
+    assert args.model is not None
+    try:
+        source = resolve_model(args.model, args.revision, args.download_dir)
+    except ModelSourceError as exc:
+        raise UpError(str(exc)) from None
+    if source.repo_id is None:
+        if not (source.path / "config.json").is_file():
+            raise UpError(f"--model {source.path}: no config.json there (a Hugging Face checkpoint folder is expected)")
+        return ServedModel(str(source.path))
+    log.info("serving %s at commit %s from %s", source.repo_id, source.commit, source.path)
+    flags = ["--revision", str(source.commit)]
+    if args.download_dir is not None:
+        flags += ["--download-dir", str(args.download_dir)]
+    return ServedModel(source.repo_id, tuple(flags), (("HF_HUB_OFFLINE", "1"),))
 
 
 def start_services(
-    args: UpSettings, model_dir: Path, worker_args: list[str], stack: Stack, secrets: StackSecrets | None = None
+    args: UpSettings, model: ServedModel, worker_args: list[str], stack: Stack, secrets: StackSecrets | None = None
 ) -> list[Endpoint]:
     """The gateway (the front door; it admits the worker once that is ready), the scheduler, then
     (optionally) Redis and the cache service, then the worker; each waited for. Returns what
     listens where, in start order."""
 
     def env(name: str) -> dict[str, str]:
-        return secrets.env_for(name) if secrets is not None else {}
+        return {**dict(model.env), **(secrets.env_for(name) if secrets is not None else {})}
 
     def tls(name: str) -> list[str]:
         return secrets.tls_flags(name) if secrets is not None else []
@@ -191,12 +229,13 @@ def start_services(
     worker_port = args.worker_port or free_port(args.host)  # the gateway needs it before the worker starts
     grpc_port = args.gateway_grpc_port or free_port(args.host)
     gateway = stack.gateway([connect_address(args.host, worker_port)], args.gateway_port, grpc_port,
-                            ["--model", str(model_dir), *tls("gateway")], env("gateway"))  # fmt: skip
+                            ["--model", model.spec, *model.flags, *tls("gateway")], env("gateway"))  # fmt: skip
     endpoints.append(("gateway", gateway.address, f"(OpenAI HTTP API; gRPC Generation API on port {grpc_port})"))
     scheduler = stack.scheduler(args.scheduler_port, tls("scheduler"), env("scheduler"))
     endpoints.append(("scheduler", scheduler, ""))
     cache = None if args.no_cache else start_cache(args, stack, secrets, endpoints)
-    worker = stack.worker(model_dir, [scheduler], cache, worker_port, [*tls("worker"), *worker_args], env("worker"))
+    worker = stack.worker(model.spec, [scheduler], cache, worker_port, [*model.flags, *tls("worker"), *worker_args],
+                          env("worker"))  # fmt: skip
     endpoints.append(("worker", worker.address, "(Generation API)"))
     wait_gateway_ready(gateway.address, args.start_timeout, stack)
     return endpoints
