@@ -1,29 +1,64 @@
 #!/bin/sh
-# The image's entry point: `hybridserve ARGS...`, except that `worker` given no --model (and no
-# HYBRIDSERVE_WORKER_MODEL) serves the default model from the model volume, writing it there on first
-# start. It is written to a temporary folder beside its final place and renamed, so a worker
-# stopped half-way leaves no half model, and two workers sharing the volume both end up with one.
+# The image's entry point: `hybridserve ARGS...`, except for `worker`:
+# - given no model (no --model, no HYBRIDSERVE_WORKER_MODEL), it serves the default model from the
+#   model volume, writing it there on first start. It is written to a temporary folder beside its
+#   final place and renamed, so a worker stopped half-way leaves no half model, and two workers
+#   sharing the volume both end up with one.
+# - given a Hugging Face repo id (ORG/NAME, not a path), it first fills the hub cache with
+#   `hybridserve download` (HF_HUB_CACHE, HF_TOKEN and HYBRIDSERVE_WORKER_REVISION as set), then
+#   starts the worker offline, so it serves exactly what was downloaded. Already offline
+#   (HF_HUB_OFFLINE=1, e.g. after an init container downloaded it), it starts at once.
 set -eu
 
-has_model_flag() {
-    for arg in "$@"; do
-        case "$arg" in
-            --model | --model=*) return 0 ;;
+model_arg() {
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --model) echo "${2:-}"; return 0 ;;
+            --model=*) echo "${1#--model=}"; return 0 ;;
         esac
+        shift
     done
     return 1
 }
 
-if [ "${1:-}" = "worker" ] && [ -z "${HYBRIDSERVE_WORKER_MODEL:-}" ] && ! has_model_flag "$@"; then
-    model="${HYBRIDSERVE_HOME:-/models}/default"
-    if [ ! -f "$model/config.json" ]; then
-        partial="$model.partial-$$"
-        rm -rf "$partial"
-        echo "writing the default model to $model (first start)" >&2
-        hybridserve init-model "$partial"
-        mv -T "$partial" "$model" 2>/dev/null || rm -rf "$partial"
+revision_arg() {
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --revision) echo "${2:-}"; return 0 ;;
+            --revision=*) echo "${1#--revision=}"; return 0 ;;
+        esac
+        shift
+    done
+    echo "${HYBRIDSERVE_WORKER_REVISION:-}"
+}
+
+is_repo_id() {  # ORG/NAME that is not a path here
+    case "$1" in
+        /* | ./* | ../* | ~*) return 1 ;;
+        */*/*) return 1 ;;
+        ?*/?*) [ ! -e "$1" ] ;;
+        *) return 1 ;;
+    esac
+}
+
+if [ "${1:-}" = "worker" ]; then
+    model="$(model_arg "$@" || echo "${HYBRIDSERVE_WORKER_MODEL:-}")"
+    if [ -z "$model" ]; then
+        model="${HYBRIDSERVE_HOME:-/models}/default"
+        if [ ! -f "$model/config.json" ]; then
+            partial="$model.partial-$$"
+            rm -rf "$partial"
+            echo "writing the default model to $model (first start)" >&2
+            hybridserve init-model "$partial"
+            mv -T "$partial" "$model" 2>/dev/null || rm -rf "$partial"
+        fi
+        shift
+        set -- worker --model "$model" "$@"
+    elif is_repo_id "$model" && [ "${HF_HUB_OFFLINE:-0}" != "1" ]; then
+        revision="$(revision_arg "$@")"
+        echo "downloading $model${revision:+ at $revision} into the hub cache" >&2
+        hybridserve download "$model" ${revision:+--revision "$revision"} >&2
+        export HF_HUB_OFFLINE=1
     fi
-    shift
-    set -- worker --model "$model" "$@"
 fi
 exec hybridserve "$@"

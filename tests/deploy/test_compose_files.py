@@ -117,3 +117,25 @@ def test_files_use_nothing_compose_v2_only() -> None:
         text = path.read_text()
         for v2_only in ("\ninclude:", "\nname:", "!reset", "!override", "develop:", "required: false"):
             assert v2_only not in text, f"{path.name} uses {v2_only.strip()!r}, which docker-compose 1.29 lacks"
+
+
+def test_the_model_and_its_hub_cache_live_in_the_models_volume(configs: dict[str, dict[str, Any]]) -> None:
+    for file_set, config in configs.items():
+        worker, gateway = config["services"]["worker"], config["services"]["gateway"]
+        assert worker["environment"]["HF_HUB_CACHE"] == gateway["environment"]["HF_HUB_CACHE"] == "/models/hub"
+        assert "HYBRIDSERVE_WORKER_MODEL" in worker["environment"], file_set
+        assert gateway["environment"]["HF_HUB_OFFLINE"] == "1"  # the worker's start downloaded it
+    with_id = rendered_config(FILE_SETS["cpu-node"], config_env(MODEL="ibm-granite/granite-4.0-h-tiny"))
+    services = with_id["services"]
+    assert services["worker"]["environment"]["HYBRIDSERVE_WORKER_MODEL"] == "ibm-granite/granite-4.0-h-tiny"
+    gateway_args = parse_hybridserve([str(a) for a in services["gateway"]["command"]])
+    assert gateway_args.model == "ibm-granite/granite-4.0-h-tiny"
+
+
+def test_gpu_worker_sizes_its_pools_from_the_device(configs: dict[str, dict[str, Any]]) -> None:
+    cpu = parse_hybridserve([str(a) for a in configs["cpu-node"]["services"]["worker"]["command"]])
+    gpu = parse_hybridserve([str(a) for a in configs["gpu-node"]["services"]["worker"]["command"]])
+    assert cpu.memory_budget_bytes == 1024 << 20 and gpu.memory_budget_bytes == 0  # 0: from the device
+    assert gpu.gpu_memory_utilization == 0.9
+    same = ("scheduler_addresses", "cache_address", "port", "block_size", "max_num_seqs", "metrics_port")
+    assert all(getattr(cpu, f) == getattr(gpu, f) for f in same)

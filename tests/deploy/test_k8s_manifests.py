@@ -112,3 +112,30 @@ def test_secrets_are_referenced_never_embedded(rendered: tuple[str, list[dict[st
         assert token["valueFrom"]["secretKeyRef"] == {"name": "hybridserve-cluster", "key": "token"}
     key = worker_env["HYBRIDSERVE_WORKER_CHECKPOINT_KEY"]["valueFrom"]["secretKeyRef"]
     assert key == {"name": "hybridserve-cluster", "key": "checkpoint-key"}
+
+
+def test_the_model_comes_from_one_config_map_and_an_init_container_downloads_it() -> None:
+    for name in KUSTOMIZATIONS:
+        objects = render(name)
+        assert by_kind(objects, "ConfigMap")["hybridserve-model"]["data"] == {"MODEL": "", "MODEL_REVISION": ""}
+        worker = by_kind(objects, "StatefulSet")["worker"]["spec"]["template"]["spec"]
+        (download,) = worker["initContainers"]
+        assert "hybridserve download" in download["args"][0]
+        assert {"name": "models", "mountPath": "/models"} in download["volumeMounts"]
+        assert {e["name"] for e in download["env"]} >= {"HF_HUB_CACHE", "HF_TOKEN"}
+        assert next(e for e in download["env"] if e["name"] == "HF_TOKEN")["valueFrom"]["secretKeyRef"]["optional"]
+        env = {e["name"]: e for e in containers(objects)["worker"]["env"]}
+        assert env["HYBRIDSERVE_WORKER_MODEL"]["valueFrom"]["configMapKeyRef"]["key"] == "MODEL"
+        assert env["HF_HUB_OFFLINE"]["value"] == "1" and env["HF_HUB_CACHE"]["value"] == "/models/hub"
+        gateway_env = {e["name"]: e for e in containers(objects)["gateway"]["env"]}
+        assert gateway_env["HYBRIDSERVE_GATEWAY_MODEL"]["valueFrom"]["configMapKeyRef"]["key"] == "MODEL"
+
+
+def test_gpu_workers_size_their_pools_from_the_device() -> None:
+    base, gpu = containers(render("base")), containers(render("gpu-overlay"))
+    base_env = {e["name"]: e.get("value") for e in base["worker"]["env"]}
+    gpu_env = {e["name"]: e.get("value") for e in gpu["worker"]["env"]}
+    assert base_env["HYBRIDSERVE_WORKER_MEMORY_BUDGET_BYTES"] == str(4 << 30)
+    assert gpu_env["HYBRIDSERVE_WORKER_MEMORY_BUDGET_BYTES"] == "0"  # 0: from --gpu-memory-utilization
+    assert gpu_env["HYBRIDSERVE_WORKER_GPU_MEMORY_UTILIZATION"] == "0.9"
+    assert "--memory-budget-mb" not in base["worker"]["args"]
