@@ -27,8 +27,9 @@ def prose(text: str) -> str:
 
 
 def slug(heading: str) -> str:
-    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"`|\*|_(?=\w)|(?<=\w)_", "", heading.strip().lower())
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to hyphens; an
+    underscore inside a word (max_model_len) stays, one that opens or closes emphasis goes."""
+    text = re.sub(r"`|\*|(?<!\w)_(?=\w)|(?<=\w)_(?!\w)", "", heading.strip().lower())
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
 
