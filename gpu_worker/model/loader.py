@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,8 @@ from gpu_worker.model.model import HybridForCausalLM, rope_inv_freq
 from gpu_worker.model.tokenizer import Tokenizer, load_tokenizer
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.generation_config import GenerationDefaults, read_generation_config
+
+log = logging.getLogger("hybridserve.loader")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,6 +86,7 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     config_path = root / "config.json"
     if not config_path.exists():
         raise InvalidArgumentError(f"{root}: config.json is missing; this is not a Hugging Face checkpoint folder")
+    started = time.perf_counter()
     family, config = read_config(config_path)
     tensors = read_weights(root)
     torch_device = resolve_device(device)
@@ -90,6 +95,11 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     fingerprint = fingerprint_weights(config, tensors)
     model = build_model(family, config, tensors, torch_device, torch_dtype)
     attach_kernels(model, "auto")  # the CUDA backend's kernels on CUDA, the torch reference elsewhere
+    seconds = time.perf_counter() - started
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    mb = size / 1e6
+    log.info("weights loaded: %.1f MB in %.2f s (%.0f MB/s; read, hashed and placed on %s as %s)",
+             mb, seconds, mb / max(seconds, 1e-9), torch_device, str(torch_dtype).removeprefix("torch."))  # fmt: skip
     return LoadedModel(
         model_dir=root,
         config=config,
