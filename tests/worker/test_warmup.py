@@ -21,6 +21,7 @@ from gpu_worker.runner.runner import ModelRunner, RunnerConfig
 from gpu_worker.runner.warmup import DECODE_BATCH_SIZES, PREFILL_TOKENS, scratch_steps
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
+from hybridserve_cli import health
 from tests.procs import ServerProcess
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -80,13 +81,19 @@ def test_ready_means_warm(checkpoint: Path, scheduler: ServerProcess) -> None:
         warming = []
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
         while (seen := probe(channel))[0] != SERVING:
+            if not warming:  # `hybridserve health`, the containers' probe, says the same
+                assert health.check(worker.address, "liveness", 5)[0]
+                serving, said = health.check(worker.address, "readiness", 5)
+                assert not serving and "NOT_SERVING" in said, said
             warming.append((seen[0], seen[1], seen[2].warmup_state))
             assert time.monotonic() < deadline, "readiness did not turn SERVING"
             time.sleep(0.05)
         ready_unix_s = time.time()
         info = seen[2]
+        assert health.check(worker.address, "readiness", 5)[0]
         assert warming, "readiness was SERVING at once, before the decode compile could have ended"
-        assert set(warming) == {(NOT_SERVING, SERVING, "warming")}, warming
+        assert warming[0][2] == "warming" and all(r == NOT_SERVING and live == SERVING for r, live, _ in warming)
+        assert {state for _, _, state in warming} <= {"warming", "warm"}, warming  # warm, then ready
 
         # every part ran and ended before readiness turned SERVING; the compiled decode is attached
         assert info.warmup_state == "warm" and info.decode_compile == "attached", info
