@@ -34,6 +34,8 @@ from hybridserve import grpc_server
 log = logging.getLogger("hybridserve.worker")
 
 FINAL_GRACE_S = 2.0  # after the engine stopped: the last statuses reach their clients
+ENGINE_STOP_S = 10.0  # how long the engine may take to end its step at shutdown
+STOP_WHILE_WARMING_S = 0.5  # ... its warm-up, which can take minutes: not waited for
 WARMING, WARM, SERVING_WHILE_WARMING = "warming", "warm", "serving while warming"
 
 
@@ -51,6 +53,7 @@ class Warmup:
         self.done_unix_s = 0.0  # when it ended (time.time()); readiness turns SERVING after it
         self.on_done: list[Callable[[], None]] = []
         self._done = threading.Event()
+        self._cancelled = False  # the worker is stopping: an error the stop causes is no failure
         if serve_while_warming:
             self._done.set()
 
@@ -67,6 +70,11 @@ class Warmup:
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._done.wait(timeout_s)
 
+    def cancel(self) -> bool:
+        """The worker stops (drain): True when the warm-up was still running (it ends with the process)."""
+        self._cancelled = True
+        return not self.is_done
+
     def run(self) -> None:
         log.info("warming up: readiness turns SERVING once it is done (--serve-while-warming: at once)")
         started = time.monotonic()
@@ -74,8 +82,11 @@ class Warmup:
             self.times = self._runner.warm_up()
             state = WARM
         except Exception as exc:  # the model process gone (liveness says so), or a bug: serve as without it
-            log.exception("warm-up failed after %.1f s; serving anyway", time.monotonic() - started)
             state = f"failed: {type(exc).__name__}: {exc}"[:300]
+            if self._cancelled:
+                log.info("warm-up ended by the stop after %.1f s", time.monotonic() - started)
+            else:
+                log.exception("warm-up failed after %.1f s; serving anyway", time.monotonic() - started)
         self.seconds, self.done_unix_s = time.monotonic() - started, time.time()
         self.state = state
         if state == WARM:
@@ -142,18 +153,21 @@ def drain(
     engine: Engine,
     drain_timeout_s: float,
     poll_s: float = 0.05,
+    warmup: Warmup | None = None,
 ) -> int:
     """Stops admitting, waits up to drain_timeout_s for the requests in flight, ends the rest with
-    UNAVAILABLE and stops the server; returns how many requests were cut."""
+    UNAVAILABLE and stops the server; returns how many requests were cut. Still warming up, nothing
+    runs: the requests waiting for the warm-up end at once, and so does the engine's wait."""
     health.enter_graceful_shutdown()
     servicer.drain()
-    deadline = time.monotonic() + drain_timeout_s
+    warming = warmup is not None and warmup.cancel()
+    deadline = time.monotonic() + (0.0 if warming else drain_timeout_s)
     while engine.num_live and time.monotonic() < deadline and engine.is_alive():
         time.sleep(poll_s)
     cut = engine.num_live
     if cut:
         log.warning("drain timeout (%.0f s): ending %d requests still in flight", drain_timeout_s, cut)
-    engine.stop()  # every request still live ends with UNAVAILABLE
+    engine.stop(STOP_WHILE_WARMING_S if warming else ENGINE_STOP_S)  # every request still live: UNAVAILABLE
     server.stop(FINAL_GRACE_S).wait()
     log.info("drained; stopped")
     return cut

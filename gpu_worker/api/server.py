@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     grpc_server.announce(server_settings.host, port)
     grpc_server.wait_for(stop)
-    lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s)
+    lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s, warmup=warmup)
     watch.stop()  # before the scheduler channel closes: no probe in flight
     client.close()
     observers.close()

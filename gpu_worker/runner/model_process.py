@@ -152,6 +152,7 @@ class ProcessRunner(RunnerFacts):
         self._split = Split(len(self._children), config.model_process_split_min_tokens)
         self._describe: dict[str, Any] = reply[1]
         self._alive = True
+        self._warming_up = False  # warm_up waits for the children
         self.steps_here = 0  # steps run in this process (fewer rows than min_rows)
         self.steps_there = 0  # steps run in the model process(es)
         self.steps_shared = 0  # of those, steps shared among several model processes
@@ -245,19 +246,28 @@ class ProcessRunner(RunnerFacts):
         with self._lock, scratch_steps(self.kv_pool, self.state_pool, self.config.vocab_size) as steps:
             if not self.alive:
                 raise ModelProcessError("the model process is gone; restart the worker")
-            for child in self._children:
-                try:
-                    child.send(("warm_up", steps))
-                    reply = child.receive(WARM_UP_TIMEOUT_S)
-                except (OSError, EOFError, ModelProcessError) as exc:
-                    self._alive = False
-                    raise ModelProcessError("the model process is gone during its warm-up; restart the worker") from exc
-                if reply[0] != "warm":
-                    raise RuntimeError(f"model process warm-up: {reply[1]}")
-                times = times.beside(reply[1])
-            self._describe["decode_compile"] = times.compile_status
+            self._warming_up = True  # a close meanwhile kills the children: none reads its pipe till warm
+            try:
+                times = self._warm_up_children(steps)
+            finally:
+                self._warming_up = False
             if self._local is not None:
                 times = times.beside(self._local.warm_up_with(steps))
+        return times
+
+    def _warm_up_children(self, steps: tuple[Batch, ...]) -> WarmupTimes:
+        times = WarmupTimes()
+        for child in self._children:
+            try:
+                child.send(("warm_up", steps))
+                reply = child.receive(WARM_UP_TIMEOUT_S)
+            except (OSError, EOFError, ModelProcessError) as exc:
+                self._alive = False
+                raise ModelProcessError("the model process is gone during its warm-up; restart the worker") from exc
+            if reply[0] != "warm":
+                raise RuntimeError(f"model process warm-up: {reply[1]}")
+            times = times.beside(reply[1])
+        self._describe["decode_compile"] = times.compile_status
         return times
 
     def describe(self) -> dict[str, int | str]:
@@ -270,6 +280,8 @@ class ProcessRunner(RunnerFacts):
         if local is not None:
             local.close()
         for child in getattr(self, "_children", []):
+            if getattr(self, "_warming_up", False):  # busy till warm (minutes, compiling): "stop" would wait
+                child.process.kill()
             child.stop()
 
 

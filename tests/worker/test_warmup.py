@@ -160,3 +160,17 @@ def test_warm_up_steps_give_the_pools_back(checkpoint: Path) -> None:
         assert tiny.kv_pool.num_free_pages == 0
     runner.close()
     tiny.close()
+
+
+def test_a_stop_while_warming_up_is_prompt(checkpoint: Path, scheduler: ServerProcess, tmp_path: Path) -> None:
+    """SIGTERM during the warm-up (a cold inductor cache: the compile has seconds to go) ends the worker
+    and its model process at once, without waiting for the compile or calling it a failure."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    with ServerProcess(worker_command(checkpoint, scheduler), timeout_s=120, env=env) as worker:
+        with grpc.insecure_channel(worker.address) as channel:
+            readiness, liveness, info = probe(channel)
+        assert (readiness, liveness, info.warmup_state) == (NOT_SERVING, SERVING, "warming")
+        started = time.monotonic()
+        assert worker.stop() == 0
+        assert time.monotonic() - started < 10, worker.output
+    assert "warm-up ended by the stop" in worker.output and "Traceback" not in worker.output, worker.output
