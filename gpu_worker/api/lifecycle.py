@@ -13,7 +13,9 @@
 - drain, on SIGTERM or SIGINT: readiness turns NOT_SERVING and new Generate calls get UNAVAILABLE at
   once; requests in flight run to their end for up to `drain_timeout_s`; whatever is left then ends
   with UNAVAILABLE (the engine stops) and the server stops. Health, GetInfo and Abort answer
-  throughout. An orchestrator must allow `drain_timeout_s` plus a few seconds before SIGKILL.
+  throughout. An orchestrator must allow `drain_timeout_s` plus a few seconds before SIGKILL. Still
+  warming up, nothing is waited for: the requests waiting for the warm-up end at once (the warm-up
+  itself ends with the process; the model processes, busy warming, are killed).
 """
 
 from __future__ import annotations
