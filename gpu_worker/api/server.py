@@ -63,6 +63,7 @@ class WorkerServerSettings:
     checkpoint_key_file: Path | None = None  # the workers' checkpoint MAC key (or CHECKPOINT_KEY_ENV)
     cluster_token_file: Path | None = None  # the cache service's cluster token (or CLUSTER_TOKEN_ENV)
     drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may run before they are cut
+    serve_while_warming: bool = False  # ready once loaded; the compile and kernel builds go on in the background
 
 
 FLAGS = {
@@ -108,8 +109,8 @@ FLAGS = {
     ),
     "cpu_prefill_min_tokens": Flag("tokens in a step from which it runs on --cpu-prefill-threads"),
     "decode_compile": Flag(
-        "torch.compile the Mamba decode step on CPU in the background at start-up, decoding eagerly until it"
-        " is ready: auto (when a C++ compiler is found) | on | off"
+        "torch.compile the Mamba decode step on CPU at start-up (readiness waits for it unless"
+        " --serve-while-warming): auto (when a C++ compiler is found) | on | off"
     ),
     "model_process": Flag(
         "run the model in a process of its own beside the worker, the pools in memory both map (the forward"
@@ -134,8 +135,9 @@ FLAGS = {
         " the cores but one where that is more; 1 = off"
     ),
     "cpu_warm_rows": Flag(
-        "on CPU, build oneDNN's projection kernels for every 16-row bucket up to this many rows in the"
-        " background at start-up (a first call with a new row count costs ~10-20 ms a forward); 0 = off"
+        "on CPU, build oneDNN's projection kernels for every 16-row bucket up to this many rows at start-up"
+        " (readiness waits for it unless --serve-while-warming; a first call with a new row count costs"
+        " ~10-20 ms a forward); 0 = off"
     ),
     "metrics_port": Flag(METRICS_PORT_HELP),
     "record_steps": Flag(
@@ -148,6 +150,11 @@ FLAGS = {
         f"the key sealing shared-tier checkpoints, the same on every worker (or {CHECKPOINT_KEY_ENV})", metavar="FILE"
     ),
     "cluster_token_file": Flag(f"the cache service's cluster token (or {CLUSTER_TOKEN_ENV})", metavar="FILE"),
+    "serve_while_warming": Flag(
+        "report ready as soon as the model is loaded and warm up in the background (the first requests decode"
+        " eagerly and pay for their kernels); by default readiness waits for the decode compile, the kernel"
+        " builds and a few warm-up steps, each timed in the log and in GetInfo"
+    ),
     "drain_timeout_s": Flag(
         "on SIGTERM: stop admitting, let requests in flight finish for up to this long, then end the rest"
         " (UNAVAILABLE); give the process this plus 10 s before SIGKILL"
@@ -308,20 +315,24 @@ def run(args: argparse.Namespace) -> int:
     prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching, access)
     model_len = refuse_on_invalid(max_model_len_limit, runner, settings)  # an impossible --max-model-len ends here
     log.info("max_model_len %d: %s", model_len.tokens, model_len.source)
-    engine = Engine(runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix)
+    warmup = lifecycle.Warmup(runner, server_settings.serve_while_warming)
+    engine = Engine(
+        runner, client.plan, settings, observer=observers if observers.is_active else None, prefix=prefix,
+        warm_up=warmup.hook,
+    )  # fmt: skip
     freeze_startup_objects()  # full collections skip the model's and the libraries' objects
-    engine.start()
-    servicer = GenerationServicer(engine, model_name=source.served_name)
+    servicer = GenerationServicer(engine, model_name=source.served_name, warmup=warmup)
     server, port, health = grpc_server.create_server(
         [add_to_server(servicer)], host=server_settings.host, port=server_settings.port,
         max_workers=server_threads(engine), tls=tls, keys=keys,  # a stream holds a thread to its end
     )  # fmt: skip
-    watch = lifecycle.HealthWatch(health, engine, servicer, client.is_reachable)
+    engine.start()  # warms up first: liveness SERVING, readiness NOT_SERVING until it is done
+    watch = lifecycle.HealthWatch(health, engine, servicer, client.is_reachable, warmup)
     stop = grpc_server.stop_on_signal()  # before the port is announced
     server.start()
     grpc_server.announce(server_settings.host, port)
     grpc_server.wait_for(stop)
-    lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s)
+    lifecycle.drain(server, health, servicer, engine, server_settings.drain_timeout_s, warmup=warmup)
     watch.stop()  # before the scheduler channel closes: no probe in flight
     client.close()
     observers.close()

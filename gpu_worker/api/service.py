@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -15,6 +16,9 @@ from gpu_worker.engine.request import RequestOutput
 from hybridserve import grpc_server
 from hybridserve.errors import NotFoundError, ResourceExhaustedError, UnavailableError
 from hybridserve.v1 import generation_pb2 as pb
+
+if TYPE_CHECKING:
+    from gpu_worker.api.lifecycle import Warmup
 
 POLL_S = 2.0  # how often a waiting stream checks that its client is still there (a cancel aborts at once)
 CONTROL_THREADS = 16  # server threads beyond the streams: health, GetInfo, Abort and refusals never wait
@@ -51,9 +55,10 @@ class GenerationServicer:
     """Holds at most `max_streams(engine)` Generate calls; one more is refused with
     RESOURCE_EXHAUSTED at once, and every new one with UNAVAILABLE once `drain()` was called."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, warmup: Warmup | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.warmup = warmup  # what GetInfo says of the start-up warm-up; None: the engine runs none
         self.max_streams = max_streams(engine)
         self._lock = threading.Lock()
         self._num_streams = 0
@@ -115,7 +120,7 @@ class GenerationServicer:
         engine, runner = self.engine, self.engine.runner
         counters, settings = engine.counters, engine.settings
         cache, memory, model_len = engine.prefix.stats(), runner.memory, max_model_len_limit(runner, settings)
-        return pb.GetInfoResponse(
+        info = pb.GetInfoResponse(
             model=self.model_name,
             architecture=runner.config.architecture,
             model_fingerprint=runner.loaded.fingerprint,
@@ -155,7 +160,23 @@ class GenerationServicer:
             activation_budget_bytes=memory.activation_bytes,
             memory_source=memory.source,
             device_memory_bytes=memory.device_total_bytes,
+            decode_compile=str(runner.describe().get("decode_compile", "off")),
         )
+        if self.warmup is not None:
+            warmup_to_pb(self.warmup, info)
+        return info
+
+
+def warmup_to_pb(warmup: Warmup, info: pb.GetInfoResponse) -> None:
+    """Fills GetInfoResponse's warm-up fields."""
+    times = warmup.times
+    info.warmup_state = warmup.state
+    info.warmup_seconds = warmup.seconds
+    info.warmup_compile_seconds = times.compile_s
+    info.warmup_kernels_seconds = times.kernels_s
+    info.warmup_graphs_seconds = times.graphs_s
+    info.warmup_steps_seconds = times.steps_s
+    info.warmup_done_unix_seconds = warmup.done_unix_s
 
 
 def take_queued(events: queue.SimpleQueue[RequestOutput], first: RequestOutput) -> list[RequestOutput]:

@@ -11,9 +11,13 @@ One step (`Engine._step`):
 6. emit     one frozen StepRecord to the observers, then the ended requests' last events
 
 One thread owns every request, page and slot; other threads only enqueue (`submit`, `abort`) and
-read counters. With asynchronous scheduling the plan of step N+1 is requested while step N runs,
-from the state step N will leave behind if every scheduled decode yields one token; requests that
-finish in step N are reconciled one step late (their slices in plan N+1 are skipped).
+read counters. That thread first runs the start-up `warm_up`, when given (the worker's:
+gpu_worker.api.lifecycle.Warmup): it is the runner's only caller, so no warm-up step meets a real one, and
+requests submitted meanwhile wait in the door.
+
+With asynchronous scheduling the plan of step N+1 is requested while step N runs, from the state step N
+will leave behind if every scheduled decode yields one token; requests that finish in step N are
+reconciled one step late (their slices in plan N+1 are skipped).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from gpu_worker.cache.interface import NoPrefixCache, PrefixCache
@@ -61,8 +66,10 @@ class Engine:
         settings: EngineSettings,
         observer: EngineObserver | None = None,
         prefix: PrefixCache | None = None,
+        warm_up: Callable[[], None] | None = None,
     ) -> None:
         self.runner = runner
+        self._warm_up = warm_up  # run on the engine thread before its loop; it raises nothing
         self.settings = settings
         self.counters = EngineCounters()
         self.share = ShareAccountant(settings.scheduler)  # the prefill compute share's accounting
@@ -131,6 +138,8 @@ class Engine:
         request gets UNAVAILABLE at once."""
         error = failures.shutting_down()
         try:
+            if self._warm_up is not None:
+                self._warm_up()
             pending: Future[Planned] | None = None
             while not self._stopping.is_set():
                 try:

@@ -30,9 +30,11 @@ The weights are in memory too (`share_weights`): one copy, whatever the number o
 process may add its own prepacked copy of the projections: gpu_worker.model.backends.cpu.linear).
 Each child loads the checkpoint to build its modules, then points every parameter at the worker's
 copy and frees its own; the worker drops its references once the children are ready, unless small
-steps run at home (it keeps the config, tokenizer and fingerprint). CPU only: a CUDA runner
-stays in the worker's process. Should the child die, every forward fails with UNAVAILABLE-class
-errors, `alive` turns false (the worker's health reports NOT_SERVING) and the worker must be restarted.
+steps run at home (it keeps the config, tokenizer and fingerprint). Each child compiles its decode step and
+builds its kernels in the background from its start; `warm_up` waits for them and runs the warm-up steps in
+each child in turn (gpu_worker.runner.warmup). CPU only: a CUDA runner stays in the worker's process.
+Should the child die, every forward fails with UNAVAILABLE-class errors, `alive` turns false (the worker's
+health reports NOT_SERVING) and the worker must be restarted.
 """
 
 from __future__ import annotations
@@ -66,10 +68,12 @@ from gpu_worker.runner.shared_memory import AttachedArena, Shapes, SharedArena, 
 from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.step_split import Split
 from gpu_worker.runner.tuning import usable_cores
+from gpu_worker.runner.warmup import WarmupTimes, scratch_steps
 from hybridserve.errors import InvalidArgumentError
 
 log = logging.getLogger("hybridserve.worker.model_process")
 START_TIMEOUT_S = 600.0  # loading and (on a cold cache) nothing else: the decode compile runs in the background
+WARM_UP_TIMEOUT_S = 1800.0  # the warm-up waits for the decode compile: a cold inductor cache on a busy machine
 STOP_TIMEOUT_S = 10.0
 MODEL_PROCESS_MODES = ("auto", "on", "off")
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies
@@ -149,6 +153,7 @@ class ProcessRunner(RunnerFacts):
         self._split = Split(len(self._children), config.model_process_split_min_tokens)
         self._describe: dict[str, Any] = reply[1]
         self._alive = True
+        self._warming_up = False  # warm_up waits for the children
         self.steps_here = 0  # steps run in this process (fewer rows than min_rows)
         self.steps_there = 0  # steps run in the model process(es)
         self.steps_shared = 0  # of those, steps shared among several model processes
@@ -234,6 +239,38 @@ class ProcessRunner(RunnerFacts):
             all_logits = tuple(torch.from_numpy(by_index[i]) for i in range(len(order)))
         return ForwardOutput(logits=logits, all_logits=all_logits)
 
+    def warm_up(self) -> WarmupTimes:
+        """ModelRunner.warm_up in every model process, one after the other on the same scratch pages and
+        slots (their background compiles and kernel builds have run side by side since they started),
+        and in the worker's own runner for small steps when there is one."""
+        times = WarmupTimes()
+        with self._lock, scratch_steps(self.kv_pool, self.state_pool, self.config.vocab_size) as steps:
+            if not self.alive:
+                raise ModelProcessError("the model process is gone; restart the worker")
+            self._warming_up = True  # a close meanwhile kills the children: none reads its pipe till warm
+            try:
+                times = self._warm_up_children(steps)
+            finally:
+                self._warming_up = False
+            if self._local is not None:
+                times = times.beside(self._local.warm_up_with(steps))
+        return times
+
+    def _warm_up_children(self, steps: tuple[Batch, ...]) -> WarmupTimes:
+        times = WarmupTimes()
+        for child in self._children:
+            try:
+                child.send(("warm_up", steps))
+                reply = child.receive(WARM_UP_TIMEOUT_S)
+            except (OSError, EOFError, ModelProcessError) as exc:
+                self._alive = False
+                raise ModelProcessError("the model process is gone during its warm-up; restart the worker") from exc
+            if reply[0] != "warm":
+                raise RuntimeError(f"model process warm-up: {reply[1]}")
+            times = times.beside(reply[1])
+        self._describe["decode_compile"] = times.compile_status
+        return times
+
     def describe(self) -> dict[str, int | str]:
         return {**self._describe, "model_process": self.pid or 0, "model_processes": len(self._children)}
 
@@ -244,6 +281,8 @@ class ProcessRunner(RunnerFacts):
         if local is not None:
             local.close()
         for child in getattr(self, "_children", []):
+            if getattr(self, "_warming_up", False):  # busy till warm (minutes, compiling): "stop" would wait
+                child.process.kill()
             child.stop()
 
 
@@ -357,8 +396,11 @@ def serve(
         if kind == "stop":
             runner.close()
             return
-        reply = pickle.dumps(_forward(runner, payload), protocol=pickle.HIGHEST_PROTOCOL)
-        busy[index] = 0  # before the reply: the worker marks the next step's processes before sending
+        if kind == "warm_up":
+            reply = pickle.dumps(_warm_up(runner, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            reply = pickle.dumps(_forward(runner, payload), protocol=pickle.HIGHEST_PROTOCOL)
+            busy[index] = 0  # before the reply: the worker marks the next step's processes before sending
         try:
             conn.send_bytes(reply)
         except OSError:
@@ -375,6 +417,14 @@ def _follow_the_worker() -> None:
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _warm_up(runner: ModelRunner, steps: tuple[Batch, ...]) -> tuple[Any, ...]:
+    try:
+        return ("warm", runner.warm_up_with(steps))
+    except Exception as exc:
+        log.exception("warm-up failed")
+        return ("error", f"{type(exc).__name__}: {exc}")
 
 
 def _forward(runner: Any, batch: Batch) -> tuple[Any, ...]:

@@ -11,7 +11,9 @@ slots plus `num_checkpoint_slots` checkpoints; the rest becomes KV pages."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,9 +36,11 @@ from gpu_worker.runner.profile import activation_bytes, device_memory, weights_b
 from gpu_worker.runner.shared_memory import Allocator
 from gpu_worker.runner.state_pool import MambaStatePool, state_shapes
 from gpu_worker.runner.tuning import StepThreads, set_cpu_threads
+from gpu_worker.runner.warmup import WarmupTimes, scratch_steps
 from hybridserve.errors import InvalidArgumentError
 
 CPU_MEMORY_BUDGET_BYTES = 256 << 20  # the pools' memory on CPU unless --memory-budget-mb says otherwise
+log = logging.getLogger("hybridserve.worker")
 # The SSD scan's chunk length is a kernel choice: the result does not depend on it (up to float
 # rounding). Checkpoints pick it for GPUs (e.g. 256); on CPU the [chunk x chunk] decay matrices make
 # long chunks slow and pad short prompts to a whole chunk (bench/bench_model.py: 16 prompts of 128
@@ -228,6 +232,7 @@ class ModelRunner(RunnerFacts):
         self.step_threads: StepThreads | None = None
         self._stop_warming = threading.Event()
         self._warming: threading.Thread | None = None
+        self._kernels_s = 0.0  # the oneDNN warm-up's seconds, once it ended
         if self.device.type == "cpu":
             self.step_threads = StepThreads(
                 few := set_cpu_threads(config.cpu_threads), config.cpu_prefill_threads or few,
@@ -240,9 +245,8 @@ class ModelRunner(RunnerFacts):
             use_onednn_linears(self.model)  # prefill-sized projections: oneDNN, ~2.2x MKL on AMD
             if config.cpu_warm_rows > 0:  # not a daemon: the interpreter must not end under a oneDNN call
                 self._warming = threading.Thread(
-                    target=warm_onednn_linears, args=(self.model, config.cpu_warm_rows, self._stop_warming),
-                    name="warm-linears",
-                )  # fmt: skip
+                    target=self._warm_linears, args=(config.cpu_warm_rows,), name="warm-linears"
+                )
                 self._warming.start()
         plan = PoolPlan.of(loaded, config)
         self.runner_config = plan.config
@@ -252,8 +256,44 @@ class ModelRunner(RunnerFacts):
         self.kv_pool, self.state_pool = pools if pools is not None else plan.build(alloc)
         self._kv_caches = self.kv_pool.layer_caches()
         self._states = self.state_pool.layer_states()
+        self._graphs_s = 0.0  # the CUDA graph capture's seconds
         self.decode_graphs = self._capture_decode_graphs()
         self.decode_compiler = self._start_decode_compile()
+
+    def _warm_linears(self, max_rows: int) -> None:
+        started = time.perf_counter()
+        calls = warm_onednn_linears(self.model, max_rows, self._stop_warming)
+        self._kernels_s = time.perf_counter() - started
+        log.info("built oneDNN projection kernels for up to %d rows (%d calls) in %.1f s", max_rows, calls,
+                 self._kernels_s)  # fmt: skip
+
+    def warm_up(self) -> WarmupTimes:
+        """Blocks until this runner is warm (gpu_worker.runner.warmup): the background kernel builds and
+        decode compile ended (the compiled step attached), then the warm-up steps ran on scratch pages and
+        slots. Call it from the thread that calls `forward`, before the first real step."""
+        with scratch_steps(self.kv_pool, self.state_pool, self.config.vocab_size) as steps:
+            return self.warm_up_with(steps)
+
+    def warm_up_with(self, steps: tuple[Batch, ...]) -> WarmupTimes:
+        """`warm_up` with steps built by the caller (a model process gets them from the worker, which holds
+        the pools' bookkeeping)."""
+        if self._warming is not None:
+            self._warming.join()
+        compile_s = 0.0
+        if self.decode_compiler is not None:
+            self.decode_compiler.wait()
+            self.decode_compiler.attach_if_ready()
+            compile_s = self.decode_compiler.seconds
+        started = time.perf_counter()
+        for batch in steps:
+            self.forward(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return WarmupTimes(
+            compile_s=compile_s, kernels_s=self._kernels_s, graphs_s=self._graphs_s,
+            steps_s=time.perf_counter() - started,
+            compile_status=self.decode_compiler.status if self.decode_compiler is not None else "off",
+        )  # fmt: skip
 
     def _start_decode_compile(self) -> DecodeCompiler | None:
         """The background compile of the Mamba decode step (CPU only; see compiled_decode)."""
@@ -269,6 +309,7 @@ class ModelRunner(RunnerFacts):
         cfg = self.runner_config
         if self.device.type != "cuda" or cfg.cuda_graph_max_batch == 0 or kernel_backend(self.model) != "triton":
             return None
+        started = time.perf_counter()
         max_pages = -(-cfg.cuda_graph_max_context_tokens // cfg.kv_page_size_tokens)
         graphs = DecodeGraphs(
             self._decode_logits, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs), max_pages,
@@ -276,6 +317,9 @@ class ModelRunner(RunnerFacts):
         )  # fmt: skip
         with torch.inference_mode():  # as the steps it replays run
             graphs.capture_all()
+        self._graphs_s = time.perf_counter() - started
+        log.info("captured CUDA graphs of decode steps (%s sequences) in %.1f s", ",".join(map(str, graphs.buckets)),
+                 self._graphs_s)  # fmt: skip
         return graphs
 
     def _decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

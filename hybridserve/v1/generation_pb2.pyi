@@ -115,7 +115,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "device", "dtype", "max_model_len", "vocab_size", "kv_page_size", "block_size", "num_kv_pages_total", "num_kv_pages_free", "num_state_slots_total", "num_state_slots_free", "kv_bytes_per_token", "state_bytes_per_request", "num_running", "num_waiting", "max_queue_len", "num_steps", "step_wall_seconds", "scheduler_wait_seconds", "num_preemptions", "num_stalled_steps", "async_scheduling", "num_generated_tokens", "architecture", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_declined_tokens", "prefix_cache_miss_reasons", "memory_budget_bytes", "kv_pool_bytes", "state_pool_bytes", "checkpoint_pool_bytes", "num_checkpoint_slots", "weights_bytes", "activation_budget_bytes", "memory_source", "device_memory_bytes", "max_model_len_source")
+    __slots__ = ("model", "model_fingerprint", "device", "dtype", "max_model_len", "vocab_size", "kv_page_size", "block_size", "num_kv_pages_total", "num_kv_pages_free", "num_state_slots_total", "num_state_slots_free", "kv_bytes_per_token", "state_bytes_per_request", "num_running", "num_waiting", "max_queue_len", "num_steps", "step_wall_seconds", "scheduler_wait_seconds", "num_preemptions", "num_stalled_steps", "async_scheduling", "num_generated_tokens", "architecture", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_declined_tokens", "prefix_cache_miss_reasons", "memory_budget_bytes", "kv_pool_bytes", "state_pool_bytes", "checkpoint_pool_bytes", "num_checkpoint_slots", "weights_bytes", "activation_budget_bytes", "memory_source", "device_memory_bytes", "max_model_len_source", "warmup_state", "warmup_seconds", "warmup_compile_seconds", "warmup_kernels_seconds", "warmup_graphs_seconds", "warmup_steps_seconds", "warmup_done_unix_seconds", "decode_compile")
     class PrefixCacheMissReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,14 @@ class GetInfoResponse(_message.Message):
     MEMORY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STATE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_KERNELS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_GRAPHS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_DONE_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_COMPILE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     device: str
@@ -201,4 +209,12 @@ class GetInfoResponse(_message.Message):
     memory_source: str
     device_memory_bytes: int
     max_model_len_source: str
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_pages_total: _Optional[int] = ..., num_kv_pages_free: _Optional[int] = ..., num_state_slots_total: _Optional[int] = ..., num_state_slots_free: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., state_bytes_per_request: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_wall_seconds: _Optional[float] = ..., scheduler_wait_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_stalled_steps: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., num_generated_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_declined_tokens: _Optional[int] = ..., prefix_cache_miss_reasons: _Optional[_Mapping[str, int]] = ..., memory_budget_bytes: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., checkpoint_pool_bytes: _Optional[int] = ..., num_checkpoint_slots: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_budget_bytes: _Optional[int] = ..., memory_source: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., max_model_len_source: _Optional[str] = ...) -> None: ...
+    warmup_state: str
+    warmup_seconds: float
+    warmup_compile_seconds: float
+    warmup_kernels_seconds: float
+    warmup_graphs_seconds: float
+    warmup_steps_seconds: float
+    warmup_done_unix_seconds: float
+    decode_compile: str
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_pages_total: _Optional[int] = ..., num_kv_pages_free: _Optional[int] = ..., num_state_slots_total: _Optional[int] = ..., num_state_slots_free: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., state_bytes_per_request: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_wall_seconds: _Optional[float] = ..., scheduler_wait_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_stalled_steps: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., num_generated_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_declined_tokens: _Optional[int] = ..., prefix_cache_miss_reasons: _Optional[_Mapping[str, int]] = ..., memory_budget_bytes: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., checkpoint_pool_bytes: _Optional[int] = ..., num_checkpoint_slots: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_budget_bytes: _Optional[int] = ..., memory_source: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., max_model_len_source: _Optional[str] = ..., warmup_state: _Optional[str] = ..., warmup_seconds: _Optional[float] = ..., warmup_compile_seconds: _Optional[float] = ..., warmup_kernels_seconds: _Optional[float] = ..., warmup_graphs_seconds: _Optional[float] = ..., warmup_steps_seconds: _Optional[float] = ..., warmup_done_unix_seconds: _Optional[float] = ..., decode_compile: _Optional[str] = ...) -> None: ...

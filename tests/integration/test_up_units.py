@@ -67,6 +67,12 @@ def test_endpoints_block():
     assert 'try: hybridserve generate "Hello" --worker 127.0.0.1:6000' in custom
 
 
+def test_worker_note_says_how_long_the_warm_up_took():
+    warm = "2026-01-01 00:00:00,000 INFO hybridserve.worker: warm in 7.84 s: compile 9.7 s (attached), kernels 3.2 s"
+    assert up.worker_note(["listening on 127.0.0.1:5", warm]) == "(Generation API; warmed up in 7.8 s)"
+    assert up.worker_note(["listening on 127.0.0.1:5"]) == "(Generation API)"  # --serve-while-warming logs none
+
+
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises(up.UpError, match="no config.json"):
         up.ensure_model(parse("--model", str(tmp_path)), up.Stack())

@@ -1,14 +1,15 @@
 """The Mamba2 decode step compiled with torch.compile (inductor), built off the serving path.
 
 Compiling takes seconds to a minute (inductor writes C++ and builds it; later starts reuse its on-disk
-cache), so `DecodeCompiler.start` runs it in a background thread and the model keeps decoding eagerly
-meanwhile; the runner attaches the compiled step to every mixer between two steps once it is ready
-(`attach_if_ready`). Warm-up compiles, on scratch tensors (never the pools), the graphs serving needs:
-a batch of one sequence and a batch of any size >= 2 (a dynamic batch dimension), each for state rows
-at the start of their storage and further in. Every Mamba
-layer of a model has the same shapes and passes its weights as arguments, so they share those graphs.
-Afterwards calls run under the "eager_on_recompile" stance: an input the warm-up did not foresee runs
-eagerly rather than stalling a step on a compile.
+cache), so `DecodeCompiler.start` runs it in a background thread, beside the rest of the start-up; a
+served worker reports ready once it ended (gpu_worker.runner.warmup), unless it serves while warming, when
+the model decodes eagerly meanwhile. The runner attaches the compiled step to every mixer between two
+steps once it is ready (`attach_if_ready`). Warm-up compiles, on scratch tensors (never the pools), the
+graphs serving needs: a batch of one sequence and a batch of any size >= 2 (a dynamic batch dimension),
+each for state rows at the start of their storage and further in. Every Mamba layer of a model has the
+same shapes and passes its weights as arguments, so they share those graphs. Afterwards calls run under
+the "eager_on_recompile" stance: an input the warm-up did not foresee runs eagerly rather than stalling a
+step on a compile.
 
 Decode rows are updated in place in the pools, one call per run of consecutive state slots; a group
 scattered over many runs is gathered, stepped and scattered back (as the eager path does)."""
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -144,6 +146,7 @@ class DecodeCompiler:
         self._compiled: CompiledMambaDecode | None = None
         self._done = threading.Event()
         self.status = "compiling" if self._mixers else "failed: the model has no Mamba layers"
+        self.seconds = 0.0  # how long the compile took, once it ended
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -154,15 +157,18 @@ class DecodeCompiler:
         self._thread.start()
 
     def _compile(self) -> None:
+        started = time.perf_counter()
         try:
             compiled = CompiledMambaDecode(mixer_dims(self._mixers[0]))
             conv, ssm = self._states[0]
             compiled.warm_up(self._mixers[0], conv, ssm)
+            self.seconds = time.perf_counter() - started
             self._compiled, self.status = compiled, "ready"
-            log.info("compiled the Mamba decode step")
+            log.info("compiled the Mamba decode step in %.1f s", self.seconds)
         except Exception as exc:  # a missing toolchain, an inductor limit: decode stays eager
+            self.seconds = time.perf_counter() - started
             self.status = f"failed: {type(exc).__name__}: {exc}"[:300]
-            log.warning("decode compile failed, decoding eagerly: %s", self.status)
+            log.warning("decode compile failed after %.1f s, decoding eagerly: %s", self.seconds, self.status)
         finally:
             self._done.set()
 
