@@ -245,7 +245,7 @@ class ModelRunner(RunnerFacts):
             use_onednn_linears(self.model)  # prefill-sized projections: oneDNN, ~2.2x MKL on AMD
             if config.cpu_warm_rows > 0:  # not a daemon: the interpreter must not end under a oneDNN call
                 self._warming = threading.Thread(
-                    target=self._warm_linears, args=(config.cpu_warm_rows,), name="warm-linears"
+                    target=self._warm_linears, args=(config.cpu_warm_rows, config.max_num_seqs), name="warm-linears"
                 )
                 self._warming.start()
         plan = PoolPlan.of(loaded, config)
@@ -260,9 +260,10 @@ class ModelRunner(RunnerFacts):
         self.decode_graphs = self._capture_decode_graphs()
         self.decode_compiler = self._start_decode_compile()
 
-    def _warm_linears(self, max_rows: int) -> None:
+    def _warm_linears(self, max_rows: int, max_num_seqs: int) -> None:
         started = time.perf_counter()
-        calls = warm_onednn_linears(self.model, max_rows, self._stop_warming)
+        head_rows: dict[torch.nn.Module, int] = {self.model.lm_head: max_num_seqs}  # a row per sampled sequence
+        calls = warm_onednn_linears(self.model, max_rows, self._stop_warming, head_rows)
         self._kernels_s = time.perf_counter() - started
         log.info("built oneDNN projection kernels for up to %d rows (%d calls) in %.1f s", max_rows, calls,
                  self._kernels_s)  # fmt: skip

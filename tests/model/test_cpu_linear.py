@@ -106,6 +106,8 @@ def test_warming_calls_each_shape_once_per_bucket(packs: bool) -> None:
     assert buckets == exact + len(range(16 if packs else fewest, 64, 8)) + len(range(64, 129, 16))
     assert warm_onednn_linears(model, 128) == 3 * buckets  # (64, 24, bias) twice: warmed once
     assert warm_onednn_linears(model, fewest - 1) == 0
+    capped = len({bucket_rows(rows) for rows in range(fewest, 32 + 1)})
+    assert warm_onednn_linears(model, 128, row_caps={model[3]: 32}) == 2 * buckets + capped  # the LM head's cap
     assert all((layer._pack is not None) == packs for layer in model)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 import typing
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -157,22 +158,32 @@ def pack_available() -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def warm_onednn_linears(model: nn.Module, max_rows: int, stop: threading.Event | None = None) -> int:
+def warm_onednn_linears(
+    model: nn.Module,
+    max_rows: int,
+    stop: threading.Event | None = None,
+    row_caps: Mapping[nn.Module, int] | None = None,
+) -> int:
     """Packs every projection's weight (where packing is on) and builds oneDNN's kernel for every row
     bucket from the fewest rows oneDNN takes up to `max_rows`, once per distinct projection shape of
     `model` (the kernels are cached by shape, not by weights), so that no serving step pays for a first
-    call; ends early once `stop` is set. Returns the number of kernel-building calls made."""
-    shapes: dict[tuple[int, int, bool, bool, int], OneDnnLinear] = {}
+    call; ends early once `stop` is set. `row_caps` bounds the rows of given modules below `max_rows`:
+    the LM head sees one row per sampled sequence, not a step's tokens, and at a real vocabulary its
+    buckets up to 1,024 rows cost minutes of GEMMs for kernels no step calls. Returns the number of
+    kernel-building calls made."""
+    caps = row_caps or {}
+    shapes: dict[tuple[int, int, bool, bool, int], tuple[OneDnnLinear, int]] = {}
     for module in model.modules():
         if isinstance(module, OneDnnLinear):
             if module.packs:
                 module.packed_weight()
             key = (module.in_features, module.out_features, module.bias is not None, module.packs, module.min_rows)
-            shapes.setdefault(key, module)
+            limit = min(max_rows, caps.get(module, max_rows))
+            shapes[key] = (module, max(limit, shapes[key][1] if key in shapes else 0))
     calls = 0
     with torch.inference_mode():
-        for layer in shapes.values():
-            for rows in sorted({bucket_rows(rows) for rows in range(layer.min_rows, max_rows + 1)}):
+        for layer, limit in shapes.values():
+            for rows in sorted({bucket_rows(rows) for rows in range(layer.min_rows, limit + 1)}):
                 if stop is not None and stop.is_set():
                     return calls
                 layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device))
