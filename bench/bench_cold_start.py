@@ -11,6 +11,12 @@ HF_HUB_OFFLINE=1). Before every start the checkpoint's files are dropped from th
 read on the same file, and the load's rate is the checkpoint's bytes over the load's seconds.
 
     python bench/bench_cold_start.py [--rounds 1] [--requests 12] [--skip-1gb] [--tmp DIR]
+                                     [--serve-while-warming] [--cold-inductor-cache]
+
+`--serve-while-warming` also starts every checkpoint with that flag (ready once loaded, the warm-up in
+the background), alternately with the default, so the first requests' cost compares side by side.
+`--cold-inductor-cache` gives every start an inductor cache of its own (a first start: the decode
+compile from scratch); by default the starts share inductor's cache, as a restarted worker does.
 
 Targets: the weights load at 50% or more of the disk's sequential read; the first request after
 readiness costs at most 1.5x the steady median (its end-to-end time, prompt of 64 tokens, 16 new)."""
@@ -54,7 +60,7 @@ LOADED = re.compile(r"weights loaded: ([\d.]+) MB read and hashed in ([\d.]+) s 
 class Start:
     """One cold start's timings, seconds from the spawn."""
 
-    label: str
+    label: str  # the checkpoint, and "+ serve-while-warming" for a start with that flag
     checkpoint_bytes: int
     before_load_s: float = 0.0  # the spawn to the load's start (the interpreter, imports, settings)
     loaded_s: float = 0.0  # the loader's read of the weights (every byte touched by the fingerprint's hash)
@@ -141,13 +147,16 @@ def request_costs(address: str, n: int, vocab: int) -> tuple[float, float]:
 
 
 def cold_start(stack: Stack, scheduler: str, label: str, model: str, files: list[Path], vocab: int,
-               args: argparse.Namespace, env: dict[str, str] | None = None) -> Start:  # fmt: skip
+               args: argparse.Namespace, env: dict[str, str], flags: list[str]) -> Start:  # fmt: skip
     drop_from_page_cache(files)
     start = Start(label, sum(p.stat().st_size for p in files))
     lines: list[tuple[float, str]] = []
+    if args.cold_inductor_cache:
+        env = env | {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-", dir=args.tmp_dir)}
     spawn = time.monotonic()
     stack.relay = lambda name, line: lines.append((time.monotonic() - spawn, line))
-    service = stack.worker(model, [scheduler], flags=WORKER_FLAGS, env=env, name=f"worker-{label}", wait=False)
+    name = f"worker-{len(stack.services)}"
+    service = stack.worker(model, [scheduler], flags=[*WORKER_FLAGS, *flags], env=env, name=name, wait=False)
     address = stack.wait_listening(service.name)
     start.listening_s = time.monotonic() - spawn
     wait_ready(address)
@@ -163,32 +172,37 @@ def cold_start(stack: Stack, scheduler: str, label: str, model: str, files: list
     return start
 
 
+def row(label: str, rows: list[Start], disk: dict[str, float]) -> str:
+    """One table row: medians over the rounds (warm-up figures 0 for --serve-while-warming, not timed)."""
+
+    def med(key: str) -> float:
+        if key.startswith("warmup_"):
+            return statistics.median(0.0 if "serve-while" in label else float(s.info.get(key, 0)) for s in rows)
+        return statistics.median(float(getattr(s, key)) for s in rows)
+
+    mb = rows[0].checkpoint_bytes / 1e6
+    read = med("loaded_s")
+    rate = mb / read if read > 0 else float("nan")
+    disk_rate = disk.get(label.split(" ")[0], float("nan"))
+    first, steady = med("first_e2e_s"), med("steady_e2e_s")
+    return (
+        f"{label:<42} {mb:>5.0f} {med('before_load_s'):>5.1f} {read:>5.2f} {med('build_s'):>5.2f} {rate:>6.0f}"
+        f" {disk_rate:>5.0f} {rate / disk_rate:>9.2f} {med('listening_s'):>6.2f} {med('ready_s'):>6.2f}"
+        f" {med('warmup_seconds'):>7.2f} {med('warmup_compile_seconds'):>7.2f}"
+        f" {med('warmup_kernels_seconds'):>7.2f} {med('warmup_steps_seconds'):>6.2f}"
+        f" {first * 1e3:>6.0f}ms {steady * 1e3:>5.0f}ms {first / steady:>10.2f}"
+    )
+
+
 def report(starts: list[Start], disk: dict[str, float]) -> None:
     print("\ncold start to readiness (seconds from the spawn; medians over the rounds)")
-    header = (f"{'checkpoint':<28} {'MB':>7} {'pre':>5} {'read':>5} {'build':>5} {'MB/s':>7} {'disk':>7}"
-              f" {'read/disk':>9} {'listen':>7} {'ready':>6} {'warm-up':>7} {'compile':>7} {'kernels':>7}"
-              f" {'steps':>6} {'1st req':>8} {'steady':>7} {'1st/steady':>10}")  # fmt: skip
-    print(header)
+    print(
+        f"{'checkpoint':<42} {'MB':>5} {'pre':>5} {'read':>5} {'build':>5} {'MB/s':>6} {'disk':>5} {'read/disk':>9}"
+        f" {'listen':>6} {'ready':>6} {'warm-up':>7} {'compile':>7} {'kernels':>7} {'steps':>6} {'1st req':>8}"
+        f" {'steady':>7} {'1st/steady':>10}"
+    )
     for label in dict.fromkeys(s.label for s in starts):
-        rows = [s for s in starts if s.label == label]
-
-        def med(get, rows: list[Start] = rows) -> float:  # noqa: ANN001
-            return statistics.median(get(s) for s in rows)
-
-        mb = rows[0].checkpoint_bytes / 1e6
-        load = med(lambda s: s.loaded_s)
-        rate = mb / load if load > 0 else float("nan")
-        disk_rate = disk.get(label.split(" ")[0], float("nan"))
-        first, steady = med(lambda s: s.first_e2e_s), med(lambda s: s.steady_e2e_s)
-        print(f"{label:<28} {mb:>7.0f} {med(lambda s: s.before_load_s):>5.1f} {load:>5.2f}"
-              f" {med(lambda s: s.build_s):>5.2f} {rate:>7.0f}"
-              f" {disk_rate:>7.0f} {rate / disk_rate:>9.2f}"
-              f" {med(lambda s: s.listening_s):>7.2f} {med(lambda s: s.ready_s):>6.2f}"
-              f" {med(lambda s: float(s.info.get('warmup_seconds', 0))):>7.2f}"
-              f" {med(lambda s: float(s.info.get('warmup_compile_seconds', 0))):>7.2f}"
-              f" {med(lambda s: float(s.info.get('warmup_kernels_seconds', 0))):>7.2f}"
-              f" {med(lambda s: float(s.info.get('warmup_steps_seconds', 0))):>6.2f}"
-              f" {first * 1e3:>6.0f}ms {steady * 1e3:>5.0f}ms {first / steady:>10.2f}")  # fmt: skip
+        print(row(label, [s for s in starts if s.label == label], disk))
     print("\nwarm-up state as GetInfo reported it:", json.dumps({s.label: s.info.get("warmup_state") for s in starts}))
 
 
@@ -205,7 +219,9 @@ def main() -> int:
     try:
         subprocess.run([sys.executable, "-m", "hybridserve_cli", "init-model", str(tmp / "default")],
                        check=True, capture_output=True)  # fmt: skip
-        checkpoints = [("default", str(tmp / "default"), checkpoint_files(tmp / "default"), 259, None)]
+        checkpoints: list[tuple[str, str, list[Path], int, dict[str, str]]] = [
+            ("default", str(tmp / "default"), checkpoint_files(tmp / "default"), 259, {})
+        ]
         if not args.skip_1gb:
             t0 = time.monotonic()
             big = write_random_checkpoint(tmp / "granite-1gb", GRANITE_1GB, seed=0)
@@ -214,21 +230,25 @@ def main() -> int:
             files = checkpoint_files(big)
             offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp / "hub")}
             checkpoints += [
-                ("granite-1gb (folder)", str(big), files, GRANITE_1GB.vocab_size, None),
+                ("granite-1gb (folder)", str(big), files, GRANITE_1GB.vocab_size, {}),
                 ("granite-1gb (by id)", REPO_ID, files, GRANITE_1GB.vocab_size, offline),
             ]
-        disk = {}
+        disk: dict[str, float] = {}
         for label, _, files, _, _ in checkpoints:
             largest = max(files, key=lambda p: p.stat().st_size)
             disk.setdefault(label.split(" ")[0], disk_read_mb_s(largest))
+        modes: list[tuple[str, list[str]]] = [("", [])]
+        if args.serve_while_warming:
+            modes.append((" + serve-while-warming", ["--serve-while-warming"]))
         starts = []
         with Stack(die_with_parent=False) as stack:
             scheduler = stack.scheduler()
             for _ in range(args.rounds):
                 for label, model, files, vocab, env in checkpoints:
-                    started = cold_start(stack, scheduler, label, model, files, vocab, args, env)
-                    print(f"{label}: ready in {started.ready_s:.2f} s ({started.info})", file=sys.stderr)
-                    starts.append(started)
+                    for suffix, flags in modes:  # alternately: side by side in the same minutes
+                        started = cold_start(stack, scheduler, label + suffix, model, files, vocab, args, env, flags)
+                        print(f"{started.label}: ready in {started.ready_s:.2f} s ({started.info})", file=sys.stderr)
+                        starts.append(started)
         print("disk sequential read (dd iflag=direct, MB/s):", json.dumps({k: round(v) for k, v in disk.items()}))
         report(starts, disk)
     finally:
