@@ -217,10 +217,11 @@ class Stack:
             return pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest(), timeout=timeout_s)
 
     def wait_quiet(self, timeout_s: float = 30.0) -> pb.GetInfoResponse:
-        """GetInfo once the worker runs and queues nothing (or the last answer at the timeout)."""
+        """GetInfo once the worker is warm and runs and queues nothing (or the last answer at the timeout):
+        a restarted worker's warm-up steps hold borrowed pages and slots until it is warm."""
         deadline = time.monotonic() + timeout_s
         info = self.info()
-        while (info.num_running or info.num_waiting) and time.monotonic() < deadline:
+        while (info.num_running or info.num_waiting or info.warmup_state == "warming") and time.monotonic() < deadline:
             time.sleep(0.1)
             info = self.info()
         return info
