@@ -30,6 +30,7 @@ from hybridserve import telemetry
 from hybridserve.auth import load_keys
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.generation_config import GenerationDefaults, read_generation_config
+from hybridserve.grpc_server import announce
 from hybridserve.model_source import DOWNLOAD_DIR_HELP, GATEWAY_FILES, MODEL_HELP, REVISION_HELP, resolve_model
 from hybridserve.settings import (
     API_KEYS_ENV,
@@ -208,11 +209,11 @@ async def serve(
     site = web.TCPSite(runner, config.host, config.port, reuse_port=False)
     await site.start()
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    print(f"listening on {config.host}:{http_port}", flush=True)
+    announce(config.host, http_port)
     proxy = GenerationProxy(dispatcher, metrics, config.api_keys, tokenizer, config.request_timeout_s)
     grpc_server, grpc_port, health_servicer = create_grpc_server(proxy, config.host, config.grpc_port, config.tls)
     await grpc_server.start()
-    print(f"grpc listening on {config.host}:{grpc_port}", flush=True)
+    announce(config.host, grpc_port, "grpc")
     log.info("routing %s over %s", config.routing.mode, ", ".join(config.workers))
     readiness = asyncio.create_task(watch_readiness(dispatcher, health_servicer, config.poll_interval_s))
     await _until_signal()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
@@ -313,6 +314,10 @@ def serve_until_signal(
     log.info("stopped")
 
 
-def announce(host: str, port: int) -> None:
-    """The line operators and tests read to find a server started with --port 0."""
-    print(f"listening on {host}:{port}", flush=True)
+def announce(host: str, port: int, what: str = "") -> None:
+    """The line operators and tests read to find a server started with --port 0 (`what` names a second
+    listener: "grpc"). One write of the whole line: print's separate write of the newline lets a log
+    line from another thread (stderr, the same pipe under a parent) land between, and the reader then
+    takes the log's digits for the port's."""
+    sys.stdout.write(f"{what + ' ' if what else ''}listening on {host}:{port}\n")
+    sys.stdout.flush()

@@ -41,10 +41,11 @@ def test_gateway_span_roots_the_trace_and_the_worker_joins_it(model_dir, schedul
         post_completion(gateway.address, {"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"})
         post_completion(gateway.address, {})
 
-        def complete(spans) -> bool:
+        def complete(spans) -> bool:  # the worker's server span ends after its request span: wait for both
             names = [(s.service, s.name) for s in spans]
-            return names.count(("hybridserve-gateway", "POST /v1/completions")) == 2 and names.count(
-                ("hybridserve-worker", "hybridserve.request")) == 2  # fmt: skip
+            wanted = (("hybridserve-gateway", "POST /v1/completions"), ("hybridserve-worker", "hybridserve.request"),
+                      ("hybridserve-worker", "hybridserve.v1.Generation/Generate"))  # fmt: skip
+            return all(names.count(name) == 2 for name in wanted)
 
         spans = receiver.wait_for(complete, timeout_s=30)
     finally:
