@@ -46,18 +46,25 @@ def _first(*values: float | int | None) -> float | int:
     return next(v for v in values if v is not None)
 
 
-def read_generation_config(model_dir: Path | None) -> GenerationDefaults:
-    """The folder's generation_config.json; empty defaults when there is no folder or no file."""
-    path = None if model_dir is None else model_dir / GENERATION_CONFIG_FILE
-    if path is None or not path.is_file():
-        return GenerationDefaults()
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's JSON file as a dict; None when it does not exist. Unreadable JSON, or anything
+    but an object at the top level, is an InvalidArgumentError naming the file."""
+    if not path.is_file():
+        return None
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise InvalidArgumentError(f"{path}: not readable JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise InvalidArgumentError(f"{path}: expected a JSON object at the top level")
-    return parse_generation_config(raw, str(path))
+    return raw
+
+
+def read_generation_config(model_dir: Path | None) -> GenerationDefaults:
+    """The folder's generation_config.json; empty defaults when there is no folder or no file."""
+    path = None if model_dir is None else model_dir / GENERATION_CONFIG_FILE
+    raw = None if path is None else read_json_object(path)
+    return GenerationDefaults() if raw is None else parse_generation_config(raw, str(path))
 
 
 def parse_generation_config(raw: dict[str, Any], source: str = GENERATION_CONFIG_FILE) -> GenerationDefaults:

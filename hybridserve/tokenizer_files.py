@@ -16,7 +16,6 @@ as transformers adds them (`_add_config_tokens`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from hybridserve.errors import InvalidArgumentError
+from hybridserve.generation_config import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +38,7 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 
 def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
     """tokenizer_config.json as a dict; {} when the folder has none."""
-    path = model_dir / TOKENIZER_CONFIG_FILE
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise InvalidArgumentError(f"{path}: not readable JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise InvalidArgumentError(f"{path}: expected a JSON object at the top level")
-    return config
+    return read_json_object(model_dir / TOKENIZER_CONFIG_FILE) or {}
 
 
 def token_text(value: Any) -> str | None:
