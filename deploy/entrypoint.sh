@@ -10,26 +10,17 @@
 #   (HF_HUB_OFFLINE=1, e.g. after an init container downloaded it), it starts at once.
 set -eu
 
-model_arg() {
+flag_arg() {  # flag_arg NAME ARGS...: the value of --NAME V or --NAME=V in ARGS; fails when absent
+    name="$1"
+    shift
     while [ $# -gt 0 ]; do
         case "$1" in
-            --model) echo "${2:-}"; return 0 ;;
-            --model=*) echo "${1#--model=}"; return 0 ;;
+            "--$name") echo "${2:-}"; return 0 ;;
+            "--$name="*) echo "${1#--"$name"=}"; return 0 ;;
         esac
         shift
     done
     return 1
-}
-
-revision_arg() {
-    while [ $# -gt 0 ]; do
-        case "$1" in
-            --revision) echo "${2:-}"; return 0 ;;
-            --revision=*) echo "${1#--revision=}"; return 0 ;;
-        esac
-        shift
-    done
-    echo "${HYBRIDSERVE_WORKER_REVISION:-}"
 }
 
 is_repo_id() {  # ORG/NAME that is not a path here
@@ -42,7 +33,7 @@ is_repo_id() {  # ORG/NAME that is not a path here
 }
 
 if [ "${1:-}" = "worker" ]; then
-    model="$(model_arg "$@" || echo "${HYBRIDSERVE_WORKER_MODEL:-}")"
+    model="$(flag_arg model "$@" || echo "${HYBRIDSERVE_WORKER_MODEL:-}")"
     if [ -z "$model" ]; then
         model="${HYBRIDSERVE_HOME:-/models}/default"
         if [ ! -f "$model/config.json" ]; then
@@ -55,7 +46,7 @@ if [ "${1:-}" = "worker" ]; then
         shift
         set -- worker --model "$model" "$@"
     elif is_repo_id "$model" && [ "${HF_HUB_OFFLINE:-0}" != "1" ]; then
-        revision="$(revision_arg "$@")"
+        revision="$(flag_arg revision "$@" || echo "${HYBRIDSERVE_WORKER_REVISION:-}")"
         echo "downloading $model${revision:+ at $revision} into the hub cache" >&2
         hybridserve download "$model" ${revision:+--revision "$revision"} >&2
         export HF_HUB_OFFLINE=1
