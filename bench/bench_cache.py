@@ -51,7 +51,8 @@ from gpu_worker.cache.remote import SharedTier, SharedTierAccess  # noqa: E402
 from gpu_worker.engine.engine import Engine  # noqa: E402
 from gpu_worker.engine.settings import EngineSettings  # noqa: E402
 from gpu_worker.runner.checkpoint_io import BlockCheckpoint, BlockIdentity, CheckpointLayout, TensorSpec, seal  # noqa: E402
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig  # noqa: E402
+from gpu_worker.runner.runner import ModelRunner  # noqa: E402
+from gpu_worker.runner.settings import RunnerConfig  # noqa: E402
 from hybridserve import grpc_server  # noqa: E402
 from hybridserve.v1 import cache_pb2, cache_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
 from hybridserve_cli.init_model import write_random_checkpoint  # noqa: E402

@@ -40,8 +40,9 @@ from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.model.model import Block
 from gpu_worker.runner.batch import Batch, SequenceChunk
 from gpu_worker.runner.input_builder import build_inputs
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.sampling import SamplingParams, sample
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.tuning import keep_freed_memory
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
@@ -91,9 +92,9 @@ def run_batch(
     held, slots = slots, slots[1::2] if scattered else slots
     warm = 8
     pages = [tuple(kv.allocate(kv.pages_for_tokens(len(p) + warm + steps + 1))) for p in prompts]
-    params, gens = [SamplingParams()] * b, [None] * b
+    params, positions = [SamplingParams()] * b, [0] * b
     batch = Batch(tuple(SequenceChunk(tuple(p), 0, pg, s) for p, pg, s in zip(prompts, pages, slots, strict=True)))
-    last = sample(runner.forward(batch).logits, params, gens).token_ids
+    last = sample(runner.forward(batch).logits, params, positions).token_ids
     total = 0.0
     for step in range(steps + warm):
         if step == warm:
@@ -116,7 +117,7 @@ def run_batch(
         t1 = time.perf_counter()
         logits = runner.forward(batch).logits
         t2 = time.perf_counter()
-        last = sample(logits, params, gens).token_ids
+        last = sample(logits, params, positions).token_ids
         t3 = time.perf_counter()
         if clock.on:
             clock.seconds["forward"] += t2 - t1

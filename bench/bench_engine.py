@@ -49,8 +49,9 @@ from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.model.tokenizer import Tokenizer, build_byte_tokenizer
 from gpu_worker.runner.batch import Batch, ForwardOutput
 from gpu_worker.runner.kv_pool import KVPagePool
-from gpu_worker.runner.runner import RunnerConfig
+from gpu_worker.runner.protocol import LogitsRunner, PoolSet
 from gpu_worker.runner.sampling import SamplingParams
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.tuning import freeze_startup_objects, set_cpu_threads
 from hybridserve_cli.stack import Stack
@@ -64,7 +65,7 @@ PARTS = ("snapshot", "plan", "prepare", "flush", "forward", "sample", "apply", "
 TOKENIZER = Tokenizer(build_byte_tokenizer())
 
 
-class NullRunner:
+class NullRunner(LogitsRunner):
     """Real page and slot pools (no layers); forward returns fixed logits, one row per sequence,
     after `forward_s` seconds of sleep (0: at once)."""
 
@@ -74,6 +75,7 @@ class NullRunner:
         self.while_waiting_s = 0.0  # the engine's callback at the start of each forward, summed
         self.kv_pool = KVPagePool(num_pages, PAGE, 0, 1, 1, torch.float32, cpu)
         self.state_pool = MambaStatePool(max_num_seqs, 0, 0, (1, 1), (1, 1, 1), torch.float32, cpu)
+        self.pools = PoolSet(self.kv_pool, self.state_pool, 0, 0, torch.device("cpu"))
         self.eos_token_ids = (2,)
         self._logits = torch.zeros(max_num_seqs, VOCAB)
         self._logits[:, 65] = 1.0
@@ -124,7 +126,7 @@ def make_request(i: int) -> Request:
     return Request(
         request_id=f"r{i}", prompt_token_ids=[3 + (i + j) % 50 for j in range(PROMPT)],
         params=GenerationParams(SamplingParams(), 1 << 20, (), True), arrival_time=time.monotonic(),
-        deadline=None, stop_checker=StopChecker(TOKENIZER, ()), generator=None,
+        deadline=None, stop_checker=StopChecker(TOKENIZER, ()),
     )  # fmt: skip
 
 

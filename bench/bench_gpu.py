@@ -40,7 +40,8 @@ from gpu_worker.model.model import HybridForCausalLM  # noqa: E402
 from gpu_worker.runner.batch import Batch, SequenceChunk  # noqa: E402
 from gpu_worker.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 from gpu_worker.runner.kv_pool import KVPagePool  # noqa: E402
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig  # noqa: E402
+from gpu_worker.runner.runner import ModelRunner  # noqa: E402
+from gpu_worker.runner.settings import RunnerConfig  # noqa: E402
 from gpu_worker.runner.state_pool import MambaStatePool  # noqa: E402
 from hybridserve_cli.init_model import ModelSpec  # noqa: E402
 

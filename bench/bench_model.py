@@ -22,8 +22,9 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.utils import logging as hf_logging
 
 from gpu_worker.runner.batch import Batch, SequenceChunk
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.sampling import SamplingParams, sample
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.tuning import keep_freed_memory
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
@@ -84,12 +85,12 @@ class RunnerDriver:
         slots = [states.allocate_slot() for _ in prompts]
         pages = [kv.allocate(kv.pages_for_tokens(len(p) + new_tokens)) for p in prompts]
         params = [SamplingParams()] * len(prompts)
-        gens = [None] * len(prompts)
+        positions = [0] * len(prompts)
         t0 = time.perf_counter()
         batch = Batch(
             tuple(SequenceChunk(tuple(p), 0, tuple(pg), s) for p, pg, s in zip(prompts, pages, slots, strict=True))
         )
-        last = sample(self.runner.forward(batch).logits, params, gens).token_ids
+        last = sample(self.runner.forward(batch).logits, params, positions).token_ids
         outs = [[t] for t in last]
         t1 = time.perf_counter()
         for step in range(new_tokens - 1):
@@ -99,7 +100,7 @@ class RunnerDriver:
                     for p, o, pg, s in zip(prompts, outs, pages, slots, strict=True)
                 )
             )
-            for o, t in zip(outs, sample(self.runner.forward(batch).logits, params, gens).token_ids, strict=True):
+            for o, t in zip(outs, sample(self.runner.forward(batch).logits, params, positions).token_ids, strict=True):
                 o.append(t)
         t2 = time.perf_counter()
         for pg, s in zip(pages, slots, strict=True):

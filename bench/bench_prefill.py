@@ -45,7 +45,8 @@ from gpu_worker.model.attention import PagedAttention
 from gpu_worker.model.layers import MLP, RMSNorm
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.runner.batch import Batch, SequenceChunk
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.tuning import keep_freed_memory
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 

@@ -50,7 +50,8 @@ from gpu_worker.engine.settings import EngineSettings  # noqa: E402
 from gpu_worker.observers import build_observers  # noqa: E402
 from gpu_worker.observers.recording import StepRecorder  # noqa: E402
 from gpu_worker.observers.tracing import TracingObserver  # noqa: E402
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig  # noqa: E402
+from gpu_worker.runner.runner import ModelRunner  # noqa: E402
+from gpu_worker.runner.settings import RunnerConfig  # noqa: E402
 from hybridserve import grpc_server  # noqa: E402
 from hybridserve.v1 import generation_pb2 as pb  # noqa: E402
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402

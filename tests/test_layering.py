@@ -11,7 +11,9 @@ inside functions too), plus one run-time check that importing the planning core 
     gpu_worker           the worker; of other services it uses only their client side:
                          scheduler_svc.{client, convert, flags, core, step_records} and cache_svc.client.
                          Inside it only runner/ (the runner, model processes, the pools) and model/
-                         load torch; api/, engine/, cache/ and observers/ reach tensors through them
+                         load torch; api/, engine/, cache/ and observers/ reach tensors through them.
+                         The engine and the prefix cache see a runner only through its protocol
+                         (gpu_worker.runner.protocol), its settings and the checkpoint format
     hybridserve          leaf plumbing (errors, gRPC server, telemetry, settings, generated code,
                          child processes, statistics): imports no service and not the top layer
     scheduler_svc.core   pure: the standard library, hybridserve.errors and itself
@@ -35,6 +37,10 @@ TOP = "hybridserve_cli"
 # Inside gpu_worker, the parts that may load the tensor libraries (the pools live in runner/).
 TENSOR_LIBRARIES = ("torch", "triton")
 TENSOR_PARTS = ("gpu_worker.runner", "gpu_worker.model")
+# What the engine and the prefix cache may import of runner/: the runner boundary (of model/ they read
+# the model's facts: its config, tokenizer and loaded form).
+RUNNER_USERS = ("gpu_worker.engine", "gpu_worker.cache")
+RUNNER_BOUNDARY = ("gpu_worker.runner.protocol", "gpu_worker.runner.settings", "gpu_worker.runner.checkpoint_io")
 # What a service may import of another service: that service's client side.
 CLIENT_SIDE: dict[str, tuple[str, ...]] = {
     "gpu_worker": (
@@ -105,6 +111,10 @@ def violations(module: str, imported: str) -> str | None:
         return f"{owner} never loads torch"
     if owner == "gpu_worker" and top in TENSOR_LIBRARIES and not any(within(module, p) for p in TENSOR_PARTS):
         return f"inside gpu_worker only {' and '.join(TENSOR_PARTS)} import {top}"
+    beyond_boundary = within(imported, "gpu_worker.runner") and imported != "gpu_worker.runner"
+    outside = not any(within(imported, b) for b in RUNNER_BOUNDARY)
+    if any(within(module, u) for u in RUNNER_USERS) and beyond_boundary and outside:
+        return f"the engine and the prefix cache see a runner only through {', '.join(RUNNER_BOUNDARY)}"
     return None
 
 
@@ -151,6 +161,14 @@ def test_every_import_follows_the_layering():
         ("hybridserve.children", "hybridserve_cli.stack", False),
         ("hybridserve_cli.stack", "gpu_worker.api.client", True),
         ("hybridserve_cli.init_model", "torch", True),
+        ("gpu_worker.engine.engine", "gpu_worker.runner.protocol", True),
+        ("gpu_worker.engine.engine", "gpu_worker.runner.protocol.Runner", True),
+        ("gpu_worker.engine.engine", "gpu_worker.runner.runner", False),
+        ("gpu_worker.engine.admission", "gpu_worker.runner.sampling", False),
+        ("gpu_worker.cache.manager", "gpu_worker.runner.model_process", False),
+        ("gpu_worker.cache.local", "gpu_worker.runner.kv_pool", False),
+        ("gpu_worker.cache.remote", "gpu_worker.runner.checkpoint_io", True),
+        ("gpu_worker.api.server", "gpu_worker.runner.model_process", True),
     ],
 )
 def test_the_rules_catch_what_they_should(module, imported, allowed):

@@ -78,7 +78,7 @@ def test_services_sharing_one_environment_do_not_collide(monkeypatch):
 def test_worker_flag_defaults_are_the_dataclass_defaults(monkeypatch):
     from gpu_worker.api.server import settings_from_args as worker_settings
     from gpu_worker.engine.settings import EngineSettings
-    from gpu_worker.runner.runner import RunnerConfig
+    from gpu_worker.runner.settings import RunnerConfig
     from scheduler_svc.core import SchedulerConfig
 
     for name in [n for n in os.environ if n.startswith("HYBRIDSERVE_")]:

@@ -18,9 +18,10 @@ from gpu_worker.engine.admission import max_model_len_limit
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
-from gpu_worker.runner.checkpoint_io import MIN_KEY_BYTES, CheckpointLayout
+from gpu_worker.runner.checkpoint_io import MIN_KEY_BYTES
 from gpu_worker.runner.model_process import build_runner
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.protocol import Runner
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.step_split import prefill_chunk_cap
 from gpu_worker.runner.tuning import freeze_startup_objects, keep_freed_memory
 from hybridserve import grpc_server
@@ -233,21 +234,21 @@ def with_chunk_cap(settings: EngineSettings, args: argparse.Namespace, runner: A
 
 
 def build_prefix_cache(
-    runner: ModelRunner, settings: EngineSettings, enabled: bool, access: SharedTierAccess | None = None
+    runner: Runner, settings: EngineSettings, enabled: bool, access: SharedTierAccess | None = None
 ) -> PrefixCacheManager | None:
     """The local tier, plus the shared tier when --cache is given; None when caching is off or there
     are no checkpoint slots. Any mamba_cache_mode works: chunks keep the state at every block
     boundary they cross, so no chunk has to end on the grid. Without `access` checkpoints are
     sealed with a random key of this process alone."""
-    if not enabled or runner.state_pool.num_checkpoint_slots == 0:
+    if not enabled or runner.pools.state_pool.num_checkpoint_slots == 0:
         return None
     shared = None
     if settings.cache_address:
         access = access or SharedTierAccess(secrets.token_bytes(32))
         block_size = settings.scheduler.block_size
-        layout = CheckpointLayout.of_runner(runner, block_size)
+        layout = runner.pools.checkpoint_layout(block_size)
         shared = SharedTier(settings.cache_address, runner.loaded.fingerprint, block_size, layout, access)
-    return PrefixCacheManager(runner, settings.scheduler.block_size, shared)
+    return PrefixCacheManager(runner.pools, runner.loaded.fingerprint, settings.scheduler.block_size, shared)
 
 
 def shared_tier_access(server: WorkerServerSettings, tls: TlsSettings) -> SharedTierAccess:
@@ -336,7 +337,6 @@ def run(args: argparse.Namespace) -> int:
     watch.stop()  # before the scheduler channel closes: no probe in flight
     client.close()
     observers.close()
-    if hasattr(runner, "close"):
-        runner.close()  # the model process
+    runner.close()  # the model processes
     stop_telemetry()
     return 0

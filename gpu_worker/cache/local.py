@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from gpu_worker.runner.kv_pool import KVPagePool
-from gpu_worker.runner.state_pool import MambaStatePool
+from gpu_worker.runner.protocol import KVPagePool, MambaStatePool
 
 MAX_EVICTED_REMEMBERED = 1 << 16  # block hashes whose entry or state was evicted, for miss reasons
 

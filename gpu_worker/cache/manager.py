@@ -20,8 +20,7 @@ from gpu_worker.cache.interface import CachedSequence, CacheLookup, CacheStats, 
 from gpu_worker.cache.local import Hit, LocalPrefixCache
 from gpu_worker.cache.misses import FetchOrRecompute, MissReason
 from gpu_worker.cache.remote import FetchedBlock, FetchResult, SharedTier
-from gpu_worker.runner.checkpoint_io import export_block, import_block
-from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.protocol import Pools
 
 log = logging.getLogger("hybridserve.cache")
 
@@ -29,16 +28,16 @@ log = logging.getLogger("hybridserve.cache")
 class PrefixCacheManager(PrefixCache):
     """The local tier in the worker's pools, plus the shared tier when one is configured."""
 
-    def __init__(self, runner: ModelRunner, block_size: int, shared: SharedTier | None = None) -> None:
-        self.runner = runner
+    def __init__(self, pools: Pools, fingerprint: str, block_size: int, shared: SharedTier | None = None) -> None:
+        self.pools = pools
         self.block_size = block_size
-        self.fingerprint = runner.loaded.fingerprint
-        self.local = LocalPrefixCache(runner.kv_pool, runner.state_pool)
+        self.fingerprint = fingerprint
+        self.local = LocalPrefixCache(pools.kv_pool, pools.state_pool)
         self.shared = shared
         self._hits: dict[str, Hit] = {}  # request_id -> pinned hit awaiting admission
         self._shared_misses: dict[str, MissReason] = {}  # request_id -> why the shared tier gave no more
         self.num_shared_hits = 0
-        bytes_per_block = block_size * runner.kv_bytes_per_token + runner.state_bytes_per_request
+        bytes_per_block = block_size * pools.kv_bytes_per_token + pools.state_bytes_per_request
         self.fetch_policy = FetchOrRecompute(bytes_per_block, block_size)
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -90,7 +89,7 @@ class PrefixCacheManager(PrefixCache):
 
     def _import_blocks(self, blocks: list[FetchedBlock]) -> bool:
         """Stops at the first block that does not fit; False when a block failed its import."""
-        pages_per_block = self.block_size // self.runner.kv_page_size_tokens
+        pages_per_block = self.block_size // self.pools.kv_page_size_tokens
         for block in blocks:
             if self.local.has_checkpoint(block.block_hash) or (
                 block.block_hash in self.local and not block.checkpoint.has_state
@@ -98,17 +97,17 @@ class PrefixCacheManager(PrefixCache):
                 continue
             self.local.evict_for_pages(pages_per_block)
             checkpoint_id = self.local.allocate_checkpoint() if block.checkpoint.has_state else None
-            if (block.checkpoint.has_state and checkpoint_id is None) or not self.runner.kv_pool.can_allocate(
+            if (block.checkpoint.has_state and checkpoint_id is None) or not self.pools.kv_pool.can_allocate(
                 pages_per_block
             ):
                 if checkpoint_id is not None:
-                    self.runner.state_pool.free_checkpoint(checkpoint_id)
+                    self.pools.state_pool.free_checkpoint(checkpoint_id)
                 return True
-            page_ids = self.runner.kv_pool.allocate(pages_per_block)
+            page_ids = self.pools.kv_pool.allocate(pages_per_block)
             if not self._import_one(block, page_ids, checkpoint_id):
                 return False
             self.local.insert(block.block_hash, block.parent_hash, page_ids, checkpoint_id)
-            self.runner.kv_pool.free(page_ids)  # the cache now holds the only reference
+            self.pools.kv_pool.free(page_ids)  # the cache now holds the only reference
             self.num_shared_hits += 1
         return True
 
@@ -117,11 +116,11 @@ class PrefixCacheManager(PrefixCache):
         (checkpoint_io raises) is a miss: its pages and slot are freed, nothing is cached, and the
         blocks after it (whose state depends on it) are not imported."""
         try:
-            import_block(self.runner, block.checkpoint, page_ids, checkpoint_id)
+            self.pools.import_block(block.checkpoint, page_ids, checkpoint_id)
         except Exception as exc:
-            self.runner.kv_pool.free(page_ids)
+            self.pools.kv_pool.free(page_ids)
             if checkpoint_id is not None:
-                self.runner.state_pool.free_checkpoint(checkpoint_id)
+                self.pools.state_pool.free_checkpoint(checkpoint_id)
             self.num_rejected_blocks += 1
             log.warning("fetched block %s does not fit this model (%s: %s); a miss", block.block_hash.hex()[:16],
                         type(exc).__name__, exc)  # fmt: skip
@@ -147,7 +146,7 @@ class PrefixCacheManager(PrefixCache):
         if hit is None:
             return lookup
         seq.page_ids = hit.page_ids
-        self.runner.kv_pool.share(seq.page_ids)
+        self.pools.kv_pool.share(seq.page_ids)
         seq.num_computed_tokens = hit.num_blocks * self.block_size
         cached = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
         seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
@@ -168,7 +167,7 @@ class PrefixCacheManager(PrefixCache):
         """Restores the hit's state into the request's fresh slot and unpins the entries."""
         hit = self._hits.pop(seq.request_id, None)
         if hit is not None and seq.state_slot is not None:
-            self.runner.state_pool.restore_checkpoint(hit.checkpoint_id, seq.state_slot)
+            self.pools.state_pool.restore_checkpoint(hit.checkpoint_id, seq.state_slot)
             self.local.release(hit)
 
     def on_release(self, seq: CachedSequence) -> None:
@@ -208,7 +207,7 @@ class PrefixCacheManager(PrefixCache):
             self._register_blocks(seq, checkpoints)
 
     def _register_blocks(self, seq: CachedSequence, checkpoints: dict[int, int]) -> None:
-        pages_per_block = self.block_size // self.runner.kv_page_size_tokens
+        pages_per_block = self.block_size // self.pools.kv_page_size_tokens
         hashes = seq.block_hashes
         for index in range(max(checkpoints) + 1):
             checkpoint_id = checkpoints.get(index)
@@ -223,12 +222,12 @@ class PrefixCacheManager(PrefixCache):
             )
             self.local.insert(hashes[index], parent, page_ids, checkpoint_id)
             if fresh and self.shared is not None:
-                self.shared.publish(hashes[index], parent, export_block(self.runner, page_ids, checkpoint_id))
+                self.shared.publish(hashes[index], parent, self.pools.export_block(page_ids, checkpoint_id))
 
     def discard(self, pending: list[PendingCheckpoint]) -> None:
         """The forward failed: the slots hold nothing."""
         for p in pending:
-            self.runner.state_pool.free_checkpoint(p.checkpoint_id)
+            self.pools.state_pool.free_checkpoint(p.checkpoint_id)
 
     def record_forward(self, num_prefill_tokens: int, seconds: float) -> None:
         """Prefill speed for the fetch-or-recompute rule."""

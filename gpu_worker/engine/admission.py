@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from gpu_worker.engine.request import GenerationParams, Request, StopChecker
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.model.loader import LoadedModel
-from gpu_worker.runner.runner import ModelRunner
-from gpu_worker.runner.sampling import SamplingParams, make_generator
+from gpu_worker.runner.protocol import Runner, SamplingParams
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.generation_config import GenerationDefaults
 
@@ -85,19 +84,19 @@ def model_len_limit(asked: int, max_position_embeddings: int, pool_tokens: int) 
     return ModelLenLimit(pool_tokens, "the KV pool (config.json names no max_position_embeddings)")
 
 
-def max_model_len_limit(runner: ModelRunner, settings: EngineSettings) -> ModelLenLimit:
+def max_model_len_limit(runner: Runner, settings: EngineSettings) -> ModelLenLimit:
     """This worker's limit (see model_len_limit)."""
-    pool_tokens = runner.kv_pool.num_pages * runner.kv_page_size_tokens
+    pool_tokens = runner.pools.kv_pool.num_pages * runner.pools.kv_page_size_tokens
     return model_len_limit(settings.max_model_len, runner.config.max_position_embeddings, pool_tokens)
 
 
-def max_model_len(runner: ModelRunner, settings: EngineSettings) -> int:
+def max_model_len(runner: Runner, settings: EngineSettings) -> int:
     """Prompt plus generated tokens one request may reach (see model_len_limit)."""
     return max_model_len_limit(runner, settings).tokens
 
 
 def build_request(
-    asked: GenerationInput, runner: ModelRunner, settings: EngineSettings, time_remaining_s: float | None
+    asked: GenerationInput, runner: Runner, settings: EngineSettings, time_remaining_s: float | None
 ) -> Request:
     loaded = runner.loaded
     limit = max_model_len(runner, settings)
@@ -121,7 +120,6 @@ def build_request(
         arrival_time=now,
         deadline=None if time_remaining_s is None else now + time_remaining_s,
         stop_checker=StopChecker(loaded.tokenizer, params.stop),
-        generator=make_generator(params.sampling, runner.device),
     )
 
 

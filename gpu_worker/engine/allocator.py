@@ -10,8 +10,7 @@ from __future__ import annotations
 from gpu_worker.cache.interface import CacheLookup, PendingCheckpoint, PrefixCache
 from gpu_worker.engine.records import Occupancy
 from gpu_worker.engine.request import Request
-from gpu_worker.runner.kv_pool import KVPagePool
-from gpu_worker.runner.state_pool import MambaStatePool
+from gpu_worker.runner.protocol import KVPagePool, MambaStatePool
 
 
 class Allocator:

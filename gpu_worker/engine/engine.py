@@ -5,10 +5,10 @@ One step (`Engine._step`):
 
 1. plan     the plan of this step (requested during the previous step when scheduling asynchronously)
 2. prepare  preemptions, admissions, pages, checkpoint slots -> the batch's rows
-3. forward  the runner computes the rows' chunks
-4. sample   one token per row that reached the end of its request's known tokens
-5. apply    each token to its request: stream it, or end the request (EOS, stop, length)
-6. emit     one frozen StepRecord to the observers, then the ended requests' last events
+3. execute  the runner (gpu_worker.runner.protocol.Runner) computes the rows' chunks and samples one token
+            per row that reached the end of its request's known tokens, where the logits are
+4. apply    each token to its request: stream it, or end the request (EOS, stop, length)
+5. emit     one frozen StepRecord to the observers, then the ended requests' last events
 
 One thread owns every request, page and slot; other threads only enqueue (`submit`, `abort`) and
 read counters. That thread first runs the start-up `warm_up`, when given (the worker's:
@@ -40,9 +40,7 @@ from gpu_worker.engine.records import EngineCounters, FirstToken, Occupancy, Ste
 from gpu_worker.engine.request import FinishReason, Request
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.engine.table import RequestTable
-from gpu_worker.runner.batch import ForwardOutput
-from gpu_worker.runner.runner import ModelRunner
-from gpu_worker.runner.sampling import SampleOutput, sample_rows
+from gpu_worker.runner.protocol import Runner, StepOutput, StepSampling
 from hybridserve.errors import (
     AbortedError,
     DeadlineExceededError,
@@ -56,12 +54,12 @@ log = logging.getLogger("hybridserve.engine")
 
 
 class Engine:
-    """`runner` is a ModelRunner, or any object with its kv_pool, state_pool, eos_token_ids and
-    forward (the engine tests use a fake)."""
+    """`runner` is any Runner (gpu_worker.runner.protocol): the engine uses nothing else of it (the engine
+    tests use fakes)."""
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: Runner,
         plan: PlanFn,
         settings: EngineSettings,
         observer: EngineObserver | None = None,
@@ -76,7 +74,7 @@ class Engine:
         self.observer = observer or EngineObserver()
         self.prefix = prefix or NoPrefixCache()
         self.table = RequestTable()
-        self.allocator = Allocator(runner.kv_pool, runner.state_pool, self.prefix)
+        self.allocator = Allocator(runner.pools.kv_pool, runner.pools.state_pool, self.prefix)
         self.outputs = OutputProcessor(runner.eos_token_ids)
         self._forwarded = False  # this iteration's step handed the outbox over during its forward
         self.planning = Planning(plan)
@@ -116,7 +114,7 @@ class Engine:
 
     def is_alive(self) -> bool:
         """Liveness: the engine thread runs its loop (and the model process, when there is one, lives)."""
-        return self._thread.is_alive() and self.door.closed_with is None and getattr(self.runner, "alive", True)
+        return self._thread.is_alive() and self.door.closed_with is None and self.runner.is_alive()
 
     @property
     def num_live(self) -> int:
@@ -189,15 +187,14 @@ class Engine:
         prepared = self._prepare(planned.plan)  # 2. prepare (allocate)
         following = self._plan_ahead(prepared)  # (async) step N+1's plan while step N runs
         forward_started = time.monotonic()
-        output = self._forward(prepared)  # 3. forward
-        if isinstance(output, HybridServeError):  # the forward failed, and so do the running requests
+        output = self._execute(prepared)  # 3. execute
+        if isinstance(output, HybridServeError):  # the step failed, and so do the running requests
             endings, yielded = self._fail_running(output), False
         else:
-            sampled = self._sample(prepared, output)  # 4. sample
-            if sampled is not None and prepared.batch is not None:  # sampling waited for the device
+            if output is not None and prepared.yielding_rows and prepared.batch is not None:  # tokens: it is done
                 self.prefix.record_forward(prepared.batch.num_prefill_tokens, time.monotonic() - forward_started)
-            endings, yielded = self._apply(prepared, sampled), True  # 5. apply
-        self._emit(step_index, planned, prepared, yielded, waited_s, started)  # 6. emit the step record
+            endings, yielded = self._apply(prepared, output), True  # 4. apply
+        self._emit(step_index, planned, prepared, yielded, waited_s, started)  # 5. emit the step record
         self._end(endings)  # the ended requests' last events, after the record
         return following
 
@@ -220,8 +217,7 @@ class Engine:
         the plan is made here during that wait (`_while_forwarding`); else on the planner thread."""
         if not (self.settings.async_scheduling and self.table.has_plannable_work()):
             return None
-        runs_elsewhere = getattr(self.runner, "runs_elsewhere", None)
-        inline = prepared.batch is not None and runs_elsewhere is not None and runs_elsewhere(prepared.batch)
+        inline = prepared.batch is not None and self.runner.runs_elsewhere(prepared.batch)
         return self.planning.ahead(self._snapshot(prepared), inline)
 
     def _while_forwarding(self) -> None:
@@ -271,38 +267,35 @@ class Engine:
         )
         return (), ([self.outputs.failed(request, error)] if request is not None else [])
 
-    # ---- 3. forward, 4. sample, 5. apply ---------------------------------------------------------
-    def _forward(self, prepared: PreparedStep) -> ForwardOutput | HybridServeError | None:
-        """The runner's logits (None without rows), or the error that failed the forward."""
+    # ---- 3. execute, 4. apply -------------------------------------------------------------------
+    def _execute(self, prepared: PreparedStep) -> StepOutput | HybridServeError | None:
+        """The runner's tokens for the yielding rows (None without rows), or the error that failed the step."""
         batch = prepared.batch
         if batch is None:
             return None
         self._forwarded = True
         try:
-            output = self.runner.forward(batch, while_waiting=self._while_forwarding)
+            output = self.runner.execute(batch, self._sampling(prepared), while_waiting=self._while_forwarding)
         except Exception as exc:
-            self._while_forwarding()  # if the forward failed before it could
+            self._while_forwarding()  # if the step failed before it could
             self.prefix.discard(prepared.checkpoints)
-            log.exception("forward failed; failing the step's requests")
+            log.exception("the step failed; failing the step's requests")
             return AbortedError(f"model forward failed: {type(exc).__name__}: {exc}; send the request again")
         self.prefix.register(prepared.checkpoints)  # before apply frees finished requests' pages
         return output
 
-    def _sample(self, prepared: PreparedStep, output: ForwardOutput | None) -> SampleOutput | None:
+    def _sampling(self, prepared: PreparedStep) -> StepSampling:
+        """What the step samples: every yielding row, and the params of those that need more than the argmax."""
         rows = prepared.yielding_rows
-        if output is None or not rows:
-            return None
-        logits = output.logits if len(rows) == output.logits.shape[0] else output.logits[rows]  # all rows: no copy
-        if not self.table.num_running_sampled:  # every row a plain argmax: no Python per row
-            return sample_rows(logits, (), (), ())
+        if not rows or not self.table.num_running_sampled:  # every row a plain argmax: no Python per row
+            return StepSampling(rows)
         requests = prepared.yielding
-        sampled = [i for i, r in enumerate(requests) if not r.params.sampling.is_plain]
-        return sample_rows(logits, sampled, [requests[i].params.sampling for i in sampled],
-                           [requests[i].generator for i in sampled])  # fmt: skip
+        special = [i for i, r in enumerate(requests) if not r.params.sampling.is_plain]
+        return StepSampling(rows, special, [requests[i].params.sampling for i in special])
 
-    def _apply(self, prepared: PreparedStep, sampled: SampleOutput | None) -> list[Ending]:
+    def _apply(self, prepared: PreparedStep, sampled: StepOutput | None) -> list[Ending]:
         """Each sampled token to its request; returns the requests that ended (already freed)."""
-        if sampled is None:
+        if sampled is None or not prepared.yielding:
             return []
         now = time.monotonic()
         endings, firsts = self.outputs.append_step(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from gpu_worker.engine.request import FinishReason, Request, RequestOutput
-from gpu_worker.runner.sampling import TopLogprobs
+from gpu_worker.runner.protocol import TopLogprobs
 from hybridserve.errors import HybridServeError
 
 _new = tuple.__new__

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from gpu_worker.engine.request import Request
-from gpu_worker.runner.step_split import DECODE_ROW_TOKENS, FORWARD_FIXED_TOKENS
+from gpu_worker.runner.protocol import DECODE_ROW_TOKENS, FORWARD_FIXED_TOKENS
 from scheduler_svc.core import SchedulerConfig, ShareState, StepInput, StepPlan
 from scheduler_svc.core.share import StepCost, next_share
 

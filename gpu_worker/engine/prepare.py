@@ -15,7 +15,7 @@ from gpu_worker.cache.interface import PendingCheckpoint
 from gpu_worker.engine.allocator import Allocator
 from gpu_worker.engine.request import Request
 from gpu_worker.engine.table import RequestTable
-from gpu_worker.runner.batch import Batch, SequenceChunk
+from gpu_worker.runner.protocol import Batch, SequenceChunk
 from scheduler_svc.core import Slice, StepPlan
 
 

@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from gpu_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from gpu_worker.runner.sampling import Generator, SamplingParams
+from gpu_worker.runner.protocol import SamplingParams
 from hybridserve.errors import HybridServeError
 from scheduler_svc.core import RequestState
 
@@ -132,7 +132,6 @@ class Request:
     arrival_time: float  # monotonic seconds; kept across preemptions (queue place)
     deadline: float | None  # monotonic seconds, or None
     stop_checker: StopChecker
-    generator: Generator | None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_worker.runner.runner import RunnerConfig
+from gpu_worker.runner.settings import RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from scheduler_svc.core import SchedulerConfig
 

@@ -41,7 +41,8 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from safetensors.torch import save as st_save
 
-from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.kv_pool import KVPagePool
+from gpu_worker.runner.state_pool import MambaStatePool
 from hybridserve.errors import InvalidArgumentError
 
 FORMAT_VERSION = "hybridserve-checkpoint/3"
@@ -103,14 +104,14 @@ class CheckpointLayout:
     ssm: TensorSpec
 
     @classmethod
-    def of_runner(cls, runner: ModelRunner, block_size: int) -> CheckpointLayout:
-        caches = runner.kv_pool.layer_caches()
+    def of_pools(cls, kv_pool: KVPagePool, state_pool: MambaStatePool, block_size: int) -> CheckpointLayout:
+        caches = kv_pool.layer_caches()
         if caches:
             k = caches[0][0]
             kv = TensorSpec((len(caches), 2, block_size, *k.shape[1:]), dtype_name(k.dtype))
         else:
             kv = TensorSpec((0,), "F32")  # export_block's empty KV of a model without attention
-        (conv_shape, conv_dtype), (ssm_shape, ssm_dtype) = runner.state_pool.checkpoint_layout()
+        (conv_shape, conv_dtype), (ssm_shape, ssm_dtype) = state_pool.checkpoint_layout()
         return cls(kv, TensorSpec(conv_shape, dtype_name(conv_dtype)), TensorSpec(ssm_shape, dtype_name(ssm_dtype)))
 
 
@@ -241,21 +242,27 @@ def _page_slots(page_ids: list[int], page_size: int) -> torch.Tensor:
     return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
 
-def export_block(runner: ModelRunner, page_ids: list[int], checkpoint_id: int | None) -> BlockCheckpoint:
+def export_block(
+    kv_pool: KVPagePool, state_pool: MambaStatePool, device: torch.device, page_ids: list[int],
+    checkpoint_id: int | None,
+) -> BlockCheckpoint:  # fmt: skip
     """Copies a cached block out of the pools (on the engine thread, before anything reuses them)."""
-    slots = _page_slots(page_ids, runner.kv_page_size_tokens).to(runner.device)
-    caches = runner.kv_pool.layer_caches()
+    slots = _page_slots(page_ids, kv_pool.page_size_tokens).to(device)
+    caches = kv_pool.layer_caches()
     kv = torch.stack([torch.stack([k[slots], v[slots]]) for k, v in caches]).to("cpu") if caches else torch.zeros(0)
     if checkpoint_id is None:
         return BlockCheckpoint(kv=kv, conv=None, ssm=None)
-    conv, ssm = runner.state_pool.export_checkpoint(checkpoint_id)
+    conv, ssm = state_pool.export_checkpoint(checkpoint_id)
     return BlockCheckpoint(kv=kv, conv=conv, ssm=ssm)
 
 
-def import_block(runner: ModelRunner, block: BlockCheckpoint, page_ids: list[int], checkpoint_id: int | None) -> None:
+def import_block(
+    kv_pool: KVPagePool, state_pool: MambaStatePool, device: torch.device, block: BlockCheckpoint,
+    page_ids: list[int], checkpoint_id: int | None,
+) -> None:  # fmt: skip
     """Writes a verified block into freshly allocated pages and a checkpoint slot."""
-    slots = _page_slots(page_ids, runner.kv_page_size_tokens).to(runner.device)
-    caches = runner.kv_pool.layer_caches()
+    slots = _page_slots(page_ids, kv_pool.page_size_tokens).to(device)
+    caches = kv_pool.layer_caches()
     expected = (len(caches), 2, len(slots), *caches[0][0].shape[1:]) if caches else (0,)
     if tuple(block.kv.shape) != tuple(expected):
         raise InvalidArgumentError(f"checkpoint KV shape {list(block.kv.shape)} does not match {list(expected)}")
@@ -263,4 +270,4 @@ def import_block(runner: ModelRunner, block: BlockCheckpoint, page_ids: list[int
         k[slots] = block.kv[layer, 0].to(k.device, k.dtype)
         v[slots] = block.kv[layer, 1].to(v.device, v.dtype)
     if checkpoint_id is not None and block.conv is not None and block.ssm is not None:
-        runner.state_pool.import_checkpoint(checkpoint_id, block.conv, block.ssm)
+        state_pool.import_checkpoint(checkpoint_id, block.conv, block.ssm)

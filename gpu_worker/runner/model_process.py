@@ -10,11 +10,12 @@ and the worker's threads run beside it, on another core.
 
 How. The worker keeps the pools' bookkeeping (page and slot allocation, reference counts, checkpoint
 slots) and the pools' tensors live in memory both processes map (gpu_worker.runner.shared_memory): the
-prefix cache reads and writes states and pages there as before. Each step the engine sends the
-`Batch` (pickled: token ids, page tables, slots) over a pipe and waits; the child runs
-`ModelRunner.forward` over the same pool tensors and sends back the logits. The engine calls the
-runner from one thread and waits for each forward, so the two processes never write the pools at the
-same time.
+prefix cache reads and writes states and pages there as before. Each step the engine's `execute` writes
+what changed of the rows' page tables and sampling parameters into shared tables and sends each model
+process a small typed message (gpu_worker.runner.messages: seven integers a row and the chunks' tokens);
+the process runs `ModelRunner.forward` over the same pool tensors, samples the rows that yield where the
+logits are, and sends back token ids and log-probabilities. The engine calls the runner from one
+thread and waits for each step, so the processes never write the pools at the same time.
 
 Several model processes (`model_processes`, CPU cores to spare): each step's sequences are dealt among
 them (`Split`), sent to all, and the logits put back in batch order. A sequence's work touches only its
@@ -33,8 +34,11 @@ copy and frees its own; the worker drops its references once the children are re
 steps run at home (it keeps the config, tokenizer and fingerprint). Each child compiles its decode step and
 builds its kernels in the background from its start; `warm_up` waits for them and runs the warm-up steps in
 each child in turn (gpu_worker.runner.warmup). CPU only: a CUDA runner stays in the worker's process.
-Should the child die, every forward fails with UNAVAILABLE-class errors, `alive` turns false (the worker's
-health reports NOT_SERVING) and the worker must be restarted.
+Should a model process die, the step it was in fails (its requests get an error that says so), `alive` turns
+false (the worker's health reports NOT_SERVING) and the processes are started again over the same weights
+and pools, by the next step or by the supervisor thread between steps, whichever comes first; the requests
+not in that step keep their pages and state. After MAX_REPLACEMENTS within REPLACEMENT_WINDOW_S it gives
+up: the worker stays NOT_SERVING and must be restarted.
 """
 
 from __future__ import annotations
@@ -62,10 +66,24 @@ import torch
 
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.runner.batch import Batch, ForwardOutput
-from gpu_worker.runner.kv_pool import KVPagePool
-from gpu_worker.runner.runner import ModelRunner, PoolPlan, RunnerConfig, RunnerFacts
+from gpu_worker.runner.messages import (
+    PROTOCOL_VERSION,
+    Failed,
+    Ready,
+    Step,
+    StepDone,
+    StepTables,
+    Stop,
+    TableReader,
+    TableWriter,
+    Warm,
+    WarmUp,
+    encode_step,
+)
+from gpu_worker.runner.runner import ModelRunner, PoolPlan, RunnerFacts
+from gpu_worker.runner.sampling import EMPTY_OUTPUT, StepOutput, StepSampling, sample_step
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.shared_memory import AttachedArena, Shapes, SharedArena, share_weights
-from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.step_split import Split
 from gpu_worker.runner.tuning import usable_cores
 from gpu_worker.runner.warmup import WarmupTimes, scratch_steps
@@ -77,6 +95,9 @@ WARM_UP_TIMEOUT_S = 1800.0  # the warm-up waits for the decode compile: a cold i
 STOP_TIMEOUT_S = 10.0
 MODEL_PROCESS_MODES = ("auto", "on", "off")
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies
+SUPERVISE_INTERVAL_S = 0.25  # how often the supervisor looks for a dead model process between steps
+MAX_REPLACEMENTS = 5  # dead model processes replaced within REPLACEMENT_WINDOW_S before the worker gives up
+REPLACEMENT_WINDOW_S = 600.0
 
 
 class ModelProcessError(RuntimeError):
@@ -112,54 +133,46 @@ def resolve_processes(config: RunnerConfig) -> tuple[int, RunnerConfig]:
 
 
 class ProcessRunner(RunnerFacts):
-    """The ModelRunner surface the engine and the prefix cache use; the forward runs in a child process.
-    Not thread-safe: one engine thread calls `forward`."""
+    """A Runner (gpu_worker.runner.protocol) whose forward and sampling run in model processes. Not
+    thread-safe: one engine thread calls `execute` (the supervisor thread only replaces dead processes,
+    under the same lock)."""
 
     def __init__(self, loaded: LoadedModel, config: RunnerConfig) -> None:
         self.loaded = loaded
         self.device = loaded.device
         plan = PoolPlan.of(loaded, config)
-        self.runner_config = plan.config
-        self.kv_bytes_per_token = plan.kv_bytes_per_token
-        self.state_bytes_per_request = plan.state_bytes_per_request
-        self.memory = plan.memory
         count, child_config = resolve_processes(config)
-        arena = SharedArena("hybridserve-pool")
-        self.kv_pool: KVPagePool
-        self.state_pool: MambaStatePool
-        self.kv_pool, self.state_pool = plan.build(arena.zeros)
+        self._arena = SharedArena("hybridserve-pool")  # kept open: a replacement process maps it too
+        self._set_plan(plan, plan.build(self._arena.zeros))
         # 1 while a model process computes its part of a step: set here before the parts go out, cleared by
         # the process when done (the others may then take its cores: StepThreads.widen)
-        self._busy = arena.zeros((count,), torch.int32).numpy()
-        weights = SharedArena("hybridserve-weights")
-        weight_names = share_weights(loaded.model, weights)  # one copy, whatever the number of processes
-        context = multiprocessing.get_context("spawn")  # never fork a process that runs torch threads
+        self._busy = self._arena.zeros((count,), torch.int32).numpy()
+        self._tables = TableWriter(StepTables(self.state_pool.num_slots, self.kv_pool.num_pages, self._arena.zeros))
+        self._weights = SharedArena("hybridserve-weights")
+        self._weight_names = share_weights(loaded.model, self._weights)  # one copy, whatever the processes
+        self._context = multiprocessing.get_context("spawn")  # never fork a process that runs torch threads
+        self._child_config = child_config
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._children: list[_Child] = []
+        self._alive = False
+        self._warming_up = False  # warm_up waits for the children
+        self._replacements: list[float] = []  # when dead model processes were replaced (monotonic)
+        self.gave_up: str | None = None  # why no more replacements are tried
         try:
-            for index in range(count):
-                self._children.append(_Child.start(context, index, loaded, child_config, arena, weights, weight_names))
-            arena.close()
-            weights.close()
-            replies = [child.receive(START_TIMEOUT_S) for child in self._children]
+            self._describe: dict[str, Any] = self._start_children(count)
         except BaseException:
             self.close()
             raise
-        failed = [r for r in replies if r[0] != "ready"]
-        if failed:
-            self.close()
-            raise ModelProcessError(f"the model process did not start: {failed[0][1]}")
-        reply = replies[0]
         self._split = Split(len(self._children), config.model_process_split_min_tokens)
-        self._describe: dict[str, Any] = reply[1]
         self._alive = True
-        self._warming_up = False  # warm_up waits for the children
         self.steps_here = 0  # steps run in this process (fewer rows than min_rows)
         self.steps_there = 0  # steps run in the model process(es)
         self.steps_shared = 0  # of those, steps shared among several model processes
         self.lone_parts = 0  # parts of steps run (at least from some block on) on the idle processes' cores too
-        # What torch work stays here (sampling a step's rows, the prefix cache's copies) is small: one
-        # thread, so that no OpenMP thread of this process spins on the core the model runs on.
+        self.replaced = 0  # model processes replaced after they died
+        # What torch work stays here (the prefix cache's copies, small steps) is small: one thread, so that
+        # no OpenMP thread of this process spins on the core the model runs on.
         torch.set_num_threads(1)
         self.min_rows = config.model_process_min_rows
         self._local: ModelRunner | None = None
@@ -168,13 +181,96 @@ class ProcessRunner(RunnerFacts):
             self._local = ModelRunner(loaded, local_config, pools=(self.kv_pool, self.state_pool))
         else:
             _strip_weights(loaded.model)  # the children map the shared copy
+        self._supervisor = threading.Thread(target=self._supervise, name="model-process-supervisor", daemon=True)
+        self._supervisor.start()
         pids = ", ".join(str(c.pid) for c in self._children)
         log.info("model process %s ready" if len(self._children) == 1 else "model processes %s ready", pids)
 
+    def _start_children(self, count: int) -> dict[str, Any]:
+        """Starts `count` model processes and waits for them to load; returns the first one's description."""
+        children = []
+        try:
+            for index in range(count):
+                children.append(_Child.start(
+                    self._context, index, count, self.loaded, self._child_config, self._arena, self._weights,
+                    self._weight_names,
+                ))  # fmt: skip
+            replies = [child.receive(START_TIMEOUT_S) for child in children]
+        except BaseException:
+            for child in children:
+                child.stop()
+            raise
+        failed = [r for r in replies if not isinstance(r, Ready)]
+        if failed or any(r.version != PROTOCOL_VERSION for r in replies):
+            for child in children:
+                child.stop()
+            why = failed[0].message if failed and isinstance(failed[0], Failed) else f"protocol {replies}"
+            raise ModelProcessError(f"the model process did not start: {why}")
+        self._children = children
+        first = replies[0]
+        assert isinstance(first, Ready)
+        return first.describe
+
+    # ---- liveness and replacement ------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        """The model process runs (checked each step and by the worker's liveness probe)."""
+        """The model processes run (checked each step and by the worker's liveness probe)."""
         return self._alive and all(c.process.is_alive() for c in self._children)
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def _supervise(self) -> None:
+        """Replaces model processes that died between steps (a step that finds one dead replaces it itself)."""
+        while not self._closed.wait(SUPERVISE_INTERVAL_S):
+            if not self.alive and self.gave_up is None and not self._warming_up:
+                with self._lock:
+                    if not self._closed.is_set():
+                        self._replace_dead()
+
+    def _replace_dead(self) -> None:
+        """Under the lock: when a model process is gone, stops them all (a survivor may hold a step's reply
+        nobody will read) and starts as many again over the same weights and pools. The requests of the
+        step it died in have failed already; every other request's pages and state are in shared memory,
+        untouched. Gives up after MAX_REPLACEMENTS within REPLACEMENT_WINDOW_S."""
+        if self.alive or self.gave_up is not None:
+            return
+        now = time.monotonic()
+        self._replacements = [t for t in self._replacements if now - t < REPLACEMENT_WINDOW_S]
+        codes = [c.process.exitcode for c in self._children]
+        if len(self._replacements) >= MAX_REPLACEMENTS:
+            self.gave_up = (
+                f"the model process died {MAX_REPLACEMENTS + 1} times within {REPLACEMENT_WINDOW_S:.0f} s "
+                f"(exit codes {codes}); restart the worker"
+            )
+            log.error("%s", self.gave_up)
+            return
+        self._replacements.append(now)
+        self._alive = False
+        log.error("a model process is gone (exit codes %s); starting %d again", codes, len(self._children))
+        count = len(self._children)
+        for child in self._children:
+            child.stop()
+        self._children = []
+        started = time.monotonic()
+        try:
+            self._describe = self._start_children(count)
+        except Exception as exc:
+            log.error("replacing the model processes failed: %s", exc)
+            return  # tried again by the supervisor, within the limit
+        self._busy[:] = 0
+        self._tables = TableWriter(self._tables.tables)  # the new processes read every table afresh
+        self._alive = True
+        self.replaced += count
+        log.warning("model processes %s replaced in %.1f s", ", ".join(str(c.pid) for c in self._children),
+                    time.monotonic() - started)  # fmt: skip
+
+    def _usable(self) -> None:
+        """Under the lock, before a step: replaces dead processes, or raises ModelProcessError."""
+        if not self.alive:
+            self._replace_dead()
+        if not self.alive:
+            raise ModelProcessError(self.gave_up or "the model process is gone and could not be started again")
 
     @property
     def pid(self) -> int | None:
@@ -185,59 +281,76 @@ class ProcessRunner(RunnerFacts):
     def pids(self) -> list[int | None]:
         return [c.pid for c in self._children]
 
+    @property
+    def traffic(self) -> tuple[int, int]:
+        """Bytes sent to and received from the model processes since they started (pipe payloads)."""
+        return sum(c.bytes_sent for c in self._children), sum(c.bytes_received for c in self._children)
+
+    # ---- steps -------------------------------------------------------------------------------------
     def runs_elsewhere(self, batch: Batch) -> bool:
-        """Whether `batch` goes to the model process (then `forward`'s while_waiting runs while it computes,
+        """Whether `batch` goes to the model process (then `execute`'s while_waiting runs while it computes,
         and the engine plans there)."""
         return self._local is None or len(batch.sequences) >= self.min_rows
 
+    def execute(
+        self, batch: Batch, sampling: StepSampling, while_waiting: Callable[[], None] | None = None
+    ) -> StepOutput:
+        """The step in the model processes: the same tokens, the same pool updates as in process. A step of
+        fewer than `min_rows` rows runs here instead: too small for the hand-off to pay."""
+        return self._run(batch, sampling, while_waiting, want_logits=False)[0]
+
     def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
-        """ModelRunner.forward in the child: the same logits, the same pool updates. `while_waiting` runs
-        here once the child has the batch (work that need not wait for the logits). A step of fewer than
-        `min_rows` rows runs here instead: too small for the hand-off to pay."""
+        """ModelRunner.forward in the model processes, the logits sent back (tests and tools: a served step
+        uses `execute`, which returns only tokens)."""
+        out = self._run(batch, StepSampling(), while_waiting, want_logits=True)[1]
+        assert out is not None
+        return out
+
+    def _run(
+        self, batch: Batch, sampling: StepSampling, while_waiting: Callable[[], None] | None, want_logits: bool
+    ) -> tuple[StepOutput, ForwardOutput | None]:
         with self._lock:
-            if not self.alive:
-                raise ModelProcessError("the model process is gone; restart the worker")
+            self._usable()
             if self._local is not None and not self.runs_elsewhere(batch):
                 self.steps_here += 1
-                return self._local.forward(batch, while_waiting)
+                if want_logits:
+                    return EMPTY_OUTPUT, self._local.forward(batch, while_waiting)
+                return self._local.execute(batch, sampling, while_waiting), None
             self.steps_there += 1
             parts = self._split.assign(batch)
-            sends = [batch]
-            if len(parts) > 1:
-                sends = [replace(batch, sequences=tuple(batch.sequences[i] for i in p)) for p in parts]
-            self._busy[: len(sends)] = 1
+            self._tables.publish(batch, sampling)
+            steps = [encode_step(batch, None if len(parts) == 1 else p, sampling, want_logits) for p in parts]
+            self._busy[: len(steps)] = 1
             try:
-                for child, part in zip(self._children, sends, strict=False):
-                    child.send(("forward", part))
+                for child, step in zip(self._children, steps, strict=False):
+                    child.send(step)
                 if while_waiting is not None:
                     while_waiting()
-                replies = [child.receive(None) for child, _ in zip(self._children, sends, strict=False)]
-            except (OSError, EOFError, ModelProcessError) as exc:
+                replies = [child.receive(None) for child, _ in zip(self._children, steps, strict=False)]
+            except (OSError, EOFError, ModelProcessError, pickle.UnpicklingError) as exc:
                 self._alive = False
-                codes = [c.process.exitcode for c in self._children if not c.process.is_alive()]
-                raise ModelProcessError(f"the model process is gone (exit code {codes}); restart the worker") from exc
+                codes = [c.process.exitcode for c in self._children]
+                for child in self._children:
+                    child.process.kill()  # replaced before the next step
+                raise ModelProcessError(
+                    f"the model process is gone (exit codes {codes}); this step's requests are lost, and the"
+                    " process is being replaced"
+                ) from exc
+        done: list[StepDone] = []
         for reply in replies:
-            if reply[0] == "invalid":
-                raise InvalidArgumentError(reply[1])
-            if reply[0] == "error":
-                raise RuntimeError(f"model process: {reply[1]}")
-        self._describe["decode_compile"] = replies[0][3]
-        self.lone_parts += sum(1 for r in replies if r[5])
+            if isinstance(reply, Failed) and reply.invalid:
+                raise InvalidArgumentError(reply.message)
+            if isinstance(reply, Failed):
+                raise RuntimeError(f"model process: {reply.message}")
+            assert isinstance(reply, StepDone)
+            done.append(reply)
+        self._describe["decode_compile"] = done[0].compile_status
+        self.lone_parts += sum(1 for r in done if r.widened)
         if len(parts) == 1:
-            all_logits = None if replies[0][2] is None else tuple(torch.from_numpy(a) for a in replies[0][2])
-            return ForwardOutput(logits=torch.from_numpy(replies[0][1]), all_logits=all_logits)
+            return _output(done[0]), _logits(done[0]) if want_logits else None
         self.steps_shared += 1
-        self._split.learn(batch, parts, [r[4] for r in replies])
-        order = [i for p in parts for i in p]
-        joined = torch.cat([torch.from_numpy(r[1]) for r in replies])
-        logits = torch.empty_like(joined)
-        logits[torch.tensor(order)] = joined
-        all_logits = None
-        if replies[0][2] is not None:
-            flat = [a for r in replies for a in r[2]]
-            by_index = dict(zip(order, flat, strict=True))
-            all_logits = tuple(torch.from_numpy(by_index[i]) for i in range(len(order)))
-        return ForwardOutput(logits=logits, all_logits=all_logits)
+        self._split.learn(batch, parts, [r.seconds for r in done])
+        return _joined(parts, done, sampling), _joined_logits(parts, done) if want_logits else None
 
     def warm_up(self) -> WarmupTimes:
         """ModelRunner.warm_up in every model process, one after the other on the same scratch pages and
@@ -245,8 +358,7 @@ class ProcessRunner(RunnerFacts):
         and in the worker's own runner for small steps when there is one."""
         times = WarmupTimes()
         with self._lock, scratch_steps(self.kv_pool, self.state_pool, self.config.vocab_size) as steps:
-            if not self.alive:
-                raise ModelProcessError("the model process is gone; restart the worker")
+            self._usable()
             self._warming_up = True  # a close meanwhile kills the children: none reads its pipe till warm
             try:
                 times = self._warm_up_children(steps)
@@ -260,23 +372,29 @@ class ProcessRunner(RunnerFacts):
         times = WarmupTimes()
         for child in self._children:
             try:
-                child.send(("warm_up", steps))
+                child.send(WarmUp(steps))
                 reply = child.receive(WARM_UP_TIMEOUT_S)
             except (OSError, EOFError, ModelProcessError) as exc:
                 self._alive = False
                 raise ModelProcessError("the model process is gone during its warm-up; restart the worker") from exc
-            if reply[0] != "warm":
-                raise RuntimeError(f"model process warm-up: {reply[1]}")
-            times = times.beside(reply[1])
+            if not isinstance(reply, Warm):
+                raise RuntimeError(f"model process warm-up: {getattr(reply, 'message', reply)}")
+            times = times.beside(reply.times)
         self._describe["decode_compile"] = times.compile_status
         return times
 
     def describe(self) -> dict[str, int | str]:
-        return {**self._describe, "model_process": self.pid or 0, "model_processes": len(self._children)}
+        return {
+            **self._describe, "model_process": self.pid or 0, "model_processes": len(self._children),
+            "model_processes_replaced": self.replaced,
+        }  # fmt: skip
 
     def close(self) -> None:
-        """Stops the child (at shutdown); idempotent."""
+        """Stops the children (at shutdown); idempotent."""
         self._alive = False
+        closed = getattr(self, "_closed", None)
+        if closed is not None:
+            closed.set()
         local = getattr(self, "_local", None)  # absent when the start failed
         if local is not None:
             local.close()
@@ -284,6 +402,47 @@ class ProcessRunner(RunnerFacts):
             if getattr(self, "_warming_up", False):  # busy till warm (minutes, compiling): "stop" would wait
                 child.process.kill()
             child.stop()
+        for arena in (getattr(self, "_arena", None), getattr(self, "_weights", None)):
+            if arena is not None:
+                arena.close()
+
+
+def _output(done: StepDone) -> StepOutput:
+    return StepOutput(done.token_ids, done.logprobs, done.top_logprobs)
+
+
+def _logits(done: StepDone) -> ForwardOutput:
+    assert done.logits is not None
+    all_logits = None if done.all_logits is None else tuple(torch.from_numpy(a) for a in done.all_logits)
+    return ForwardOutput(logits=torch.from_numpy(done.logits), all_logits=all_logits)
+
+
+def _joined(parts: list[list[int]], done: list[StepDone], sampling: StepSampling) -> StepOutput:
+    """The parts' tokens in `sampling.rows` order (each part's are its yielding rows, ascending)."""
+    if not sampling.rows:
+        return EMPTY_OUTPUT
+    yielding = set(sampling.rows)
+    where: dict[int, tuple[StepDone, int]] = {}
+    for part, d in zip(parts, done, strict=True):
+        for j, row in enumerate(r for r in part if r in yielding):
+            where[row] = (d, j)
+    picked = [where[row] for row in sampling.rows]
+    asked = any(d.top_logprobs is not None for d in done)
+    top = [d.top_logprobs[j] if d.top_logprobs is not None else () for d, j in picked] if asked else None
+    return StepOutput([d.token_ids[j] for d, j in picked], [d.logprobs[j] for d, j in picked], top)
+
+
+def _joined_logits(parts: list[list[int]], done: list[StepDone]) -> ForwardOutput:
+    order = [i for p in parts for i in p]
+    joined = torch.cat([torch.from_numpy(d.logits) for d in done if d.logits is not None])
+    logits = torch.empty_like(joined)
+    logits[torch.tensor(order)] = joined
+    all_logits = None
+    if done[0].all_logits is not None:
+        flat = [a for d in done for a in (d.all_logits or [])]
+        by_index = dict(zip(order, flat, strict=True))
+        all_logits = tuple(torch.from_numpy(by_index[i]) for i in range(len(order)))
+    return ForwardOutput(logits=logits, all_logits=all_logits)
 
 
 class _Child:
@@ -292,16 +451,18 @@ class _Child:
     def __init__(self, process: Any, conn: Connection) -> None:
         self.process = process
         self.conn = conn
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     @classmethod
     def start(
-        cls, context: Any, index: int, loaded: LoadedModel, config: RunnerConfig, arena: SharedArena,
+        cls, context: Any, index: int, count: int, loaded: LoadedModel, config: RunnerConfig, arena: SharedArena,
         weights: SharedArena, weight_names: list[str],
     ) -> _Child:  # fmt: skip
         conn, child_conn = context.Pipe()
         process = context.Process(
             target=serve, args=(child_conn, str(loaded.model_dir), config, arena.shapes, weights.shapes, weight_names,
-                                log.getEffectiveLevel(), index),
+                                log.getEffectiveLevel(), index, count),
             name=f"hybridserve-model-{index}", daemon=True,
         )  # fmt: skip
         process.start()
@@ -319,21 +480,23 @@ class _Child:
     def pid(self) -> int | None:
         return self.process.pid  # type: ignore[no-any-return]
 
-    def send(self, message: tuple[str, Any]) -> None:
-        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    def send(self, message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self.bytes_sent += len(data)
+        self.conn.send_bytes(data)
 
-    def receive(self, timeout_s: float | None) -> tuple[Any, ...]:
+    def receive(self, timeout_s: float | None) -> Any:
         if timeout_s is not None and not self.conn.poll(timeout_s):
             raise ModelProcessError(f"no answer from the model process within {timeout_s:.0f} s")
-        reply = pickle.loads(self.conn.recv_bytes())
-        assert isinstance(reply, tuple)
-        return reply
+        data = self.conn.recv_bytes()
+        self.bytes_received += len(data)
+        return pickle.loads(data)
 
     def stop(self) -> None:
         if self.process.pid is None:
             return
         with contextlib.suppress(OSError, ValueError):  # already gone, or the pipe closed
-            self.conn.send_bytes(pickle.dumps(("stop", None)))
+            self.conn.send_bytes(pickle.dumps(Stop()))
         self.process.join(STOP_TIMEOUT_S)
         if self.process.is_alive():
             self.process.kill()
@@ -359,9 +522,9 @@ def build_runner(model_dir: str | Path, config: RunnerConfig) -> Any:
 # ---- the child --------------------------------------------------------------------------------------
 def serve(
     conn: Connection, model_dir: str, config: RunnerConfig, shapes: Shapes, weight_shapes: Shapes,
-    weight_names: list[str], log_level: int, index: int,
+    weight_names: list[str], log_level: int, index: int, count: int,
 ) -> None:  # fmt: skip
-    """Model process `index`'s loop: forward each batch it receives until "stop" or the worker goes away."""
+    """Model process `index` (of `count`)'s loop: carry out each message until `Stop` or the worker goes away."""
     from gpu_worker.runner.tuning import keep_freed_memory
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -375,10 +538,12 @@ def serve(
             raise ValueError("the model process built other parameters than the worker's")
         pool = AttachedArena(fds, shapes)
         runner = ModelRunner(loaded, replace(config, device="cpu"), alloc=pool.zeros)
-        count = shapes[-1][0][0]  # the busy flags, after the pools
-        busy = pool.zeros((count,), torch.int32).numpy()
+        busy = pool.zeros((count,), torch.int32).numpy()  # the worker's order: pools, busy flags, step tables
+        reader = TableReader(StepTables(runner.state_pool.num_slots, runner.kv_pool.num_pages, pool.zeros))
+        if not pool.complete:
+            raise ValueError("the worker shared more tensors than this process built")
     except Exception as exc:  # reported to the worker, which fails its start-up with it
-        conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}")))
+        conn.send_bytes(pickle.dumps(Failed(f"{type(exc).__name__}: {exc}")))
         return
     others = [i for i in range(count) if i != index]
     if runner.step_threads is not None and others:
@@ -386,23 +551,25 @@ def serve(
         runner.model.between_blocks = runner.step_threads.widen
     for fd in fds + weight_fds:
         os.close(fd)  # the mappings keep the memory
-    conn.send_bytes(pickle.dumps(("ready", runner.describe())))
+    conn.send_bytes(pickle.dumps(Ready(PROTOCOL_VERSION, runner.describe())))
     while True:
         try:
-            kind, payload = pickle.loads(conn.recv_bytes())
+            message = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             runner.close()
             return  # the worker is gone
-        if kind == "stop":
+        if isinstance(message, Stop):
             runner.close()
             return
-        if kind == "warm_up":
-            reply = pickle.dumps(_warm_up(runner, payload), protocol=pickle.HIGHEST_PROTOCOL)
-        else:
-            reply = pickle.dumps(_forward(runner, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        if isinstance(message, WarmUp):
+            reply: Any = _warm_up(runner, message.steps)
+        elif isinstance(message, Step):
+            reply = _step(runner, reader, message)
             busy[index] = 0  # before the reply: the worker marks the next step's processes before sending
+        else:
+            reply = Failed(f"unknown message {type(message).__name__}")
         try:
-            conn.send_bytes(reply)
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError:
             runner.close()
             return  # the worker is gone
@@ -419,27 +586,34 @@ def _follow_the_worker() -> None:
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _warm_up(runner: ModelRunner, steps: tuple[Batch, ...]) -> tuple[Any, ...]:
+def _warm_up(runner: ModelRunner, steps: tuple[Batch, ...]) -> Warm | Failed:
     try:
-        return ("warm", runner.warm_up_with(steps))
+        return Warm(runner.warm_up_with(steps))
     except Exception as exc:
         log.exception("warm-up failed")
-        return ("error", f"{type(exc).__name__}: {exc}")
+        return Failed(f"{type(exc).__name__}: {exc}")
 
 
-def _forward(runner: Any, batch: Batch) -> tuple[Any, ...]:
+def _step(runner: ModelRunner, reader: TableReader, step: Step) -> StepDone | Failed:
+    """The forward of the step's rows, and the sampling of those that yield, here where the logits are."""
     started = time.perf_counter()
     try:
+        batch, sampling = reader.decode(step)
         out = runner.forward(batch)
+        sampled = sample_step(out.logits, batch, sampling)
     except InvalidArgumentError as exc:
-        return ("invalid", str(exc))
+        return Failed(str(exc), invalid=True)
     except Exception as exc:
         log.exception("forward failed")
-        return ("error", f"{type(exc).__name__}: {exc}")
+        return Failed(f"{type(exc).__name__}: {exc}")
     status = runner.decode_compiler.status if runner.decode_compiler is not None else "off"
-    all_logits = None if out.all_logits is None else [_array(a) for a in out.all_logits]
     widened = runner.step_threads is not None and runner.step_threads.widened
-    return ("ok", _array(out.logits), all_logits, status, time.perf_counter() - started, widened)
+    logits = _array(out.logits) if step.want_logits else None
+    all_logits = [_array(a) for a in out.all_logits] if step.want_logits and out.all_logits is not None else None
+    return StepDone(
+        sampled.token_ids, sampled.logprobs, sampled.top_logprobs, time.perf_counter() - started, widened, status,
+        logits, all_logits,
+    )  # fmt: skip
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:

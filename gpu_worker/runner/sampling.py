@@ -1,9 +1,16 @@
-"""Token sampling over a batch of last-position logits.
+"""Token sampling, where the logits are: in the process (or on the device) that ran the forward.
 
-Greedy rows (temperature 0) take the argmax; the rest go through temperature, top-k, then top-p, and draw
-with their own `torch.Generator` when the request has a seed (reproducible regardless of batch mates), or
-from the global RNG otherwise. Log-probabilities are those of the model's raw distribution
-(log_softmax of the unmodified logits), for the chosen token and the top-n alternatives."""
+A step's sampling is `sample_step(logits, batch, sampling)`: one token for each row that yields
+(`StepSampling.rows`), as a logits-processor pipeline (`PIPELINE`): temperature, then top-k, then top-p,
+then the draw; greedy rows (temperature 0) take the argmax. Rows that need nothing but the argmax and its
+log-probability (`SamplingParams.is_plain`) cost no Python of their own. Log-probabilities are those of the
+model's raw distribution (log_softmax of the unmodified logits), for the chosen token and the top-n
+alternatives.
+
+The random stream is counter-based: a seeded request's draw for the token at position p (the number of
+tokens before it, prompt included) uses a generator seeded with `stream_key(seed, p)`, so a request
+samples the same tokens whatever process, batch or step it lands in, and after a preemption. Unseeded
+requests draw from the process's global generator."""
 
 from __future__ import annotations
 
@@ -12,11 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_worker.runner.batch import Batch
 from hybridserve.errors import InvalidArgumentError
 
-# A seeded request's own random stream, which the engine keeps on the request (engine code names the
-# type through this alias, so that only the runner imports torch).
-Generator = torch.Generator
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,24 +56,87 @@ class SamplingParams:
 TopLogprobs = tuple[tuple[int, float], ...]  # (token_id, logprob), best first
 
 
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def stream_key(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw at `position`: a function of (seed, position) alone."""
+    return _splitmix64((seed & _MASK64) ^ _splitmix64(position))
+
+
+class _Streams:
+    """One reusable generator per device, reseeded for each seeded draw (building one costs more)."""
+
+    def __init__(self) -> None:
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def at(self, device: torch.device, seed: int, position: int) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device)
+        return generator.manual_seed(stream_key(seed, position))
+
+
+_STREAMS = _Streams()
+
+
 @dataclass(frozen=True, slots=True)
-class SampleOutput:
-    """One sampled token per row, in row order."""
+class StepSampling:
+    """What a step samples: one token for each of `rows` (batch rows, ascending: the rows whose chunk
+    reaches the end of their request's known tokens). `special` (ascending indices into `rows`) are the
+    rows that need more than the argmax, with their `params`, one each; every other row is plain greedy."""
+
+    rows: Sequence[int] = ()
+    special: Sequence[int] = ()
+    params: Sequence[SamplingParams] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.special) != len(self.params):
+            raise InvalidArgumentError(f"sampling: {len(self.special)} special rows, {len(self.params)} params")
+
+    @classmethod
+    def of(cls, rows: Sequence[int], params: Sequence[SamplingParams]) -> StepSampling:
+        """From every row's params (tests and tools; the engine builds it without looking at plain rows)."""
+        special = [j for j, p in enumerate(params) if not p.is_plain]
+        return cls(tuple(rows), tuple(special), tuple(params[j] for j in special))
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One sampled token per yielding row (`StepSampling.rows`), in that order."""
 
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each chosen token
     top_logprobs: list[TopLogprobs] | None  # per row: num_logprobs alternatives; None when no row asks
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> Generator | None:
-    """The request's generator (create once per request, keep it for the request's lifetime)."""
-    if params.seed is None or params.is_greedy:
-        return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+EMPTY_OUTPUT = StepOutput([], [], None)
+
+
+def sample_positions(batch: Batch, sampling: StepSampling) -> list[int]:
+    """The position of the token each special row samples (the random stream's counter)."""
+    seqs, rows = batch.sequences, sampling.rows
+    return [seqs[rows[j]].start_pos + len(seqs[rows[j]].token_ids) for j in sampling.special]
+
+
+def sample_step(last_logits: torch.Tensor, batch: Batch, sampling: StepSampling) -> StepOutput:
+    """`sampling`'s tokens from `last_logits` [num_sequences, vocab]: the logits after each batch row's last
+    token (the runner's forward output)."""
+    if not sampling.rows:
+        return EMPTY_OUTPUT
+    rows = sampling.rows
+    logits = last_logits if len(rows) == last_logits.shape[0] else last_logits[list(rows)]  # all rows: no copy
+    return sample_rows(logits, sampling.special, sampling.params, sample_positions(batch, sampling))
 
 
 def _filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k and top-p on rows [b, vocab] -> logits with excluded tokens at -inf."""
+    """The pipeline's filters on rows [b, vocab]: temperature, top-k and top-p -> logits with excluded
+    tokens at -inf. (Per-request controls and masks join here, before the temperature.)"""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
     logits = logits / temps[:, None]
@@ -87,41 +156,42 @@ def _filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> SampleOutput:
-    """Pick one token per row of `logits` [b, vocab] (float32). `params`/`generators` are per row."""
-    if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
-        raise InvalidArgumentError(
-            f"sample: {logits.shape[0]} rows, {len(params)} params, {len(generators)} generators"
-        )
+PIPELINE = ("temperature", "top_k", "top_p", "draw")  # the order _filter_logits and sample_rows apply them
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> StepOutput:
+    """Pick one token per row of `logits` [b, vocab] (float32); `params`/`positions` are per row."""
+    if len(params) != logits.shape[0] or len(positions) != logits.shape[0]:
+        raise InvalidArgumentError(f"sample: {logits.shape[0]} rows, {len(params)} params, {len(positions)} positions")
     rows = [i for i, p in enumerate(params) if not p.is_plain]
-    return sample_rows(logits, rows, [params[i] for i in rows], [generators[i] for i in rows])
+    return sample_rows(logits, rows, [params[i] for i in rows], [positions[i] for i in rows])
 
 
 def sample_rows(
-    logits: torch.Tensor,
-    rows: Sequence[int],
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> SampleOutput:
-    """`sample` where only `rows` (ascending) need more than the argmax: `params`/`generators` are
-    theirs, one each; every other row is greedy without alternatives (SamplingParams.is_plain).
+    logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams], positions: Sequence[int]
+) -> StepOutput:
+    """`sample` where only `rows` (ascending) need more than the argmax: `params`/`positions` are theirs,
+    one each (a position keys a seeded row's random stream); every other row is greedy without
+    alternatives (SamplingParams.is_plain).
 
     The rows in no list cost no Python: a batch of plain rows is one argmax, one log_softmax, one
     gather and two tolists. Same tokens and log-probabilities as row by row."""
-    if len(params) != len(rows) or len(generators) != len(rows):
-        raise InvalidArgumentError(f"sample_rows: {len(rows)} rows, {len(params)} params, {len(generators)} generators")
+    if len(params) != len(rows) or len(positions) != len(rows):
+        raise InvalidArgumentError(f"sample_rows: {len(rows)} rows, {len(params)} params, {len(positions)} positions")
     logits = logits.float()
     chosen = logits.argmax(dim=-1)  # [b]; the first maximal logit
-    random = [(i, p, g) for i, p, g in zip(rows, params, generators, strict=True) if p.temperature != 0.0]
+    random = [(i, p, pos) for i, p, pos in zip(rows, params, positions, strict=True) if p.temperature != 0.0]
     if random:
         index = torch.tensor([i for i, _, _ in random], device=logits.device)
         probs = _filter_logits(logits[index], [p for _, p, _ in random]).softmax(dim=-1)
-        for j, (i, _, generator) in enumerate(random):
-            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one generator call per row.
-            noise = torch.empty_like(probs[j]).exponential_(generator=generator)
-            chosen[i] = (probs[j] / noise).argmax()
+        noise = torch.empty_like(probs)
+        if any(p.seed is None for _, p, _ in random):
+            noise.exponential_()  # the unseeded rows' draws, from this process's generator, in one call
+        for j, (_, p, pos) in enumerate(random):
+            if p.seed is not None:
+                noise[j].exponential_(generator=_STREAMS.at(logits.device, p.seed, pos))
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+        chosen[index] = (probs / noise).argmax(dim=-1)
     logp = logits.log_softmax(dim=-1)  # [b, vocab]: one fused pass (logsumexp is several)
     chosen_lp = logp.gather(1, chosen[:, None]).view(-1)
     max_n = max([p.num_logprobs for p in params], default=0)
@@ -132,4 +202,4 @@ def sample_rows(
         top = [()] * logits.shape[0]
         for j, (i, p) in enumerate(zip(rows, params, strict=True)):
             top[i] = tuple(zip(idx_l[j][: p.num_logprobs], vals_l[j][: p.num_logprobs], strict=True))
-    return SampleOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(), top_logprobs=top)
+    return StepOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(), top_logprobs=top)

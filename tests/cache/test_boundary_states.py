@@ -13,7 +13,8 @@ from gpu_worker.model.backends import reference
 from gpu_worker.model.backends.cuda import ops as ops_module
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.runner.batch import Batch
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from tests.model.model_helpers import FAMILY_SPECS, SPECS, Request, make_hf_model, make_runner, save_hf_model
 

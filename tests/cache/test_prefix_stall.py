@@ -21,8 +21,9 @@ from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.records import StepRecord
 from gpu_worker.engine.request import FinishReason, GenerationParams, Request, RequestOutput, StopChecker
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.sampling import SamplingParams
+from gpu_worker.runner.settings import RunnerConfig
 from scheduler_svc.core import plan_step
 from tests.worker.conftest import SCHEDULER, budget_for_pages, hf_greedy, prompt_of
 
@@ -50,7 +51,6 @@ def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
         arrival_time=now,
         deadline=now + DEADLINE_S,
         stop_checker=StopChecker(None, ()),
-        generator=None,
     )
 
 

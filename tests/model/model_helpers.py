@@ -17,7 +17,8 @@ from transformers import (
 )
 
 from gpu_worker.runner.batch import Batch, SequenceChunk
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import torch
 from gpu_worker.model.backends.cpu.compiled_decode import MAX_RUNS, CompiledMambaDecode, DecodeCompiler, slot_runs
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.runner.batch import Batch
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from tests.model.model_helpers import Request, hf_logits
 

@@ -17,7 +17,8 @@ from gpu_worker.api.server import build_prefix_cache
 from gpu_worker.api.service import GenerationServicer, add_to_server
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from hybridserve import grpc_server
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc

@@ -26,12 +26,12 @@ def test_greedy_64_tokens_match_generate(checkpoint) -> None:
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 23, 12)]
     reqs = [Request(runner, p) for p in prompts]
-    params, gens = [SamplingParams()] * len(reqs), [None] * len(reqs)
+    params, positions = [SamplingParams()] * len(reqs), [0] * len(reqs)
     # prefill: first prompt in two chunks, others whole, all packed together in the second step
     runner.forward(Batch((reqs[0].chunk(3),)))
     logits = runner.forward(Batch((reqs[0].chunk(2), reqs[1].chunk(23), reqs[2].chunk(12)))).logits
     for _ in range(NEW_TOKENS):
-        next_ids = sample(logits, params, gens).token_ids
+        next_ids = sample(logits, params, positions).token_ids
         for r, t in zip(reqs, next_ids, strict=True):
             r.token_ids.append(t)
         logits = runner.forward(Batch(tuple(r.chunk(1) for r in reqs))).logits

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gpu_worker.runner.batch import Batch
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from tests.model.model_helpers import Request, run_schedule
 
 pytestmark = [

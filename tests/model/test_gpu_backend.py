@@ -15,7 +15,8 @@ import torch
 
 from gpu_worker.model.backends import attach_kernels, kernel_backend
 from gpu_worker.runner.batch import Batch
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from tests.model.model_helpers import Request, hf_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -12,7 +12,8 @@ from gpu_worker.engine.admission import model_len_limit
 from gpu_worker.model.loader import load_model, parse_config
 from gpu_worker.runner.memory import GIB, PAGES_WITHOUT_ATTENTION, DeviceMemory, PoolShape, size_pools
 from gpu_worker.runner.profile import dummy_step, estimate_activation_bytes, weights_bytes
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 

@@ -7,7 +7,8 @@ import torch
 
 from gpu_worker.runner.batch import Batch, SequenceChunk
 from gpu_worker.runner.kv_pool import KVPagePool
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.state_pool import MambaStatePool
 from hybridserve.errors import InvalidArgumentError, ResourceExhaustedError
 

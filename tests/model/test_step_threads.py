@@ -8,7 +8,8 @@ import torch
 
 from gpu_worker.runner.batch import Batch, SequenceChunk
 from gpu_worker.runner.model_process import resolve_processes
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.tuning import StepThreads, usable_cores
 from hybridserve.errors import InvalidArgumentError
 

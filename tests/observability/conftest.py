@@ -22,7 +22,8 @@ from gpu_worker.engine.observer import FanOut
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.observers import build_observers
 from gpu_worker.observers.recording import StepRecorder
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from hybridserve import grpc_server
 from hybridserve.metrics import WorkerMetrics
 from hybridserve.v1 import generation_pb2 as pb

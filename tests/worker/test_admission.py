@@ -14,7 +14,8 @@ import pytest
 
 from gpu_worker.engine.admission import max_model_len_limit
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from hybridserve.children import free_port
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import generation_pb2 as pb

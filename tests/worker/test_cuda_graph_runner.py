@@ -15,7 +15,8 @@ from gpu_worker.model.context import ForwardContext
 from gpu_worker.runner.batch import Batch, SequenceChunk
 from gpu_worker.runner.cuda_graphs import DecodeGraphs, bucket_sizes, pick_bucket
 from gpu_worker.runner.input_builder import build_inputs
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
 CPU = torch.device("cpu")

@@ -21,8 +21,9 @@ from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.model.tokenizer import Tokenizer, build_byte_tokenizer
 from gpu_worker.runner.batch import Batch, ForwardOutput
 from gpu_worker.runner.kv_pool import KVPagePool
-from gpu_worker.runner.runner import RunnerConfig
+from gpu_worker.runner.protocol import LogitsRunner, PoolSet
 from gpu_worker.runner.sampling import SamplingParams
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.state_pool import MambaStatePool
 from hybridserve.errors import DeadlineExceededError, HybridServeError, ResourceExhaustedError, UnavailableError
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig, StepInput, StepPlan, plan_step
@@ -49,7 +50,7 @@ def expected_tokens(num: int) -> list[int]:
     return [CYCLE[i % len(CYCLE)] for i in range(num)]
 
 
-class FakeRunner:
+class FakeRunner(LogitsRunner):
     """Real page and slot pools (no layers), a forward that checks each chunk continues its state
     slot where the last one ended, and logits that pick next_token()."""
 
@@ -57,6 +58,7 @@ class FakeRunner:
         cpu = torch.device("cpu")
         self.kv_pool = KVPagePool(num_pages, PAGE, 0, 1, 1, torch.float32, cpu)
         self.state_pool = MambaStatePool(CONFIG.max_num_seqs, 0, 0, (1, 1), (1, 1, 1), torch.float32, cpu)
+        self.pools = PoolSet(self.kv_pool, self.state_pool, 0, 0, torch.device("cpu"))
         self.eos_token_ids = (EOS,)
         self.eos_after = eos_after
         self.fail_on_call = fail_on_call
@@ -107,7 +109,6 @@ def request(rid: str, prompt_len: int, max_tokens: int, stop: tuple[str, ...] = 
         arrival_time=now,
         deadline=None if deadline_s is None else now + deadline_s,
         stop_checker=StopChecker(TOKENIZER, stop),
-        generator=None,
     )
 
 

@@ -15,8 +15,9 @@ from gpu_worker.engine.request import GenerationParams, Request, RequestOutput, 
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.runner.batch import Batch, ForwardOutput
 from gpu_worker.runner.kv_pool import KVPagePool
-from gpu_worker.runner.runner import RunnerConfig
-from gpu_worker.runner.sampling import SamplingParams, make_generator
+from gpu_worker.runner.protocol import LogitsRunner, PoolSet
+from gpu_worker.runner.sampling import SamplingParams
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.state_pool import MambaStatePool
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig, plan_step
 
@@ -32,12 +33,13 @@ CPU = torch.device("cpu")
 TABLE = torch.randint(0, 6, (VOCAB, VOCAB), generator=torch.Generator().manual_seed(2)).float() / 2
 
 
-class TableRunner:
+class TableRunner(LogitsRunner):
     """Real page and slot pools (no layers); each row's logits are TABLE[its chunk's last token]."""
 
     def __init__(self) -> None:
         self.kv_pool = KVPagePool(256, PAGE, 0, 1, 1, torch.float32, CPU)
         self.state_pool = MambaStatePool(CONFIG.max_num_seqs, 0, 0, (1, 1), (1, 1, 1), torch.float32, CPU)
+        self.pools = PoolSet(self.kv_pool, self.state_pool, 0, 0, torch.device("cpu"))
         self.eos_token_ids = (2,)
 
     def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
@@ -50,7 +52,7 @@ def make_request(rid: str, sampling: SamplingParams, prompt_len: int, max_tokens
     return Request(
         request_id=rid, prompt_token_ids=[3 + (i * 7) % 50 for i in range(prompt_len)],
         params=GenerationParams(sampling, max_tokens, (), True), arrival_time=time.monotonic(), deadline=None,
-        stop_checker=StopChecker(None, ()), generator=make_generator(sampling, CPU),
+        stop_checker=StopChecker(None, ()),
     )  # fmt: skip
 
 

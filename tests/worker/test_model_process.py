@@ -1,12 +1,13 @@
 """The model in its own process (gpu_worker.runner.model_process): the same logits and pool contents as the
 in-process runner, the pools shared both ways, bad batches refused without losing the process, and a
-dead model process reported rather than waited for."""
+dead model process replaced over the same weights and pools."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -25,7 +26,8 @@ from gpu_worker.runner.model_process import (
     resolve_processes,
     wants_model_process,
 )
-from gpu_worker.runner.runner import ModelRunner, RunnerConfig
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.tuning import usable_cores
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import generation_pb2 as pb
@@ -136,21 +138,48 @@ def test_describe_names_the_process(runners: tuple[ModelRunner, ProcessRunner]) 
     assert described["decode_compile"] == "off"
 
 
-def test_a_dead_model_process_fails_forwards_at_once(checkpoint: Path) -> None:
+def test_a_dead_model_process_is_replaced_and_requests_keep_their_state(
+    runners: tuple[ModelRunner, ProcessRunner], checkpoint: Path
+) -> None:
+    """kill -9 of the model process between steps: liveness turns false, a new process starts over the same
+    weights and pools, and a request computed before the death continues from its state; a step in flight
+    when the process dies fails with an error that says so, and the next one is served."""
+    here, _ = runners
     runner = build_runner(checkpoint, replace(CONFIG, model_process="on"))  # small steps would run here: not now
     assert isinstance(runner, ProcessRunner) and runner.pid is not None
-    os.kill(runner.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while runner.alive:  # what the worker's liveness probe reads
-        assert time.monotonic() < deadline, "the dead model process still counts as alive"
-        time.sleep(0.01)
-    seq = Request(runner, [5, 6, 7])
-    with pytest.raises(ModelProcessError, match="restart the worker"):
-        runner.forward(Batch((seq.chunk(3),)))
-    assert not runner.alive
-    with pytest.raises(ModelProcessError):
-        runner.forward(Batch((seq.chunk(0),)))
-    runner.close()
+    try:
+        expected, ours = [], []
+        for r, out in ((here, expected), (runner, ours)):
+            seq = Request(r, [5, 6, 7, 8, 9])
+            out.append(r.forward(Batch((seq.chunk(5),))).logits)
+            if r is runner:
+                first = runner.pid
+                os.kill(first, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while runner.alive:  # what the worker's liveness probe reads
+                    assert time.monotonic() < deadline, "the dead model process still counts as alive"
+                    time.sleep(0.005)
+            seq.token_ids.append(11)
+            out.append(r.forward(Batch((seq.chunk(1),))).logits)  # waits for the replacement if need be
+            seq.release()
+        assert runner.alive and runner.pid != first and runner.replaced == 1
+        for x, y in zip(expected, ours, strict=True):
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-6)
+        # death during a step: the step fails, and says so; the next step is served
+        seq = Request(runner, [3 + i % (runner.config.vocab_size - 3) for i in range(600)])
+        killer = threading.Timer(0.05, os.kill, (runner.pid, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(ModelProcessError, match="model process is gone"):
+            for _ in range(200):  # long enough that the kill lands inside a step
+                seq.num_computed = 0
+                runner.forward(Batch((seq.chunk(597),)))
+        killer.join()
+        seq.num_computed = 0
+        assert runner.forward(Batch((seq.chunk(597),))).logits.shape == (1, runner.config.vocab_size)
+        assert runner.replaced == 2
+        seq.release()
+    finally:
+        runner.close()
 
 
 def test_small_steps_run_here_over_the_same_pools(checkpoint: Path) -> None:
@@ -235,24 +264,26 @@ def test_steps_shared_among_model_processes_give_the_same_logits(checkpoint: Pat
         shared.close()
 
 
-def test_a_dead_second_model_process_fails_forwards(checkpoint: Path) -> None:
+def test_a_dead_second_model_process_replaces_both(checkpoint: Path) -> None:
+    """Either process dying takes both down and up again (the survivor may hold a reply nobody reads)."""
     runner = build_runner(checkpoint, replace(CONFIG, model_process="on", model_processes=2))
     assert isinstance(runner, ProcessRunner)
     try:
-        second = runner.pids[1]
-        assert second is not None
-        os.kill(second, signal.SIGKILL)
+        before = list(runner.pids)
+        assert before[1] is not None
+        os.kill(before[1], signal.SIGKILL)
         deadline = time.monotonic() + 10
         while runner.alive:
             assert time.monotonic() < deadline, "a dead second model process still counts as alive"
             time.sleep(0.01)
         seq = Request(runner, list(range(3, 40)))
-        with pytest.raises(ModelProcessError, match="restart the worker"):
-            runner.forward(Batch((seq.chunk(37),)))
+        assert runner.forward(Batch((seq.chunk(37),))).logits.shape == (1, runner.config.vocab_size)
+        assert runner.replaced == 2 and not set(runner.pids) & set(before)
     finally:
         runner.close()
-    with pytest.raises(ProcessLookupError):
-        os.kill(runner.pids[0] or 0, 0)
+    for pid in runner.pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid or 0, 0)
 
 
 def test_close_stops_the_child(checkpoint: Path) -> None:
@@ -284,10 +315,11 @@ def test_where_the_model_runs() -> None:
     assert resolve_processes(explicit) == (3, replace(explicit, model_process_lone_threads=lone))
 
 
-def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> None:
+def test_a_served_worker_replaces_its_dead_model_process(tmp_path: Path) -> None:
     """Real processes: `hybridserve worker --model-process on` serves the same greedy tokens as with the
-    model in process; once its model process is killed, the worker's liveness turns NOT_SERVING (so an
-    orchestrator restarts it) and a request ends with a clear error at once; SIGTERM still stops it."""
+    model in process; once its model process is killed, the worker's liveness turns NOT_SERVING while a
+    new one starts, then SERVING, and it serves the same tokens again; a request streaming when the
+    process dies ends with an error that says so; SIGTERM still stops it."""
     model = write_model(tmp_path)
     prompt = list(range(5, 40))
     long_prompt = [3 + (i * 7) % 250 for i in range(1300)]  # over the two processes' chunk cap (1,024)
@@ -313,16 +345,27 @@ def test_a_served_worker_whose_model_process_dies_says_so(tmp_path: Path) -> Non
             deadline = time.monotonic() + 10
             while health_check_s(worker.address, "liveness")[1] != health_pb2.HealthCheckResponse.NOT_SERVING:
                 assert time.monotonic() < deadline, "liveness did not turn NOT_SERVING"
+                time.sleep(0.02)
+            deadline = time.monotonic() + 120
+            while health_check_s(worker.address, "liveness")[1] != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "the model process was not replaced"
                 time.sleep(0.1)
-            started = time.monotonic()
+            assert "replaced in" in worker.output, worker.output
+            assert serves(worker.address, prompt, 8, timeout_s=60) == expected
+            # killed while a request streams: that request fails and says why; the next is served
             with grpc.insecure_channel(worker.address) as channel:
                 request = pb.GenerateRequest(
-                    prompt_token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=8)
+                    prompt_token_ids=pb.TokenIds(ids=prompt),
+                    sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True),
                 )
+                stream = pb_grpc.GenerationStub(channel).Generate(request, timeout=120)
+                next(stream)
+                pid = int(re.findall(r"model processes? (\d+)[ ,]", worker.output)[-1])
+                os.kill(pid, signal.SIGKILL)
                 with pytest.raises(grpc.RpcError) as failed:
-                    list(pb_grpc.GenerationStub(channel).Generate(request, timeout=30))
+                    list(stream)
             assert "model process is gone" in (failed.value.details() or ""), failed.value
-            assert time.monotonic() - started < 10
+            assert serves(worker.address, prompt, 8, timeout_s=120) == expected
             assert worker.stop() == 0
 
 

@@ -13,7 +13,7 @@ from gpu_worker.runner.sampling import SamplingParams
 def make(rid: str, deadline: float | None, sampling: SamplingParams | None = None) -> Request:
     return Request(
         request_id=rid, prompt_token_ids=[5, 6], params=GenerationParams(sampling or SamplingParams(), 4),
-        arrival_time=0.0, deadline=deadline, stop_checker=StopChecker(None, ()), generator=None,
+        arrival_time=0.0, deadline=deadline, stop_checker=StopChecker(None, ()),
     )  # fmt: skip
 
 

@@ -1,0 +1,211 @@
+"""What the worker and its model processes say to each other (gpu_worker.runner.model_process): typed,
+versioned messages over a pipe, and the tables both sides read in shared memory.
+
+A step travels small. The rows' page tables and the special rows' sampling parameters live in
+`StepTables`, in memory every model process maps, indexed by state slot: the worker writes what changed
+since it last wrote (a page table grows by a page every `kv_page_size` tokens; a request's parameters
+are written once, when it first samples in its slot), so any model process can compute any row, whatever
+process computed it the step before (`Split` moves rows between processes). A `Step` then carries, per
+row, seven integers and its chunk's tokens; a `StepDone` the sampled token ids, their log-probabilities,
+and the top alternatives only for rows that asked. Logits come back only when a caller asks for them
+(`Step.want_logits`: tests and tools).
+
+Every message is a frozen dataclass, pickled; `Ready` carries `PROTOCOL_VERSION`, and the worker refuses a
+model process that speaks another."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpu_worker.runner.batch import Batch, SequenceChunk
+from gpu_worker.runner.sampling import SamplingParams, StepSampling, TopLogprobs
+from gpu_worker.runner.shared_memory import Allocator
+from gpu_worker.runner.warmup import WarmupTimes
+from hybridserve.errors import InvalidArgumentError
+
+PROTOCOL_VERSION = 1
+# Step.rows' columns
+SLOT, START, NUM_TOKENS, NUM_PAGES, SAVE_CHECKPOINT, YIELDS, SPECIAL = range(7)
+ROW_FIELDS = 7
+_NO_CHECKPOINT = -1
+
+
+# ---- messages -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """A model process loaded its model over the shared weights and pools."""
+
+    version: int
+    describe: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A request the model process could not carry out; `invalid`: a malformed batch (nothing changed)."""
+
+    message: str
+    invalid: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUp:
+    steps: tuple[Batch, ...]  # whole batches: the warm-up's scratch steps, once at start-up
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    times: WarmupTimes
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step's part for one model process."""
+
+    rows: np.ndarray[Any, Any]  # [n, ROW_FIELDS] int64, batch order
+    tokens: np.ndarray[Any, Any]  # int32: every row's chunk tokens, back to back
+    boundaries: tuple[tuple[int, int, int], ...] = ()  # (row, position, checkpoint id) inside chunks
+    want_logits: bool = False  # send the rows' last-position logits back too
+    all_logits: bool = False  # ... and every position's (Batch.return_all_logits)
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """A step's part done: one sampled token per yielding row of the part, in row order."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs] | None
+    seconds: float  # the part's compute time (Split learns each process's speed from it)
+    widened: bool  # the part ran on idle processes' cores too (StepThreads.widen)
+    compile_status: str
+    logits: np.ndarray[Any, Any] | None = None  # [n, vocab] float32 when asked
+    all_logits: list[np.ndarray[Any, Any]] | None = None
+
+
+# ---- the shared tables ---------------------------------------------------------------------------------
+class StepTables:
+    """Per state slot: the page table (int32, up to `max_pages`) and the sampling parameters of the request
+    in the slot (temperature, top-p; top-k, alternatives, seed, has-seed; a version bumped on each
+    write). Built over an `Allocator`: the worker's shared arena, or the same tensors attached in a model
+    process (in the same order)."""
+
+    def __init__(self, num_slots: int, max_pages: int, alloc: Allocator) -> None:
+        self.num_slots = num_slots
+        self.max_pages = max_pages
+        self.pages = alloc((num_slots, max_pages), torch.int32).numpy()
+        self.floats = alloc((num_slots, 2), torch.float64).numpy()
+        self.ints = alloc((num_slots, 4), torch.int64).numpy()
+        self.versions = alloc((num_slots,), torch.int64).numpy()
+
+    def read_params(self, slot: int) -> SamplingParams:
+        temperature, top_p = self.floats[slot].tolist()
+        top_k, num_logprobs, seed, has_seed = self.ints[slot].tolist()
+        return SamplingParams(temperature, int(top_k), top_p, int(seed) if has_seed else None, int(num_logprobs))
+
+
+class TableWriter:
+    """The worker's side of `StepTables`: writes what changed since the last step it wrote."""
+
+    def __init__(self, tables: StepTables) -> None:
+        self.tables = tables
+        self._pages: list[tuple[int, ...]] = [()] * tables.num_slots  # what each slot's row holds
+        self._params: list[SamplingParams | None] = [None] * tables.num_slots
+        self.pages_written = 0  # page ids written, all steps (the diffs' size)
+
+    def publish(self, batch: Batch, sampling: StepSampling) -> None:
+        t = self.tables
+        for seq in batch.sequences:
+            slot, pages = seq.state_slot, seq.page_ids
+            if not 0 <= slot < t.num_slots:
+                raise InvalidArgumentError(f"batch: state slot {slot} outside [0, {t.num_slots})")
+            old = self._pages[slot]
+            if pages is old:  # the request's cached page table: unchanged since it was written
+                continue
+            if len(pages) > t.max_pages:
+                raise InvalidArgumentError(f"batch: {len(pages)} pages for slot {slot}; the pool has {t.max_pages}")
+            keep = len(old) if len(pages) >= len(old) and pages[: len(old)] == old else 0
+            if len(pages) > keep:
+                t.pages[slot, keep : len(pages)] = pages[keep:]
+                self.pages_written += len(pages) - keep
+            self._pages[slot] = pages
+        seqs, rows = batch.sequences, sampling.rows
+        for j, params in zip(sampling.special, sampling.params, strict=True):
+            slot = seqs[rows[j]].state_slot
+            if self._params[slot] is params:
+                continue
+            t.floats[slot] = (params.temperature, params.top_p)
+            seed = params.seed if params.seed is not None else 0
+            t.ints[slot] = (params.top_k, params.num_logprobs, seed, params.seed is not None)
+            t.versions[slot] += 1
+            self._params[slot] = params
+
+
+def encode_step(batch: Batch, part: list[int] | None, sampling: StepSampling, want_logits: bool) -> Step:
+    """`Step` of the batch rows `part` (ascending; None: every row), after `TableWriter.publish`."""
+    seqs = batch.sequences if part is None else [batch.sequences[i] for i in part]
+    yielding = set(sampling.rows)
+    special = {sampling.rows[j] for j in sampling.special}
+    indices = range(len(seqs)) if part is None else part
+    rows = np.array(
+        [
+            (s.state_slot, s.start_pos, len(s.token_ids), len(s.page_ids),
+             _NO_CHECKPOINT if s.save_checkpoint_id is None else s.save_checkpoint_id, i in yielding, i in special)
+            for s, i in zip(seqs, indices, strict=True)
+        ],
+        dtype=np.int64,
+    ).reshape(-1, ROW_FIELDS)  # fmt: skip
+    tokens = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int32)
+    boundaries = tuple((r, p, c) for r, s in enumerate(seqs) for p, c in s.boundary_checkpoints)
+    return Step(rows, tokens, boundaries, want_logits, batch.return_all_logits)
+
+
+class TableReader:
+    """A model process's side: the batch and the sampling of a `Step`, from the message and the tables."""
+
+    def __init__(self, tables: StepTables) -> None:
+        self.tables = tables
+        self._params: dict[int, tuple[int, SamplingParams]] = {}  # slot -> (version, params)
+
+    def decode(self, step: Step) -> tuple[Batch, StepSampling]:
+        pages = self.tables.pages
+        tokens = step.tokens.tolist()
+        inner: dict[int, list[tuple[int, int]]] = {}
+        for r, position, checkpoint in step.boundaries:
+            inner.setdefault(r, []).append((position, checkpoint))
+        chunks: list[SequenceChunk] = []
+        yielding: list[int] = []
+        special: list[int] = []
+        params: list[SamplingParams] = []
+        offset = 0
+        for r, (slot, start, n, num_pages, save, yields, is_special) in enumerate(step.rows.tolist()):
+            if not 0 <= slot < self.tables.num_slots or not 0 <= num_pages <= self.tables.max_pages:
+                raise InvalidArgumentError(f"step: state slot {slot} with {num_pages} pages is outside the tables")
+            chunks.append(SequenceChunk(
+                tuple(tokens[offset : offset + n]), start, tuple(pages[slot, :num_pages].tolist()), slot,
+                None if save == _NO_CHECKPOINT else save, tuple(inner.get(r, ())),
+            ))  # fmt: skip
+            offset += n
+            if yields:
+                if is_special:
+                    special.append(len(yielding))
+                    params.append(self._params_of(slot))
+                yielding.append(r)
+        batch = Batch(tuple(chunks), return_all_logits=step.all_logits)
+        return batch, StepSampling(tuple(yielding), tuple(special), tuple(params))
+
+    def _params_of(self, slot: int) -> SamplingParams:
+        version = int(self.tables.versions[slot])
+        cached = self._params.get(slot)
+        if cached is None or cached[0] != version:
+            cached = self._params[slot] = (version, self.tables.read_params(slot))
+        return cached[1]

@@ -1,0 +1,160 @@
+"""The runner boundary: what the engine, the prefix cache and the worker's API see of a runner, and
+nothing else (tests/test_layering.py holds engine/ and cache/ to this module).
+
+A runner owns a model and its pools and executes packed steps. Its contract (`Runner`):
+
+- `execute(batch, sampling, while_waiting)` runs every row's chunk of `batch` (updating the rows' KV
+  pages and state slots, saving the checkpoints the rows ask for) and samples one token for each of
+  `sampling.rows`, where the logits are: only the token ids, their log-probabilities and the top
+  alternatives a row asked for come back (`StepOutput`). A row's tokens depend only on its own chunk,
+  state, sampling parameters and (for a seeded row) the position it samples: not on its batch mates, on
+  the process it ran in, or on the step. A malformed batch raises InvalidArgumentError and changes
+  nothing; any other failure raises, and the step's rows must be treated as lost. `while_waiting` runs
+  exactly once, while the step computes where it computes elsewhere (`runs_elsewhere`), else first.
+- `runs_elsewhere(batch)`: whether `execute` hands `batch` to another process (then the caller's thread
+  is free while it computes).
+- `warm_up()` builds what a first step would (gpu_worker.runner.warmup) and blocks until warm; called once,
+  from the thread that calls `execute`, before the first step.
+- `describe()` sizes and settings for logs and GetInfo; `is_alive()` whether it can execute now (the
+  liveness probe); `close()` ends it (idempotent).
+- `pools` (`Pools`): the KV page pool and the Mamba state pool, whose bookkeeping (allocation,
+  reference counts, checkpoint slots) the engine's allocator and the prefix cache keep in the caller's
+  process, plus the checkpoint import and export the prefix cache's tiers use. The caller never writes
+  the pools while an `execute` runs.
+- `loaded`: the model's facts (config, tokenizer, fingerprint, dtype, generation defaults); `memory`
+  the pools' memory split.
+
+Implementations: `gpu_worker.runner.runner.ModelRunner` (in process, on CPU or CUDA: sampling runs on the
+device) and `gpu_worker.runner.model_process.ProcessRunner` (the forward and the sampling in model
+processes beside the worker). `LogitsRunner` turns a forward that returns logits into `execute`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from gpu_worker.runner.batch import Batch, ForwardOutput, SequenceChunk
+from gpu_worker.runner.checkpoint_io import BlockCheckpoint, CheckpointLayout, export_block, import_block
+from gpu_worker.runner.kv_pool import KVPagePool
+from gpu_worker.runner.sampling import SamplingParams, StepOutput, StepSampling, TopLogprobs, sample_step
+from gpu_worker.runner.state_pool import MambaStatePool
+from gpu_worker.runner.step_split import DECODE_ROW_TOKENS, FORWARD_FIXED_TOKENS
+
+if TYPE_CHECKING:
+    from gpu_worker.model.config import ModelConfig
+    from gpu_worker.model.loader import LoadedModel
+    from gpu_worker.runner.memory import MemorySplit
+    from gpu_worker.runner.warmup import WarmupTimes
+
+__all__ = [
+    "DECODE_ROW_TOKENS", "FORWARD_FIXED_TOKENS", "Batch", "BlockCheckpoint", "CheckpointLayout", "KVPagePool",
+    "LogitsRunner", "MambaStatePool", "PoolSet", "Pools", "Runner", "SamplingParams", "SequenceChunk",
+    "StepOutput", "StepSampling", "TopLogprobs",
+]  # fmt: skip
+
+
+@runtime_checkable
+class Pools(Protocol):
+    """KV pages and state slots, through which the allocator and the prefix cache work."""
+
+    @property
+    def kv_pool(self) -> KVPagePool: ...
+    @property
+    def state_pool(self) -> MambaStatePool: ...
+    @property
+    def kv_page_size_tokens(self) -> int: ...
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+    @property
+    def state_bytes_per_request(self) -> int: ...
+
+    def export_block(self, page_ids: list[int], checkpoint_id: int | None) -> BlockCheckpoint:
+        """A cached block's KV (and its checkpoint's state, when it has one) copied out to CPU tensors."""
+        ...
+
+    def import_block(self, block: BlockCheckpoint, page_ids: list[int], checkpoint_id: int | None) -> None:
+        """A verified block written into freshly allocated pages (and a checkpoint slot)."""
+        ...
+
+    def checkpoint_layout(self, block_size: int) -> CheckpointLayout:
+        """The tensors one block takes (what a shared-tier checkpoint must match)."""
+        ...
+
+
+class PoolSet:
+    """The pools of one runner, on its device."""
+
+    def __init__(
+        self, kv_pool: KVPagePool, state_pool: MambaStatePool, kv_bytes_per_token: int, state_bytes_per_request: int,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.state_bytes_per_request = state_bytes_per_request
+        self.device = device
+
+    @property
+    def kv_page_size_tokens(self) -> int:
+        return self.kv_pool.page_size_tokens
+
+    def export_block(self, page_ids: list[int], checkpoint_id: int | None) -> BlockCheckpoint:
+        return export_block(self.kv_pool, self.state_pool, self.device, page_ids, checkpoint_id)
+
+    def import_block(self, block: BlockCheckpoint, page_ids: list[int], checkpoint_id: int | None) -> None:
+        import_block(self.kv_pool, self.state_pool, self.device, block, page_ids, checkpoint_id)
+
+    def checkpoint_layout(self, block_size: int) -> CheckpointLayout:
+        return CheckpointLayout.of_pools(self.kv_pool, self.state_pool, block_size)
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """See the module's docstring for the contract."""
+
+    @property
+    def pools(self) -> Pools: ...
+    @property
+    def loaded(self) -> LoadedModel: ...
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def memory(self) -> MemorySplit: ...
+
+    def execute(
+        self, batch: Batch, sampling: StepSampling, while_waiting: Callable[[], None] | None = None
+    ) -> StepOutput: ...
+    def runs_elsewhere(self, batch: Batch) -> bool: ...
+    def warm_up(self) -> WarmupTimes: ...
+    def describe(self) -> dict[str, Any]: ...
+    def is_alive(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class LogitsRunner:
+    """`execute` over a `forward(batch, while_waiting) -> ForwardOutput` that computes logits in this
+    process: the rows are sampled where the logits are (on the runner's device). The in-process
+    runner is one; so are the engine tests' fakes."""
+
+    def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
+        raise NotImplementedError
+
+    def execute(
+        self, batch: Batch, sampling: StepSampling, while_waiting: Callable[[], None] | None = None
+    ) -> StepOutput:
+        return sample_step(self.forward(batch, while_waiting).logits, batch, sampling)
+
+    def runs_elsewhere(self, batch: Batch) -> bool:
+        return False
+
+    def is_alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        return None

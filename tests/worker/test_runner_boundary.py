@@ -1,0 +1,133 @@
+"""The runner boundary (gpu_worker.runner.protocol): every runner executes a step and samples it where the
+logits are. With a vocabulary of 100,352 tokens (Granite-4.0-H's), a step of 32 rows over 2,000-token
+contexts moves a few kilobytes between the worker and its model processes, not the 12.8 MB of its logits;
+and a seeded request samples the same tokens in process, in one model process or split over two, alone or
+beside any mates."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.model_process import ProcessRunner, build_runner
+from gpu_worker.runner.protocol import Runner
+from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.sampling import SamplingParams, StepSampling
+from gpu_worker.runner.settings import RunnerConfig
+from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
+from tests.model.model_helpers import Request
+
+VOCAB = 100_352
+MOST_BYTES_PER_STEP = 64 << 10
+CONFIG = RunnerConfig(
+    memory_budget_bytes=64 << 20, kv_page_size_tokens=16, max_num_seqs=34, num_checkpoint_slots=0, device="cpu",
+    dtype="float32", cpu_threads=1, model_processes=1,
+)  # fmt: skip
+PARAMS = {  # per request: its sampling
+    "greedy": SamplingParams(),
+    "greedy-top": SamplingParams(num_logprobs=3),
+    "seeded": SamplingParams(temperature=1.0, seed=7),
+    "seeded-top-k": SamplingParams(temperature=1.2, top_k=50, seed=8, num_logprobs=2),
+    "seeded-top-p": SamplingParams(temperature=0.9, top_p=0.9, seed=9),
+}
+
+
+@pytest.fixture(scope="module")
+def big_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = ModelSpec(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, attn_layer_indices=(1,),
+        num_attention_heads=2, num_key_value_heads=1, mamba_n_heads=2, mamba_d_state=16, init_std=0.5,
+        arch="granitemoehybrid",
+    )  # fmt: skip
+    return write_random_checkpoint(tmp_path_factory.mktemp("vocab-100k"), spec, seed=3, with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def runners(big_vocab: Path) -> Iterator[dict[str, Runner]]:
+    one = build_runner(big_vocab, replace(CONFIG, model_process="on"))
+    two = build_runner(
+        big_vocab,
+        replace(CONFIG, model_process="on", model_processes=2, model_process_split_min_tokens=1, cpu_threads=1),
+    )
+    assert isinstance(one, ProcessRunner) and isinstance(two, ProcessRunner) and len(two.pids) == 2
+    yield {"here": ModelRunner.from_model_dir(big_vocab, CONFIG), "one process": one, "two processes": two}
+    one.close()
+    two.close()
+
+
+def generate(runner: Runner, names: list[str], steps: int = 5) -> dict[str, tuple[list[int], list[float]]]:
+    """The requests `names` together: one prefill chunk each (different lengths, so that two model processes
+    split them), then `steps` decode steps; each request's sampled tokens and log-probabilities."""
+    assert isinstance(runner, ModelRunner | ProcessRunner)
+    requests = {n: Request(runner, [(17 * i + 31 * len(n)) % VOCAB for i in range(20 + 9 * len(n))]) for n in names}
+    out: dict[str, tuple[list[int], list[float]]] = {n: ([], []) for n in names}
+    try:
+        first = True
+        for _ in range(steps + 1):
+            chunks = [r.chunk(len(r.token_ids) if first else 1) for r in requests.values()]
+            first = False
+            sampled = runner.execute(
+                Batch(tuple(chunks)), StepSampling.of(range(len(names)), [PARAMS[n] for n in names])
+            )
+            for n, token, logprob in zip(names, sampled.token_ids, sampled.logprobs, strict=True):
+                requests[n].token_ids.append(token)
+                out[n][0].append(token)
+                out[n][1].append(logprob)
+            if any(PARAMS[n].num_logprobs for n in names):
+                assert sampled.top_logprobs is not None
+                for n, top in zip(names, sampled.top_logprobs, strict=True):
+                    assert len(top) == PARAMS[n].num_logprobs
+    finally:
+        for r in requests.values():
+            r.release()
+    return out
+
+
+def test_seeded_samples_are_the_same_in_every_runner_and_beside_any_mates(runners: dict[str, Runner]) -> None:
+    names = list(PARAMS)
+    expected = generate(runners["here"], names)
+    assert len(set(expected["seeded"][0])) > 1, "a temperature of 1 over 100k tokens should vary"
+    for label, runner in runners.items():
+        for together in (names, names[::-1], ["seeded", "greedy"]):
+            got = generate(runner, together)
+            for n in together:
+                assert got[n][0] == expected[n][0], (label, together, n)
+                assert got[n][1] == pytest.approx(expected[n][1], abs=1e-4), (label, together, n)
+        alone = {n: generate(runner, [n])[n][0] for n in ("seeded", "seeded-top-k")}
+        assert alone == {n: expected[n][0] for n in alone}, label
+    assert runners["two processes"].steps_shared > 0  # type: ignore[attr-defined]
+
+
+def test_a_step_of_32_rows_at_100k_vocab_moves_under_64_kb(runners: dict[str, Runner]) -> None:
+    runner = runners["two processes"]
+    assert isinstance(runner, ProcessRunner)
+    context = 2000
+    requests = [Request(runner, [(i * 13 + j) % VOCAB for j in range(context)]) for i in range(32)]
+    params = [PARAMS[list(PARAMS)[i % len(PARAMS)]] for i in range(32)]
+    sampling = StepSampling.of(range(32), params)
+    try:
+        for r in requests:  # as if the prompts had been computed: the contexts' pages, the state slot
+            r.chunk(context - 1)
+        steps = []
+        for _ in range(20):  # the first step is the requests' admission: their whole page tables
+            batch = Batch(tuple(r.chunk(1) for r in requests))
+            sent, received = runner.traffic
+            out = runner.execute(batch, sampling)
+            now_sent, now_received = runner.traffic
+            steps.append((now_sent - sent, now_received - received))
+            for r, token in zip(requests, out.token_ids, strict=True):
+                r.token_ids.append(token)
+        print("bytes (sent, received) per step:", steps)
+        for sent, received in steps[1:]:
+            assert 0 < sent <= MOST_BYTES_PER_STEP and 0 < received <= MOST_BYTES_PER_STEP, steps
+        assert max(received for _, received in steps) < 4 * VOCAB  # not even one row's logits
+        # the page tables travel as diffs: a step sends less than the batch's page tables would pickle to
+        assert max(sent for sent, _ in steps[1:]) < len(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)) / 2
+    finally:
+        for r in requests:
+            r.release()
