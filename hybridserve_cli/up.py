@@ -145,8 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def relay_line(name: str, line: str) -> None:
+    """One child's line on stderr, its name in front, in one write: print's separate write of the
+    newline would let a log line from another thread land before it."""
     with _print_lock:
-        print(f"{name:<{NAME_WIDTH}}| {line}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"{name:<{NAME_WIDTH}}| {line}\n")
+        sys.stderr.flush()
 
 
 def run(args: argparse.Namespace) -> int:
