@@ -21,7 +21,7 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from gateway import api_errors
+from gateway import api_errors, tokenize_api
 from gateway.api_errors import ApiError
 from gateway.chat_template import ChatTemplate
 from gateway.convert import generate_requests
@@ -357,4 +357,5 @@ def build_app(gateway: Gateway, max_body_bytes: int) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    tokenize_api.add_routes(app)
     return app
