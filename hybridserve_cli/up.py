@@ -239,11 +239,26 @@ def start_services(
     scheduler = stack.scheduler(args.scheduler_port, tls("scheduler"), env("scheduler"))
     endpoints.append(("scheduler", scheduler, ""))
     cache = None if args.no_cache else start_cache(args, stack, secrets, endpoints)
-    worker = stack.worker(model.spec, [scheduler], cache, worker_port, [*model.flags, *tls("worker"), *worker_args],
-                          env("worker"))  # fmt: skip
+    flags = [*model.flags, *tls("worker"), *WORKER_METRICS_FLAGS, *worker_args]  # the user's flags win
+    worker = stack.worker(model.spec, [scheduler], cache, worker_port, flags, env("worker"))
     wait_gateway_ready(gateway.address, args.start_timeout, stack)  # the worker is ready: warm
     endpoints.append(("worker", worker.address, worker_note(worker.child.lines)))
+    add_worker_metrics(endpoints, worker.child.lines)
     return endpoints
+
+
+# Worker metrics -------------------------------------------------------------------------------
+# The worker serves Prometheus /metrics on a free port (give `-- --metrics-port N` to fix it); its
+# "metrics on HOST:PORT" line becomes a banner line.
+WORKER_METRICS_FLAGS = ("--metrics-port", "0")
+METRICS_LINE = re.compile(r"^metrics on (\S+:\d+)$")
+
+
+def add_worker_metrics(endpoints: list[Endpoint], lines: Iterable[str]) -> None:
+    """Appends the worker's metrics endpoint to the banner, when it announced one."""
+    found = [m.group(1) for m in map(METRICS_LINE.match, lines) if m is not None]
+    if found:
+        endpoints.append(("metrics", f"http://{found[-1]}/metrics", "(worker Prometheus metrics)"))
 
 
 def worker_note(lines: Iterable[str]) -> str:
