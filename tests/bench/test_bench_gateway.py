@@ -10,6 +10,7 @@ import json
 import re
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +138,32 @@ def test_tokenize_in_vllm_shape(served):
     with pytest.raises(urllib.error.HTTPError) as failed:
         post("/tokenize", {"prompt": "x", "messages": []})
     assert failed.value.code == 400
+
+
+DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "hybridserve.json"
+SHARED_TIER_ONLY = {"hybridserve_checkpoints_rejected_total"}  # a worker with --cache serves it (cache/remote.py)
+
+
+def exposed_names(text: str) -> set[str]:
+    """Every sample and family name of a /metrics text (a labelled family with no child yet has only
+    its HELP and TYPE lines)."""
+    return set(re.findall(r"^(?:# (?:HELP|TYPE) )?([a-zA-Z_:][a-zA-Z0-9_:]*)", text, re.M))
+
+
+def test_dashboard_queries_name_only_exposed_metrics(served, tmp_path):
+    worker, gateway = served
+    bench(gateway, tmp_path, "--num-prompts", "2", "--random-input-len", "20", "--random-output-len", "2")
+    (address,) = [line.split()[-1] for line in worker.lines if line.startswith("metrics on ")]
+    names = exposed_names(scrape(f"http://{address}/metrics")) | exposed_names(
+        scrape(f"http://{gateway.address}/metrics")
+    )
+    exprs = [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel["targets"]]
+    queried = {n for e in exprs for n in re.findall(r"\b(?:hybridserve_|vllm:)[a-z0-9_:]+", e)}
+    assert len(queried) > 20
+
+    def known(name: str) -> bool:
+        return any(name.removesuffix(s) in names for s in ("", "_total", "_bucket", "_count", "_sum"))
+
+    missing = {n for n in queried if not known(n)}
+    assert missing == SHARED_TIER_ONLY, f"the dashboard queries metrics no server exposes: {missing - SHARED_TIER_ONLY}"
+    assert "hybridserve_checkpoints_rejected" in (Path(__file__).parents[2] / "gpu_worker/cache/remote.py").read_text()
