@@ -1,8 +1,9 @@
 """Gateway benchmark, two parts, each measured side by side in one run.
 
 1. Overhead: one worker under N closed-loop streaming clients, called directly over gRPC, through
-   the gateway's gRPC proxy, and through the gateway's OpenAI HTTP API (server-sent events, httpx
-   clients). Target: <= 5% aggregate throughput loss and TTFT p50 + <= 2 ms through the gateway.
+   the gateway's gRPC proxy, and through the gateway's OpenAI HTTP API (server-sent events), all on
+   the bench driver (hybridserve_cli.bench.driver). Target: <= 5% aggregate throughput loss and TTFT
+   p50 + <= 2 ms through the gateway.
 2. Routing: a shared-prefix workload (S system prompts of L tokens, Q short questions, interleaved at
    random) through the gateway's HTTP API, served by one worker, by two with round robin, and by two
    with prefix-aware routing; every configuration starts from cold workers. Each worker's prefix cache
@@ -28,17 +29,16 @@ import re
 import resource
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
+from hybridserve_cli.bench import driver
+from hybridserve_cli.bench.driver import BenchRequest, HttpBackend, LoadSpec
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
-from hybridserve_cli.loadgen import LoadSummary, RequestResult, make_prompts, run_load, summarize
+from hybridserve_cli.loadgen import LoadSummary, RequestResult, make_prompts, result_of, run_load, summarize
 from hybridserve_cli.stack import Stack as Launcher
 
 START_TIMEOUT_S = 300.0
@@ -51,81 +51,15 @@ class HttpResult:
     cached_tokens: int
 
 
-def http_request(client: httpx.Client, url: str, prompt: Sequence[int], max_tokens: int) -> HttpResult:
-    body = {
-        "model": MODEL_NAME,
-        "prompt": list(prompt),
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-    }
-    start = time.perf_counter()
-    first: float | None = None
-    usage: dict = {}
-    try:
-        with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                return HttpResult(RequestResult(ok=False, error=f"HTTP {response.status_code}: {response.read()!r}"), 0)
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return HttpResult(RequestResult(ok=False, error=str(chunk["error"])), 0)
-                if chunk.get("choices") and first is None:
-                    first = time.perf_counter()
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-    except httpx.HTTPError as exc:
-        return HttpResult(RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}"), 0)
-    end = time.perf_counter()
-    tokens = int(usage.get("completion_tokens", 0))
-    decode = (tokens - 1) / (end - first) if first is not None and tokens > 1 and end > first else None
-    result = RequestResult(
-        ok=True,
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        completion_tokens=tokens,
-        ttft_s=None if first is None else first - start,
-        e2e_s=end - start,
-        decode_tokens_per_s=decode,
-    )
-    return HttpResult(result, int(usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)))
-
-
 def run_http_load(
     base_url: str, prompts: Sequence[Sequence[int]], clients: int, max_tokens: int
 ) -> tuple[LoadSummary, list[HttpResult]]:
-    """The loadgen's closed loop over the OpenAI HTTP API: `clients` threads, each with its own
-    keep-alive connection, send the next prompt as soon as their last one finished."""
-    url = f"{base_url}/v1/completions"
-    results: list[HttpResult | None] = [None] * len(prompts)
-    lock = threading.Lock()
-    next_index = [0]
-
-    def client(http: httpx.Client) -> None:
-        while True:
-            with lock:
-                index = next_index[0]
-                next_index[0] += 1
-            if index >= len(prompts):
-                return
-            results[index] = http_request(http, url, prompts[index], max_tokens)
-
-    # Made before the clock starts: an httpx client builds an SSL context, tens of milliseconds each.
-    https = [httpx.Client(timeout=600) for _ in range(clients)]
-    threads = [threading.Thread(target=client, args=(h,), daemon=True) for h in https]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall_s = time.perf_counter() - start
-    for http in https:
-        http.close()
-    done = [r if r is not None else HttpResult(RequestResult(ok=False, error="not sent"), 0) for r in results]
-    return summarize([r.result for r in done], clients, wall_s), done
+    """The bench driver's closed loop over the OpenAI HTTP API (streamed /v1/completions): `clients`
+    clients send the next prompt as soon as their last one finished."""
+    requests = [BenchRequest(len(p), max_tokens, prompt_ids=tuple(p)) for p in prompts]
+    record = driver.run(requests, lambda: HttpBackend(base_url, MODEL_NAME), LoadSpec(clients=clients))
+    done = [HttpResult(result_of(o), o.cached_tokens) for o in record.outcomes]
+    return summarize([r.result for r in done], clients, record.duration_s), done
 
 
 class Stack:

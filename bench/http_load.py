@@ -1,5 +1,6 @@
-"""Closed-loop HTTP load on an OpenAI-compatible `/v1/completions` (streamed, greedy, EOS ignored):
-the same generator drives vLLM's OpenAI server and the hybridserve gateway in bench_vs_vllm.py.
+"""Closed-loop HTTP load on an OpenAI-compatible `/v1/completions` (streamed, greedy, EOS ignored), on
+the bench driver (hybridserve_cli.bench.driver): the same generator drives vLLM's OpenAI server and
+the hybridserve gateway in bench_vs_vllm.py.
 
 N clients each send their next request as soon as the previous stream ended. A request's TTFT is
 the time to its first SSE chunk carrying a choice; its inter-token latency (ITL) is the time from
@@ -10,7 +11,6 @@ table reports the median over requests."""
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from hybridserve.stats import percentile
+from hybridserve_cli.bench import driver
+from hybridserve_cli.bench.driver import BenchRequest, HttpBackend, LoadSpec, RequestOutcome, RunRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,57 +45,25 @@ class HttpSummary:
     errors: tuple[str, ...]
 
 
-async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> HttpResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    started = time.perf_counter()
-    times: list[float] = []
-    completion = 0
-    try:
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                return HttpResult(False, 0, None, None, f"HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("choices"):
-                    times.append(time.perf_counter())
-                if chunk.get("usage"):
-                    completion = int(chunk["usage"]["completion_tokens"])
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        return HttpResult(False, 0, None, None, f"{type(exc).__name__}: {exc}")
-    tokens = completion or len(times)
+def _result(outcome: RequestOutcome) -> HttpResult:
+    times = outcome.chunk_times_s
+    tokens = outcome.output_len
     itl = (times[-1] - times[0]) / (tokens - 1) if len(times) >= 2 and tokens > 1 else None
-    return HttpResult(True, tokens, times[0] - started if times else None, itl)
+    return HttpResult(outcome.ok, tokens if outcome.ok else 0, outcome.ttft_s, itl, outcome.error)
 
 
-async def _run(url: str, model: str, prompts: Sequence[list[int]], clients: int, max_tokens: int) -> HttpSummary:
-    results: list[HttpResult] = []
-    queue = list(reversed(range(len(prompts))))
-    timeout = aiohttp.ClientTimeout(total=3600)
-    connector = aiohttp.TCPConnector(limit=clients)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-
-        async def client() -> None:
-            while queue:
-                results.append(await _one(session, url, model, prompts[queue.pop()], max_tokens))
-
-        started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(clients)))
-        wall_s = time.perf_counter() - started
+def summary_of(record: RunRecord, clients: int) -> HttpSummary:
+    results = [_result(o) for o in record.outcomes]
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     itls = [r.itl_s for r in ok if r.itl_s is not None]
     errors = tuple(dict.fromkeys(r.error for r in results if not r.ok))[:3]
+    wall_s = record.duration_s
     return HttpSummary(
         clients=clients, requests_ok=len(ok), requests_failed=len(results) - len(ok), wall_s=wall_s,
-        output_tokens_per_s=sum(r.completion_tokens for r in ok) / wall_s, ttft_p50_s=percentile(ttfts, 50),
-        ttft_p95_s=percentile(ttfts, 95), itl_median_s=percentile(itls, 50), errors=errors,
+        output_tokens_per_s=sum(r.completion_tokens for r in ok) / wall_s if wall_s > 0 else 0.0,
+        ttft_p50_s=percentile(ttfts, 50), ttft_p95_s=percentile(ttfts, 95), itl_median_s=percentile(itls, 50),
+        errors=errors,
     )  # fmt: skip
 
 
@@ -116,8 +86,10 @@ def median_summary(runs: Sequence[HttpSummary]) -> HttpSummary:
 
 
 def run_http_load(url: str, model: str, prompts: Sequence[list[int]], clients: int, max_tokens: int) -> HttpSummary:
-    """Serves every prompt once through `clients` closed-loop streaming clients."""
-    return asyncio.run(_run(url, model, prompts, clients, max_tokens))
+    """Serves every prompt once through `clients` closed-loop streaming clients (the bench driver)."""
+    requests = [BenchRequest(len(p), max_tokens, prompt_ids=tuple(p)) for p in prompts]
+    record = driver.run(requests, lambda: HttpBackend(url, model), LoadSpec(clients=clients))
+    return summary_of(record, clients)
 
 
 async def _ready(url: str, timeout_s: float) -> bool:

@@ -21,7 +21,7 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from gateway import api_errors
+from gateway import api_errors, tokenize_api
 from gateway.api_errors import ApiError
 from gateway.chat_template import ChatTemplate
 from gateway.convert import generate_requests
@@ -120,6 +120,7 @@ class Generation:
         with_top = api.logprobs if api.kind == "completion" else api.top_logprobs > 0
         self.choices = [ChoiceState(i, api.kind, api.logprobs, with_top, token_text) for i in range(api.n)]
         self.first_token = False
+        self.clock = gateway.metrics.clock(api.model, started_s)  # TTFT, ITL, E2E of this request
 
     def prompt(self) -> str | tuple[int, ...] | list[int]:
         api, gateway = self.api, self.gateway
@@ -184,9 +185,8 @@ class Generation:
                     elif isinstance(item, UpstreamError | NoWorkerError):
                         error = upstream_to_api(item)
                     else:
-                        if not self.first_token:
-                            self.first_token = True
-                            self.gateway.metrics.ttft_seconds.observe(time.perf_counter() - self.started_s)
+                        self.first_token = True
+                        self.clock.tokens(len(item.token_ids))
                         batch.append((index, item))
                     if error is not None or queue.empty():
                         break
@@ -204,7 +204,8 @@ class Generation:
 
     def record_usage(self) -> dict[str, Any]:
         usage = total_usage([c.usage for c in self.choices if c.usage is not None])
-        self.gateway.metrics.usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+        reason = next((c.finish_reason for c in self.choices if c.finish_reason), "")
+        self.clock.finished(reason, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
         span = trace.get_current_span()
         span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
@@ -357,4 +358,5 @@ def build_app(gateway: Gateway, max_body_bytes: int) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    tokenize_api.add_routes(app)
     return app

@@ -31,6 +31,7 @@ from hybridserve.auth import load_keys
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.generation_config import GenerationDefaults, read_generation_config
 from hybridserve.grpc_server import announce
+from hybridserve.metrics import METRICS_COMPAT, METRICS_COMPAT_HELP
 from hybridserve.model_source import DOWNLOAD_DIR_HELP, GATEWAY_FILES, MODEL_HELP, REVISION_HELP, resolve_model
 from hybridserve.settings import (
     API_KEYS_ENV,
@@ -67,6 +68,7 @@ class GatewaySettings:
     request_timeout_s: float = 600.0  # longest a request may run
     poll_interval_s: float = 0.25  # worker health and load poll period
     grace_s: float = 5.0  # on SIGTERM, time for calls in flight
+    metrics_compat: str = ""  # "vllm": vLLM's series also under their vllm: names
 
 
 FLAGS = {
@@ -90,6 +92,7 @@ FLAGS = {
     "request_timeout_s": Flag("longest a request may run"),
     "poll_interval_s": Flag("worker health and load poll period"),
     "grace_s": Flag("on SIGTERM, time for calls in flight"),
+    "metrics_compat": Flag(METRICS_COMPAT_HELP, metavar="vllm"),
 }
 
 
@@ -112,6 +115,7 @@ class GatewayConfig:
     poll_interval_s: float
     grace_s: float
     tls: TlsSettings  # the gRPC port's certificate (mTLS with a client CA), and how to dial the workers
+    metrics_compat: str = ""  # "vllm": /metrics also under vLLM's names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,6 +133,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             split_host_port(address)
     except ValueError as exc:
         raise SystemExit(f"--workers: {exc}") from None
+    if settings.metrics_compat not in METRICS_COMPAT:
+        raise SystemExit(f"--metrics-compat {settings.metrics_compat!r}: use vllm (or leave it out)")
     if settings.routing not in ("prefix", "round-robin"):
         raise SystemExit(f"--routing {settings.routing!r}: use prefix or round-robin")
     if settings.request_cost_tokens < 0 or settings.max_body_mb <= 0 or settings.poll_interval_s <= 0:
@@ -156,6 +162,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         poll_interval_s=settings.poll_interval_s,
         grace_s=settings.grace_s,
         tls=settings_from_args(TlsSettings, args),
+        metrics_compat=settings.metrics_compat,
     )
 
 
@@ -186,7 +193,7 @@ async def serve(
     tokenizer: GatewayTokenizer | None,
     defaults: GenerationDefaults,
 ) -> None:
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(compat=config.metrics_compat)
     table = PrefixTable()
     metadata = (("authorization", f"Bearer {config.worker_api_key}"),) if config.worker_api_key else ()
     pool = WorkerPool(

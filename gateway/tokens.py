@@ -28,6 +28,10 @@ class GatewayTokenizer:
         (a rendered chat template: `add_special_tokens=False`)."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of token_ids, special tokens dropped (as /detokenize and vLLM's decode)."""
+        return str(self._tok.decode(token_ids, skip_special_tokens=True))
+
     def _token_text(self, token_id: int) -> str:
         return str(self._tok.decode([token_id], skip_special_tokens=False))
 

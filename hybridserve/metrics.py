@@ -13,6 +13,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from hybridserve.errors import InvalidArgumentError
+
 log = logging.getLogger("hybridserve.metrics")
 
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -76,20 +78,93 @@ class RpcMetrics:
             self.errors.labels(side, method, code).inc()
 
 
-class WorkerMetrics:
-    """What the engine exposes: latencies, tokens by kind, queue and pool use, cache and stalls."""
+# vLLM's serving series (vllm/v1/metrics/loggers.py), kept under our prefix with vLLM's meaning and a
+# model_name label; --metrics-compat vllm serves each a second time under "vllm:" + the same suffix.
+VLLM_SERIES = (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
+    "request_success", "num_preemptions", "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "iteration_tokens_total", "request_prompt_tokens", "request_generation_tokens",
+    "prefix_cache_queries", "prefix_cache_hits",
+)  # fmt: skip
+METRICS_COMPAT = ("", "vllm")
+METRICS_COMPAT_HELP = "vllm: serve vLLM's series also under vLLM's own vllm: names (its dashboards, autoscalers)"
+REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                              120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip  # vLLM's
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip  # vLLM's
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip  # vLLM's
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+
+class CompatCollector:
+    """Serves metric objects a second time under another prefix ("hybridserve_x" -> "vllm:x"), read at
+    scrape time from the same values, so the two names never disagree."""
+
+    def __init__(self, metrics: list[Any], old_prefix: str, new_prefix: str) -> None:
+        self._metrics, self._old, self._new = metrics, old_prefix, new_prefix
+
+    def collect(self) -> Any:
+        for metric in self._metrics:
+            for family in metric.collect():
+                family.name = self._new + family.name.removeprefix(self._old)
+                family.samples = [s._replace(name=self._new + s.name.removeprefix(self._old)) for s in family.samples]
+                yield family
+
+    def describe(self) -> list[Any]:
+        return []  # collected only at scrape time: the registry never checks these names for clashes
+
+
+def check_metrics_compat(compat: str) -> str:
+    if compat not in METRICS_COMPAT:
+        raise InvalidArgumentError(f"--metrics-compat must be '' or 'vllm', got {compat!r}")
+    return compat
+
+
+class WorkerMetrics:
+    """What the engine exposes: vLLM's serving series (VLLM_SERIES, labelled with model_name), then our
+    own: plan and step latency, tokens by kind, pool use, cache tiers and miss reasons, stalls."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str = "", compat: str = "") -> None:
+        check_metrics_compat(compat)
+        self.model_name = model_name
+        vllm: list[Any] = []
+
+        def series(kind: type, name: str, text: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
+            metric = kind(f"hybridserve_{name}", text, ["model_name", *labels], registry=registry, **kw)
+            vllm.append(metric)
+            return metric if labels else metric.labels(model_name)
+
         def histogram(name: str, text: str, labels: list[str] | None = None, **kw: Any) -> Histogram:
             return Histogram(name, text, labels or [], registry=registry, **kw)
 
-        self.ttft = histogram(
-            "hybridserve_time_to_first_token_seconds", "arrival to first token", buckets=_LATENCY_BUCKETS_S
-        )
-        self.itl = histogram(
-            "hybridserve_inter_token_latency_seconds", "between output tokens", buckets=_LATENCY_BUCKETS_S
-        )
-        self.e2e = histogram("hybridserve_request_seconds", "arrival to finish", buckets=_LATENCY_BUCKETS_S)
+        self.running = series(Gauge, "num_requests_running", "requests holding pages and a state slot")
+        self.waiting = series(Gauge, "num_requests_waiting", "requests queued, not admitted")
+        self.kv_cache_usage = series(Gauge, "kv_cache_usage_perc", "KV pages in use / in the pool (1 = full)")
+        self.prompt_tokens = series(Counter, "prompt_tokens", "prompt tokens of finished requests")
+        self.output_tokens = series(Counter, "generation_tokens", "tokens generated")
+        self.request_success = series(Counter, "request_success", "finished requests", ("finished_reason",))
+        self.preemptions = series(Counter, "num_preemptions", "requests preempted (by plans or for lack of pages)")
+        self.ttft = series(Histogram, "time_to_first_token_seconds", "arrival to first token", buckets=TTFT_BUCKETS_S)
+        self.itl = series(Histogram, "inter_token_latency_seconds", "between output tokens", buckets=ITL_BUCKETS_S)
+        self.e2e = series(Histogram, "e2e_request_latency_seconds", "arrival to finish",
+                          buckets=REQUEST_LATENCY_BUCKETS_S)  # fmt: skip
+        self.queue_time = series(Histogram, "request_queue_time_seconds", "arrival to first scheduled",
+                                 buckets=REQUEST_LATENCY_BUCKETS_S)  # fmt: skip
+        self.prefill_time = series(Histogram, "request_prefill_time_seconds", "first scheduled to first token",
+                                   buckets=REQUEST_LATENCY_BUCKETS_S)  # fmt: skip
+        self.decode_time = series(Histogram, "request_decode_time_seconds", "first token to last token",
+                                  buckets=REQUEST_LATENCY_BUCKETS_S)  # fmt: skip
+        self.iteration_tokens = series(Histogram, "iteration_tokens_total", "tokens computed in one engine step",
+                                       buckets=_TOKEN_BUCKETS)  # fmt: skip
+        self.request_prompt_tokens = series(Histogram, "request_prompt_tokens", "prompt tokens per finished request",
+                                            buckets=_TOKEN_BUCKETS)  # fmt: skip
+        self.request_generation_tokens = series(Histogram, "request_generation_tokens", "generated tokens per"
+                                                " finished request", buckets=_TOKEN_BUCKETS)  # fmt: skip
+        self.prefix_cache_queries = series(Counter, "prefix_cache_queries", "prefix cache lookups, in prompt tokens")
+        self.prefix_cache_hits = series(Counter, "prefix_cache_hits", "of those tokens, served from the cache")
+        if compat == "vllm":
+            registry.register(CompatCollector(vllm, "hybridserve_", "vllm:"))
         self.plan_latency = histogram(
             "hybridserve_plan_latency_seconds", "PlanStep round trip", buckets=_LATENCY_BUCKETS_S
         )
@@ -98,8 +173,6 @@ class WorkerMetrics:
             "hybridserve_step_batch_tokens", "tokens computed in one step, by kind", ["kind"], buckets=_TOKEN_BUCKETS
         )
         self.tokens = Counter("hybridserve_computed_tokens", "tokens computed, by kind", ["kind"], registry=registry)
-        self.output_tokens = Counter("hybridserve_output_tokens", "tokens generated", registry=registry)
-        self.requests = Counter("hybridserve_requests", "finished requests, by reason", ["reason"], registry=registry)
         self.cached_prompt_tokens = Counter(
             "hybridserve_cached_prompt_tokens", "prompt tokens served from a prefix cache", registry=registry
         )
@@ -107,12 +180,6 @@ class WorkerMetrics:
             "hybridserve_cache_lookups", "prefix cache lookups, by tier and result", ["tier", "result"],
             registry=registry,
         )  # fmt: skip
-        self.prefix_cache_queries = Counter(
-            "hybridserve_prefix_cache_queries", "prefix cache lookups, in tokens (as vLLM's)", registry=registry
-        )
-        self.prefix_cache_hits = Counter(
-            "hybridserve_prefix_cache_hits", "of those tokens, served from the cache (as vLLM's)", registry=registry
-        )
         self.cache_misses = Counter(
             "hybridserve_prefix_cache_misses", "lookups that stopped short, by reason", ["reason"], registry=registry
         )
@@ -124,9 +191,6 @@ class WorkerMetrics:
         self.stalled_steps = Counter(
             "hybridserve_stalled_steps", "steps where pending prefills got nothing", registry=registry
         )
-        self.preemptions = Counter("hybridserve_preemptions", "requests preempted by plans", registry=registry)
-        self.queue_depth = Gauge("hybridserve_queue_depth", "waiting requests", registry=registry)
-        self.running = Gauge("hybridserve_running_requests", "requests holding pages and a slot", registry=registry)
         self.kv_pages_used = Gauge("hybridserve_kv_pages_used", "KV pages in use", registry=registry)
         self.kv_pages_total = Gauge("hybridserve_kv_pages_total", "KV pages in the pool", registry=registry)
         self.state_slots_used = Gauge("hybridserve_state_slots_used", "Mamba state slots in use", registry=registry)

@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cache": ("cache_svc.server", "serve the BlockCache (prefix-cache checkpoints in Redis)"),
     "gateway": ("gateway.server", "serve the OpenAI HTTP API and the gRPC Generation API in front of workers"),
     "generate": ("hybridserve_cli.generate", "stream a completion from a running worker"),
-    "bench": ("hybridserve_cli.loadgen", "drive N closed-loop clients against a worker and print a summary"),
+    "bench": ("hybridserve_cli.bench.command", "serving benchmark (OpenAI HTTP or gRPC) in vLLM bench serve's terms"),
     "qualify": ("hybridserve_cli.qualify.command", "two worker profiles, one seeded workload, the qualification gates"),
     "download": ("hybridserve_cli.download", "fill the hub cache with a model ahead of time (images, init containers)"),
     "init-model": ("hybridserve_cli.init_model", "write the default model (trained, or --random) to a folder"),

@@ -1,39 +1,20 @@
-"""`hybridserve bench`: N closed-loop streaming clients against one worker, then a summary.
-
-Each client is a thread that sends its next request as soon as the previous one finished, so exactly
-N requests are in flight until the queue runs dry. `run_load(...) -> LoadSummary` is the reusable
-part (bench/bench_serving.py calls it in-process); `summarize` is pure and unit-tested."""
+"""Closed-loop gRPC load for in-process callers (bench/bench_serving.py, bench_security.py, ...): N
+clients on the bench driver (hybridserve_cli.bench.driver), each sending its next prompt as soon as
+its last one finished, and the short summary those benchmarks report. `summarize` is pure and
+unit-tested; the `hybridserve bench` command is hybridserve_cli.bench.command."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import sys
-import threading
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-import grpc
-from tqdm import tqdm
-
-from gpu_worker.api.client import (
-    WorkerTarget,
-    build_request,
-    describe_rpc_error,
-    generation_stub,
-    stream_completion,
-)
-from hybridserve.client_security import (
-    ClientSecurity,
-    add_client_security_arguments,
-    client_security_from_args,
-    open_client_channel,
-)
-from hybridserve.settings import Flag, add_settings_arguments
+from gpu_worker.api.client import generation_stub
+from hybridserve.client_security import ClientSecurity, open_client_channel
 from hybridserve.stats import percentile
-from hybridserve.v1 import generation_pb2, generation_pb2_grpc
+from hybridserve.v1 import generation_pb2
+from hybridserve_cli.bench import driver
+from hybridserve_cli.bench.driver import BenchRequest, GrpcBackend, LoadSpec, RequestOutcome
 
 FIRST_ORDINARY_TOKEN_ID = 3  # ids 0-2 are pad, bos, eos in the default tokenizer and the Bamba config
 MAX_ERRORS_KEPT = 5
@@ -103,39 +84,6 @@ def make_prompts(num_requests: int, len_min: int, len_max: int, vocab_size: int,
     ]
 
 
-class _Queue:
-    """Hands out request indices to the clients; thread-safe."""
-
-    def __init__(self, total: int) -> None:
-        self._next = 0
-        self._total = total
-        self._lock = threading.Lock()
-        self.stopped = threading.Event()
-
-    def take(self) -> int | None:
-        with self._lock:
-            if self.stopped.is_set() or self._next >= self._total:
-                return None
-            self._next += 1
-            return self._next - 1
-
-
-def _one_request(stub: generation_pb2_grpc.GenerationStub, request: generation_pb2.GenerateRequest,
-                 address: str, timeout_s: float) -> RequestResult:  # fmt: skip
-    try:
-        done = stream_completion(stub, request, timeout_s)
-    except grpc.RpcError as exc:
-        return RequestResult(ok=False, error=describe_rpc_error(exc, address))
-    return RequestResult(
-        ok=True,
-        prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens,
-        ttft_s=done.ttft_s,
-        e2e_s=done.e2e_s,
-        decode_tokens_per_s=done.decode_tokens_per_s,
-    )
-
-
 def run_load(
     address: str,
     prompts: Sequence[str | Sequence[int]],
@@ -148,46 +96,34 @@ def run_load(
     progress: bool = False,
     security: ClientSecurity | None = None,
 ) -> LoadSummary:
-    """Serves every prompt once through `clients` closed-loop streaming clients; returns the summary.
-
-    Ctrl-C stops handing out requests and cancels those in flight (they count as failed)."""
+    """Serves every prompt once through `clients` closed-loop gRPC streaming clients (the bench
+    driver's closed loop); returns the summary."""
     if clients < 1:
         raise ValueError(f"clients must be >= 1, got {clients}")
-    queue = _Queue(len(prompts))
-    results: list[RequestResult | None] = [None] * len(prompts)
-    channels = [open_client_channel(address, security) for _ in range(clients)]
-    bar = tqdm(total=len(prompts), unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    requests = [
+        BenchRequest(len(p), max_tokens, prompt_text=p) if isinstance(p, str)
+        else BenchRequest(len(p), max_tokens, prompt_ids=tuple(p))
+        for p in prompts
+    ]  # fmt: skip
+    record = driver.run(
+        requests,
+        lambda: GrpcBackend(address, security, ignore_eos, temperature, timeout_s, max_in_flight=clients),
+        LoadSpec(clients=clients),
+        progress=progress,
+    )
+    return summarize([result_of(o) for o in record.outcomes], clients, record.duration_s)
 
-    def client(channel: grpc.Channel) -> None:
-        stub = generation_stub(channel)
-        while (index := queue.take()) is not None:
-            request = build_request(prompts[index], max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                    temperature=temperature)  # fmt: skip
-            results[index] = _one_request(stub, request, address, timeout_s)
-            bar.update(1)
 
-    threads = [threading.Thread(target=client, args=(c,), name=f"client-{i}", daemon=True)
-               for i, c in enumerate(channels)]  # fmt: skip
-    start_s = time.perf_counter()
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.2)
-    except KeyboardInterrupt:
-        queue.stopped.set()
-        for channel in channels:
-            channel.close()  # cancels the calls in flight
-        for thread in threads:
-            thread.join(5.0)
-    finally:
-        wall_s = time.perf_counter() - start_s
-        bar.close()
-        for channel in channels:
-            channel.close()
-    done = [r if r is not None else RequestResult(ok=False, error="not sent (interrupted)") for r in results]
-    return summarize(done, clients, wall_s)
+def result_of(outcome: RequestOutcome) -> RequestResult:
+    """A driver outcome as this module's per-request result."""
+    decode = None
+    times, counts = outcome.chunk_times_s, outcome.chunk_tokens
+    if len(times) >= 2 and times[-1] > times[0]:
+        decode = (sum(counts) - counts[0]) / (times[-1] - times[0])
+    return RequestResult(
+        ok=outcome.ok, prompt_tokens=outcome.prompt_len, completion_tokens=outcome.output_len if outcome.ok else 0,
+        ttft_s=outcome.ttft_s, e2e_s=outcome.e2el_s, decode_tokens_per_s=decode, error=outcome.error,
+    )  # fmt: skip
 
 
 def _ms(seconds: float | None) -> str:
@@ -213,42 +149,8 @@ def format_table(summary: LoadSummary) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings_arguments(parser, WorkerTarget, "BENCH", flags={"worker": Flag("worker address (host:port)")})
-    parser.add_argument("--clients", type=int, default=8, help="concurrent closed-loop clients")
-    parser.add_argument("--requests", type=int, default=64, help="requests in all")
-    parser.add_argument("--prompt-len-min", type=int, default=16, help="shortest prompt, tokens")
-    parser.add_argument("--prompt-len-max", type=int, default=256, help="longest prompt, tokens")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
-    parser.add_argument("--stop-at-eos", action="store_true", help="let requests end at EOS (default: ignore EOS)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random token-id prompts")
-    parser.add_argument("--vocab-size", type=int, default=0, help="prompt token ids are < this (0: ask the worker)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_client_security_arguments(parser)
-
-
 def worker_vocab_size(address: str, timeout_s: float = 10.0, security: ClientSecurity | None = None) -> int:
     """The worker's vocabulary size from GetInfo; raises grpc.RpcError when it does not answer."""
     with open_client_channel(address, security) as channel:
         info = generation_stub(channel).GetInfo(generation_pb2.GetInfoRequest(), timeout=timeout_s)
     return int(info.vocab_size)
-
-
-def run(args: argparse.Namespace) -> int:
-    security = client_security_from_args(args)
-    try:
-        vocab_size = args.vocab_size or worker_vocab_size(args.worker, security=security)
-        prompts = make_prompts(args.requests, args.prompt_len_min, args.prompt_len_max, vocab_size, args.seed)
-    except grpc.RpcError as exc:
-        print(f"error: {describe_rpc_error(exc, args.worker)}", file=sys.stderr)
-        return 1
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    summary = run_load(args.worker, prompts, args.clients, args.max_tokens, ignore_eos=not args.stop_at_eos,
-                       temperature=args.temperature, timeout_s=args.timeout, progress=not args.json,
-                       security=security)  # fmt: skip
-    print(json.dumps(asdict(summary), indent=2) if args.json else format_table(summary))
-    return 0 if summary.requests_failed == 0 else 1

@@ -265,8 +265,8 @@ def start_services(
     scheduler = stack.scheduler(args.scheduler_port, tls("scheduler"), env("scheduler"))
     backends: list[Endpoint] = [("scheduler", scheduler, "")]
     cache = None if args.no_cache else start_cache(args, stack, secrets, backends)
-    worker = stack.worker(model.spec, [scheduler], cache, args.worker_port,
-                          [*model.flags, *tls("worker"), *worker_args], env("worker"))  # fmt: skip
+    flags = [*model.flags, *tls("worker"), *WORKER_METRICS_FLAGS, *worker_args]  # the user's flags win
+    worker = stack.worker(model.spec, [scheduler], cache, args.worker_port, flags, env("worker"))
     gateway = stack.gateway([worker.address], args.gateway_port, args.gateway_grpc_port,
                             ["--model", model.spec, *model.flags, *tls("gateway")], env("gateway"))  # fmt: skip
     wait_gateway_ready(gateway.address, args.start_timeout, stack)  # the worker is ready: warm
@@ -279,8 +279,24 @@ def gateway_endpoints(gateway: Service) -> list[Endpoint]:
 
 
 def worker_endpoints(worker: Service) -> list[Endpoint]:
-    """The worker's banner line: its Generation API."""
-    return [("worker", worker.address, worker_note(worker.child.lines))]
+    """The worker's banner lines: its Generation API, and its metrics when it announced them."""
+    endpoints: list[Endpoint] = [("worker", worker.address, worker_note(worker.child.lines))]
+    add_worker_metrics(endpoints, worker.child.lines)
+    return endpoints
+
+
+# Worker metrics -------------------------------------------------------------------------------
+# The worker serves Prometheus /metrics on a free port (give `-- --metrics-port N` to fix it); its
+# "metrics on HOST:PORT" line becomes a banner line.
+WORKER_METRICS_FLAGS = ("--metrics-port", "0")
+METRICS_LINE = re.compile(r"^metrics on (\S+:\d+)$")
+
+
+def add_worker_metrics(endpoints: list[Endpoint], lines: Iterable[str]) -> None:
+    """Appends the worker's metrics endpoint to the banner, when it announced one."""
+    found = [m.group(1) for m in map(METRICS_LINE.match, lines) if m is not None]
+    if found:
+        endpoints.append(("metrics", f"http://{found[-1]}/metrics", "(worker Prometheus metrics)"))
 
 
 def worker_note(lines: Iterable[str]) -> str:

@@ -27,6 +27,7 @@ from gpu_worker.runner.tuning import freeze_startup_objects, keep_freed_memory
 from hybridserve import grpc_server
 from hybridserve.auth import load_keys, load_secret
 from hybridserve.errors import InvalidArgumentError
+from hybridserve.metrics import METRICS_COMPAT_HELP
 from hybridserve.model_source import DOWNLOAD_DIR_HELP, MODEL_HELP, REVISION_HELP, resolve_model
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
 from hybridserve.settings import (
@@ -58,6 +59,7 @@ class WorkerServerSettings:
     port: int = 50052  # 0 picks a free port
     prefix_caching: bool = True  # reuse cached prefixes (KV + Mamba state at block boundaries)
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = a free port
+    metrics_compat: str = ""  # "vllm": vLLM's series also under their vllm: names
     record_steps: Path | None = None  # JSONL file of sampled steps' scheduler input and plan
     record_sample_rate: float = 1.0  # fraction of steps recorded
     api_key_file: Path | None = None  # accepted API keys, one per line (or API_KEYS_ENV); none = open
@@ -141,6 +143,7 @@ FLAGS = {
         " ~10-20 ms a forward); 0 = off"
     ),
     "metrics_port": Flag(METRICS_PORT_HELP),
+    "metrics_compat": Flag(METRICS_COMPAT_HELP, metavar="vllm"),
     "record_steps": Flag(
         "append each sampled step's scheduler input and plan to this JSONL file (see `hybridserve replay`)",
         metavar="FILE",
@@ -173,7 +176,7 @@ RUNNER_FIELDS = (
     "model_process_min_rows", "model_processes", "model_process_split_min_tokens", "model_process_lone_threads",
     "cpu_warm_rows",
 )  # fmt: skip  # the rest follow the config
-OBSERVABILITY_FIELDS = ("metrics_port", "record_steps", "record_sample_rate")
+OBSERVABILITY_FIELDS = ("metrics_port", "metrics_compat", "record_steps", "record_sample_rate")
 SERVICE = "WORKER"
 
 
@@ -206,7 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def observer_settings(server_settings: WorkerServerSettings) -> ObserverSettings:
     """The observers' settings from the worker's (the metrics port starts the endpoint)."""
     return ObserverSettings(
-        record_steps=server_settings.record_steps, record_sample_rate=server_settings.record_sample_rate
+        record_steps=server_settings.record_steps,
+        record_sample_rate=server_settings.record_sample_rate,
+        metrics_compat=server_settings.metrics_compat,
     )
 
 

@@ -1,4 +1,4 @@
-"""The seeded workloads `qualify` drives, and the driver that records every streamed message's time.
+"""The seeded workloads `qualify` drives, on the bench driver (it records every streamed message's time).
 
     chat    `clients` closed-loop clients serve `requests` prompts of lengths uniform in
             [prompt_len_min, prompt_len_max], `max_tokens` new tokens each (EOS ignored, greedy), or
@@ -12,14 +12,10 @@ The same seed gives the same prompts, so two profiles see the same work."""
 from __future__ import annotations
 
 import random
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
-from gpu_worker.api.client import build_request, describe_rpc_error, generation_stub
+from hybridserve_cli.bench import driver
+from hybridserve_cli.bench.driver import BenchRequest, GrpcBackend, LoadSpec, RequestOutcome
 from hybridserve_cli.qualify.gates import RequestTrace
 
 FIRST_ORDINARY_TOKEN_ID = 3  # ids 0-2 are pad, bos, eos
@@ -62,68 +58,29 @@ class Workload:
         return [rng.randint(self.max_tokens_min, self.max_tokens) for _ in range(self.requests)]
 
 
-def one_request(stub: object, prompt: list[int], max_tokens: int, kind: str, origin: float, timeout_s: float,
-                address: str) -> RequestTrace:  # fmt: skip
-    """Streams one greedy completion (EOS ignored), recording when each token-carrying message came."""
-    request = build_request(prompt, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter() - origin
-    times: list[float] = []
-    counts: list[int] = []
-    completion = 0
-    try:
-        for message in stub.Generate(request, timeout=timeout_s):  # type: ignore[attr-defined]
-            if message.token_ids:
-                times.append(time.perf_counter() - origin)
-                counts.append(len(message.token_ids))
-            if message.HasField("usage"):
-                completion = message.usage.completion_tokens
-    except grpc.RpcError as exc:
-        return RequestTrace(kind, False, len(prompt), 0, start, tuple(times), tuple(counts),
-                            time.perf_counter() - origin, describe_rpc_error(exc, address))  # fmt: skip
-    return RequestTrace(kind, True, len(prompt), completion or sum(counts), start, tuple(times), tuple(counts),
-                        time.perf_counter() - origin)  # fmt: skip
+def trace_of(outcome: RequestOutcome) -> RequestTrace:
+    """A driver outcome as the gates read it."""
+    return RequestTrace(outcome.kind, outcome.ok, outcome.prompt_len, outcome.output_len if outcome.ok else 0,
+                        outcome.start_s, outcome.chunk_times_s, outcome.chunk_tokens, outcome.end_s,
+                        outcome.error)  # fmt: skip
 
 
 def run_workload(address: str, workload: Workload, clients: int, vocab_size: int) -> tuple[list[RequestTrace], float]:
-    """Runs the workload against the worker at `address`; returns every request's trace and the wall
-    time from the first call to the last stream's end (seconds)."""
+    """Runs the workload against the worker at `address` on the bench driver (the chats closed-loop
+    over `clients` clients, each long prompt at its own time); returns every request's trace and the
+    wall time from the first call to the last stream's end (seconds)."""
     chats, longs = workload.prompts(vocab_size)
-    chat_tokens = workload.chat_max_tokens()
-    traces: list[RequestTrace] = []
-    lock = threading.Lock()
-    next_chat = iter(range(len(chats)))
-    channels = [grpc.insecure_channel(address) for _ in range(clients + len(longs))]
-    origin = time.perf_counter()
-
-    def record(trace: RequestTrace) -> None:
-        with lock:
-            traces.append(trace)
-
-    def chat_client(channel: grpc.Channel) -> None:
-        stub = generation_stub(channel)
-        while True:
-            with lock:
-                index = next(next_chat, None)
-            if index is None:
-                return
-            record(one_request(stub, chats[index], chat_tokens[index], "chat", origin, workload.timeout_s, address))
-
-    def long_client(channel: grpc.Channel, index: int) -> None:
-        delay = workload.long_after_s + index * workload.long_interval_s - (time.perf_counter() - origin)
-        if delay > 0:
-            time.sleep(delay)
-        stub = generation_stub(channel)
-        record(one_request(stub, longs[index], workload.long_max_tokens, "long", origin, workload.timeout_s, address))
-
-    targets: list[tuple[Callable[..., None], tuple[object, ...]]] = [(chat_client, (c,)) for c in channels[:clients]]
-    targets += [(long_client, (channels[clients + i], i)) for i in range(len(longs))]
-    threads = [threading.Thread(target=fn, args=args, daemon=True) for fn, args in targets]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        for channel in channels:
-            channel.close()
+    requests = [BenchRequest(len(p), n, prompt_ids=tuple(p), kind="chat")
+                for p, n in zip(chats, workload.chat_max_tokens(), strict=True)]  # fmt: skip
+    requests += [
+        BenchRequest(len(p), workload.long_max_tokens, prompt_ids=tuple(p), kind="long",
+                     arrival_s=workload.long_after_s + i * workload.long_interval_s)
+        for i, p in enumerate(longs)
+    ]  # fmt: skip
+    record = driver.run(
+        requests,
+        lambda: GrpcBackend(address, timeout_s=workload.timeout_s, max_in_flight=clients + len(longs)),
+        LoadSpec(clients=clients),
+    )
+    traces = [trace_of(o) for o in record.outcomes]
     return traces, max((t.end_s for t in traces), default=0.0)

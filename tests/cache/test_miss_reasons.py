@@ -51,8 +51,8 @@ def test_no_entry_on_every_surface_and_hit_rate_in_tokens(serve, checkpoint, mon
     assert dict(info.prefix_cache_miss_reasons) == {"no_entry": 1}
     assert (info.prefix_cache_queries, info.prefix_cache_hits) == (4 * BLOCK, 2 * BLOCK)
     assert registry.get_sample_value("hybridserve_prefix_cache_misses_total", {"reason": "no_entry"}) == 1
-    assert registry.get_sample_value("hybridserve_prefix_cache_queries_total") == 4 * BLOCK
-    assert registry.get_sample_value("hybridserve_prefix_cache_hits_total") == 2 * BLOCK
+    assert registry.get_sample_value("hybridserve_prefix_cache_queries_total", {"model_name": ""}) == 4 * BLOCK
+    assert registry.get_sample_value("hybridserve_prefix_cache_hits_total", {"model_name": ""}) == 2 * BLOCK
     provider.force_flush()
     spans = [s for s in exporter.get_finished_spans() if "hybridserve.cache.miss_reason" in (s.attributes or {})]
     assert [s.attributes["hybridserve.cache.miss_reason"] for s in spans] == ["no_entry", "none"]

@@ -12,6 +12,7 @@ import pytest
 from gpu_worker.api.client import Completion
 from hybridserve.children import free_port
 from hybridserve_cli import build_parser, generate, loadgen
+from hybridserve_cli.bench import command as bench_command
 from hybridserve_cli.loadgen import RequestResult
 from tests.integration.fake_worker import start_fake_worker
 
@@ -171,10 +172,11 @@ def test_run_load_keeps_n_requests_in_flight(fake_worker):
 
 def test_bench_command_json_and_failures(fake_worker, capsys):
     address, _ = fake_worker
-    assert loadgen.run(parse("bench", "--worker", address, "--clients", "2", "--requests", "6", "--max-tokens", "2",
-                             "--json")) == 0  # fmt: skip
+    assert bench_command.run(parse("bench", "--worker", address, "--clients", "2", "--requests", "6",
+                                   "--random-input-len", "8", "--max-tokens", "2", "--json")) == 0  # fmt: skip
     body = json.loads(capsys.readouterr().out)
-    assert body["requests_ok"] == 6 and body["clients"] == 2 and body["output_tokens"] == 12
+    assert body["completed"] == 6 and body["clients"] == 2 and body["total_output_tokens"] == 12
+    assert body["total_input_tokens"] == 6 * 8 and body["backend"] == "grpc"
     missing = f"127.0.0.1:{free_port()}"
-    assert loadgen.run(parse("bench", "--worker", missing, "--requests", "2")) == 1
+    assert bench_command.run(parse("bench", "--worker", missing, "--requests", "2")) == 1
     assert f"no worker at {missing}" in capsys.readouterr().err

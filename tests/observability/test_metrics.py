@@ -33,7 +33,7 @@ def test_metrics_move_with_generated_tokens(start_stack):
 
     def poll() -> None:
         while not done.is_set():
-            seen.append(scrape(port).get(("hybridserve_output_tokens_total", ()), 0.0))
+            seen.append(scrape(port).get(("hybridserve_generation_tokens_total", (("model_name", ""),)), 0.0))
             done.wait(0.01)
 
     poller = threading.Thread(target=poll)
@@ -48,16 +48,28 @@ def test_metrics_move_with_generated_tokens(start_stack):
 
     assert received == num_requests * max_tokens
     assert seen == sorted(seen), "a counter went backwards"
-    assert final[("hybridserve_output_tokens_total", ())] == received
-    assert final[("hybridserve_requests_total", (("reason", "length"),))] == num_requests
-    assert final[("hybridserve_time_to_first_token_seconds_count", ())] == num_requests
-    assert final[("hybridserve_inter_token_latency_seconds_count", ())] == received - num_requests
+    assert final[("hybridserve_generation_tokens_total", (("model_name", ""),))] == received
+    assert (
+        final[("hybridserve_request_success_total", (("finished_reason", "length"), ("model_name", "")))]
+        == num_requests
+    )
+    assert final[("hybridserve_time_to_first_token_seconds_count", (("model_name", ""),))] == num_requests
+    assert final[("hybridserve_inter_token_latency_seconds_count", (("model_name", ""),))] == received - num_requests
     computed = sum(final[("hybridserve_computed_tokens_total", (("kind", k),))] for k in ("prefill", "decode"))
     assert computed == sum(map(len, prompts)) + received - num_requests  # every token but each last one
     assert final[("hybridserve_computed_tokens_total", (("kind", "prefill"),))] >= sum(map(len, prompts))
     assert final[("hybridserve_steps_total", ())] == stack.engine.counters.num_steps
     assert final[("hybridserve_plan_latency_seconds_count", ())] == stack.engine.counters.num_steps
     assert final[("hybridserve_stalled_steps_total", ())] == 0
-    assert final[("hybridserve_queue_depth", ())] == 0 and final[("hybridserve_running_requests", ())] == 0
+    assert (
+        final[("hybridserve_num_requests_waiting", (("model_name", ""),))] == 0
+        and final[("hybridserve_num_requests_running", (("model_name", ""),))] == 0
+    )
+    for phase in ("queue", "prefill", "decode"):
+        assert final[(f"hybridserve_request_{phase}_time_seconds_count", (("model_name", ""),))] == num_requests
+    assert final[("hybridserve_prompt_tokens_total", (("model_name", ""),))] == sum(map(len, prompts))
+    assert final[("hybridserve_request_generation_tokens_sum", (("model_name", ""),))] == received
+    assert final[("hybridserve_iteration_tokens_total_sum", (("model_name", ""),))] == computed
+    assert final[("hybridserve_kv_cache_usage_perc", (("model_name", ""),))] == 0.0
     assert final[("hybridserve_kv_pages_used", ())] == 0 and final[("hybridserve_kv_pages_total", ())] > 0
     assert final[("hybridserve_state_slots_used", ())] == 0

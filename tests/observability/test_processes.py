@@ -79,8 +79,8 @@ def test_one_request_traced_across_worker_scheduler_and_cache(tmp_path, monkeypa
         assert all(code == 0 for code in codes.values()), [(s.name, s.child.output) for s in stack.services]
     receiver.stop()
 
-    assert sample(worker_metrics, "hybridserve_output_tokens_total") == 5
-    assert sample(worker_metrics, 'hybridserve_requests_total{reason="length"}') == 1
+    assert sample(worker_metrics, 'hybridserve_generation_tokens_total{model_name="model"}') == 5
+    assert sample(worker_metrics, 'hybridserve_request_success_total{finished_reason="length",model_name="model"}') == 1
     assert sample(worker_metrics, 'hybridserve_computed_tokens_total{kind="prefill"}') == 30
     num_steps = sample(worker_metrics, "hybridserve_steps_total")
     assert (
