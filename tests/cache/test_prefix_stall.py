@@ -72,7 +72,13 @@ def engine(checkpoint: Path) -> Iterator[tuple[Engine, Steps]]:
     assert runner.kv_pool.num_pages == NUM_PAGES
     settings = EngineSettings(scheduler=CONFIG, runner=runner_config, scheduler_addresses=("in-process",))
     steps = Steps()
-    engine = Engine(runner, plan_step, settings, observer=steps, prefix=PrefixCacheManager(runner, BLOCK))
+    engine = Engine(
+        runner,
+        plan_step,
+        settings,
+        observer=steps,
+        prefix=PrefixCacheManager(runner.pools, runner.loaded.fingerprint, BLOCK),
+    )
     engine.start()
     yield engine, steps
     engine.stop()
