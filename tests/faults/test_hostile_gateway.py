@@ -164,16 +164,25 @@ def max_model_len(stack: Stack) -> int:
 
 
 def test_a_request_id_reused_150_times_is_never_cut_short(stack, gateway):
-    channel, stub = gateway_stub(gateway[1])
-    request = greedy(prompts(1, length=10, seed=6)[0], 3)
-    request.request_id = "reused-id"
-    cut = []
-    with channel:
-        for i in range(150):
-            messages = list(stub.Generate(request, timeout=30))
-            tokens = [t for m in messages for t in m.token_ids]
-            if messages[-1].finish_reason != pb.FINISH_REASON_LENGTH or len(tokens) != 3:
-                cut.append((i, pb.FinishReason.Name(messages[-1].finish_reason), len(tokens)))
+    """Six clients, each reusing its own id 25 times, each request sent right after the last one ended."""
+    cut: list[tuple[str, int, str, int]] = []
+
+    def reuse(request_id: str) -> None:
+        channel, stub = gateway_stub(gateway[1])
+        request = greedy(prompts(1, length=10, seed=6)[0], 2)
+        request.request_id = request_id
+        with channel:
+            for i in range(25):
+                messages = list(stub.Generate(request, timeout=30))
+                tokens = [t for m in messages for t in m.token_ids]
+                if messages[-1].finish_reason != pb.FINISH_REASON_LENGTH or len(tokens) != 2:
+                    cut.append((request_id, i, pb.FinishReason.Name(messages[-1].finish_reason), len(tokens)))
+
+    clients = [threading.Thread(target=reuse, args=(f"reused-{k}",)) for k in range(6)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(120)
     assert not cut, cut
     nothing_left(stack)
 
