@@ -7,19 +7,24 @@ listens again and until a new request is served (for the cache service and Redis
 Lookup is answered, so Redis is reached again). Last, 256 streams on the worker with readiness
 checks on the side (4 probers, each every 20 ms, a fresh channel per check as a probe makes it): the
 checks' latency (p50, p99, max) and how many failed or took over a second, and the streams' outcomes.
+Then a gateway in front of the worker: its /health latency (p50, p99, max; target p99 under 100 ms)
+while 16 MiB request bodies (a text prompt, token ids, nested lists) arrive from two senders.
 
     python bench/bench_faults.py [--streams 64] [--max-tokens 12] [--outage-s 1] [--health-streams 256]
-                                 [--health-max-tokens 32]
+                                 [--health-max-tokens 32] [--big-bodies 12] [--only-gateway-health]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -31,12 +36,15 @@ from hybridserve.stats import percentile  # noqa: E402
 from hybridserve.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from tests.faults.stack import (  # noqa: E402
     COMPONENTS,
+    GATEWAY_KEYS,
     Stack,
     health_check_s,
     health_status_name,
+    http_health_s,
     prompts,
     run_streams,
     serves,
+    start_gateway,
     tally,
     write_model,
 )
@@ -114,6 +122,52 @@ def health_under_load(stack: Stack, args: argparse.Namespace) -> tuple[list[floa
 
 
 PROBERS = 4
+BIG_BODIES = (
+    json.dumps({"model": "tiny", "prompt": "p" * (16 << 20)}).encode(),
+    ('{"model": "tiny", "prompt": [' + "7," * (8 << 20) + "7]}").encode(),
+    ('{"model": "tiny", "prompt": [' + "[]," * (5 << 20) + "[]]}").encode(),
+)
+
+
+def gateway_health_under_bodies(stack: Stack, args: argparse.Namespace) -> tuple[list[float], Counter[int]]:
+    """GET /health every 20 ms on a gateway while two senders post `--big-bodies` 16 MiB bodies (the
+    kinds of BIG_BODIES in turn); returns the latencies and the bodies' HTTP statuses."""
+    http, _ = start_gateway(stack)
+    statuses: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def send(indexes: range) -> None:
+        for i in indexes:
+            body, headers = BIG_BODIES[i % len(BIG_BODIES)], {"Authorization": f"Bearer {GATEWAY_KEYS[0]}"}
+            request = urllib.request.Request(f"http://{http}/v1/completions", data=body, headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    status = response.status
+            except urllib.error.HTTPError as err:
+                status = err.code
+            with lock:
+                statuses[status] += 1
+
+    senders = [threading.Thread(target=send, args=(range(k, args.big_bodies, 2),)) for k in range(2)]
+    for sender in senders:
+        sender.start()
+    latencies: list[float] = []
+    while any(s.is_alive() for s in senders):
+        latencies.append(http_health_s(http))
+        time.sleep(0.02)
+    stack.launcher.terminate("gateway")
+    return latencies, statuses
+
+
+def print_gateway_health(latencies: list[float], statuses: Counter[int], args: argparse.Namespace) -> None:
+    print(f"\ngateway /health (every 20 ms) during {args.big_bodies} bodies of 16 MiB from 2 senders: {len(latencies)}")
+    if latencies:
+        p50, p99 = (float(percentile(latencies, q) or 0.0) * 1e3 for q in (50, 99))
+        print(
+            f"  gateway /health p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {max(latencies) * 1e3:.1f} ms"
+            f" (target p99 < 100 ms); failed or over 10 s: {sum(t == float('inf') for t in latencies)};"
+            f" bodies answered: {dict(statuses)}"
+        )
 
 
 PROMPTS: list[list[int]] = []
@@ -127,7 +181,17 @@ def main() -> int:
     parser.add_argument("--deadline-s", type=float, default=60.0)
     parser.add_argument("--health-streams", type=int, default=256)
     parser.add_argument("--health-max-tokens", type=int, default=32)
+    parser.add_argument("--big-bodies", type=int, default=12)
+    parser.add_argument("--only-gateway-health", action="store_true", help="only the gateway /health row")
     args = parser.parse_args()
+    if args.only_gateway_health:
+        with tempfile.TemporaryDirectory(prefix="bench-faults-") as folder:
+            stack = Stack(write_model(Path(folder)))
+            try:
+                print_gateway_health(*gateway_health_under_bodies(stack, args), args)
+            finally:
+                stack.stop()
+        return 0
     PROMPTS.extend(prompts(args.streams))
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as folder:
         stack = Stack(write_model(Path(folder)))
@@ -137,6 +201,7 @@ def main() -> int:
             reference = [o.tokens for o in cold]
             rows = [fault_round(stack, name, args, reference) for name in COMPONENTS]
             latencies, failures, counts = health_under_load(stack, args)
+            gateway_row = gateway_health_under_bodies(stack, args)
         finally:
             stack.stop()
     print(f"\n{args.streams} streams, {args.max_tokens} tokens each, outage {args.outage_s:.1f} s before the restart")
@@ -157,6 +222,7 @@ def main() -> int:
             f" not SERVING or failed: {failures}; mean {statistics.mean(latencies) * 1e3:.1f} ms"
         )
     print("  streams: " + ", ".join(f"{k.strip()} {v}" for k, v in sorted(counts.items())))
+    print_gateway_health(*gateway_row, args)
     return 0
 
 

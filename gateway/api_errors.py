@@ -19,6 +19,9 @@ class ApiError(Exception):
         self.param = param
         self.code = code
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled by value (a body parsed in a child process)
+        return ApiError, (self.status, self.message, self.error_type, self.param, self.code)
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 

@@ -16,10 +16,12 @@ client's end of stream, and so before its next request in a closed loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -59,6 +61,15 @@ class UpstreamError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class Route:
+    """Where a live request runs, and who may abort it. One object per call: a call removes its own
+    route only, never one a later call with the same id put in its place."""
+
+    address: str  # the worker serving it now
+    owner: str | None  # the API key that created it (None: keys are off, anyone may abort it)
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingSettings:
     mode: str = "prefix"  # "prefix" (affinity weighed against load) or "round-robin"
     request_cost_tokens: int = 64  # one active request, priced in prefill tokens (routing.RoutingPolicy)
@@ -72,7 +83,7 @@ class Dispatcher:
         self.table = table
         self.settings = settings
         self.metrics = metrics
-        self.live: dict[str, str] = {}  # request id -> worker address, while the call runs
+        self.live: dict[str, Route] = {}  # request id -> its route, from admission to its last message
         self._counter = itertools.count()
         self._settling: set[asyncio.Task[None]] = set()  # worker calls past their last message
 
@@ -82,6 +93,11 @@ class Dispatcher:
             if worker.info is not None and worker.info.block_size > 0:
                 return int(worker.info.block_size)
         return 0
+
+    def max_model_len(self) -> int:
+        """The smallest max_model_len of the ready workers (tokens; 0 when none has said)."""
+        infos = [w.info for w in self.pool.ready() if w.info is not None]
+        return min((int(i.max_model_len) for i in infos if i.max_model_len > 0), default=0)
 
     def prefix_hashes(self, prompt: Sequence[int] | str) -> tuple[int, ...]:
         return prefix_block_hashes(prompt, self.block_size())
@@ -114,57 +130,98 @@ class Dispatcher:
         num_prompt_tokens: int,
         metadata: Sequence[tuple[str, str]] = (),
         timeout_s: float | None = None,
+        owner: str | None = None,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        """The worker's messages for `request` (its request_id set here when empty)."""
+        """The worker's messages for `request` (its request_id set here when empty). An id that is live
+        here already is refused (INVALID_ARGUMENT) and leaves the live one's route as it was. The route
+        goes before the last message is relayed, so the id is free again once a client has seen it."""
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        request_id = request.request_id
+        if request_id in self.live:
+            raise UpstreamError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id {request_id!r} is already in use by a live request; pick another",
+                "gateway",
+                False,
+            )
+        route: Route | None = None
         tried: set[str] = set()
         last_error: UpstreamError | None = None
-        while True:
-            try:
-                worker = self.choose(prefix_hashes, tried)
-            except NoWorkerError:
-                if last_error is not None:
-                    raise last_error from None
-                raise
-            tried.add(worker.address)
-            matched = self.table.num_matched_blocks(prefix_hashes, worker.address)
-            self.metrics.routed(worker.address, matched > 0)
-            self.table.record(prefix_hashes, worker.address)
-            relayed = finished = False
-            queued = max(0, num_prompt_tokens - matched * self.block_size())  # prefill ahead, until the 1st message
-            worker.num_in_flight += 1
-            worker.num_queued_prefill_tokens += queued
-            self.live[request.request_id] = worker.address
-            call = worker.stub.Generate(request, metadata=[*self.pool.metadata, *metadata], timeout=timeout_s)
-            try:
-                async for message in call:
-                    if not relayed:
-                        relayed = True
-                        worker.num_queued_prefill_tokens -= queued
-                    finished = message.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                    yield message
-                    if finished:
-                        return
-                return
-            except grpc.aio.AioRpcError as exc:
-                error = UpstreamError(exc.code(), exc.details() or "", worker.address, relayed)
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    self.pool.mark_down(worker.address, f"Generate failed: {exc.details()}")
-                if relayed or exc.code() not in RETRY_ON:
-                    raise error from None
-                log.info("retrying request %s elsewhere: %s", request.request_id, error)
-                self.metrics.retried(exc.code().name)
-                last_error = error
-            finally:
-                if finished:
-                    self._settle(call, worker.address)
-                else:
-                    call.cancel()  # no-op when ended; aborts the worker's request when the consumer left
-                worker.num_in_flight -= 1
+        try:
+            while True:
+                try:
+                    worker = self.choose(prefix_hashes, tried)
+                except NoWorkerError:
+                    if last_error is not None:
+                        raise last_error from None
+                    raise
+                tried.add(worker.address)
+                route = self.live[request_id] = Route(worker.address, owner)
+                call = self._call(worker, request, prefix_hashes, num_prompt_tokens, metadata, timeout_s,
+                                  functools.partial(self._unroute, request_id, route))  # fmt: skip
+                try:
+                    async with contextlib.aclosing(call) as messages:
+                        async for message in messages:
+                            yield message
+                    return
+                except UpstreamError as error:
+                    if error.after_first_message or error.code not in RETRY_ON:
+                        raise
+                    log.info("retrying request %s elsewhere: %s", request_id, error)
+                    self.metrics.retried(error.code.name)
+                    last_error = error
+        finally:
+            if route is not None:
+                self._unroute(request_id, route)
+
+    def _unroute(self, request_id: str, route: Route | None) -> None:
+        if route is not None and self.live.get(request_id) is route:
+            del self.live[request_id]
+
+    async def _call(
+        self,
+        worker: WorkerState,
+        request: pb.GenerateRequest,
+        prefix_hashes: tuple[int, ...],
+        num_prompt_tokens: int,
+        metadata: Sequence[tuple[str, str]],
+        timeout_s: float | None,
+        on_last: Callable[[], None],
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """One worker's messages for the request; its failure as UpstreamError. `on_last` runs just
+        before the message with a finish reason is relayed."""
+        matched = self.table.num_matched_blocks(prefix_hashes, worker.address)
+        self.metrics.routed(worker.address, matched > 0)
+        self.table.record(prefix_hashes, worker.address)
+        relayed = finished = False
+        queued = max(0, num_prompt_tokens - matched * self.block_size())  # prefill ahead, until the 1st message
+        worker.num_in_flight += 1
+        worker.num_queued_prefill_tokens += queued
+        call = worker.stub.Generate(request, metadata=[*self.pool.metadata, *metadata], timeout=timeout_s)
+        try:
+            async for message in call:
                 if not relayed:
+                    relayed = True
                     worker.num_queued_prefill_tokens -= queued
-                self.live.pop(request.request_id, None)
+                finished = message.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                if finished:
+                    on_last()
+                yield message
+                if finished:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.pool.mark_down(worker.address, f"Generate failed: {exc.details()}")
+            raise UpstreamError(exc.code(), exc.details() or "", worker.address, relayed) from None
+        finally:
+            if finished:
+                self._settle(call, worker.address)
+            else:
+                call.cancel()  # no-op when ended; aborts the worker's request when the consumer left
+            worker.num_in_flight -= 1
+            if not relayed:
+                worker.num_queued_prefill_tokens -= queued
 
     def _settle(self, call: grpc.aio.UnaryStreamCall, address: str) -> None:  # type: ignore[type-arg]
         """Reads the status of a call past its last message off the request's path; the task holds

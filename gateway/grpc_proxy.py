@@ -3,13 +3,21 @@
 Generate is routed and retried as the HTTP API is (dispatch.py); a worker's own status (for example
 INVALID_ARGUMENT) reaches the client unchanged. Abort goes to the worker serving that request id.
 GetInfo answers with a ready worker's info, its load summed over all ready workers. The server
-offers grpc.health.v1 (ready while some worker is) and reflection, as every server does."""
+offers grpc.health.v1 (`liveness` while it runs; `readiness` while some worker is ready) and
+reflection, as every server does.
+
+A text prompt longer than the model can take is refused before it is tokenized, and tokenizing runs
+on the text executor, never on the event loop. With API keys on, only the key that created a request
+may abort it (any other gets NOT_FOUND, as for an id that is not live); with keys off anyone who can
+reach the port may."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+from concurrent.futures import Executor
 from typing import Any
 
 import grpc
@@ -21,9 +29,11 @@ from opentelemetry.trace import SpanKind
 
 from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
 from gateway.metrics import GatewayMetrics
+from gateway.openai_request import TextLimits
 from gateway.tokens import GatewayTokenizer
 from hybridserve import telemetry
-from hybridserve.auth import is_authorized
+from hybridserve.auth import bearer_token, is_authorized
+from hybridserve.grpc_server import LIVENESS, READINESS
 from hybridserve.tls import TlsSettings
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
@@ -41,12 +51,14 @@ class GenerationProxy(pb_grpc.GenerationServicer):
         api_keys: frozenset[str],
         tokenizer: GatewayTokenizer | None,
         timeout_s: float,
+        text_work: Executor | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.api_keys = api_keys
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
+        self.text_work = text_work  # tokenizing, off the event loop (None: inline)
 
     async def _check_key(self, context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, str]:
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
@@ -56,14 +68,38 @@ class GenerationProxy(pb_grpc.GenerationServicer):
             )
         return metadata
 
-    def _prompt(self, request: pb.GenerateRequest) -> list[int] | str:
+    def _owner(self, metadata: dict[str, str]) -> str | None:
+        """The key a call was made with (None when keys are off: every caller is trusted alike)."""
+        return bearer_token(metadata.get("authorization")) if self.api_keys else None
+
+    def _text_limits(self) -> TextLimits | None:
+        max_model_len = self.dispatcher.max_model_len()
+        if self.tokenizer is None or max_model_len <= 0:
+            return None
+        return TextLimits(max_model_len, self.tokenizer.max_bytes_per_token)
+
+    async def _prompt(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> list[int] | str:
         """The prompt as routing sees it: token ids when known (sent, or tokenized here), else text."""
         if request.WhichOneof("input") == "prompt_token_ids":
             return list(request.prompt_token_ids.ids)
-        if self.tokenizer is None:
+        tokenizer, limits = self.tokenizer, self._text_limits()
+        if tokenizer is None:
             return request.prompt
+        text = request.prompt
+        if limits is not None and len(text) > limits.max_text_bytes:  # characters: at least one byte each
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the prompt is {len(text)} characters; this server takes at most {limits.max_model_len} tokens,"
+                f" so at most {limits.max_text_bytes} bytes of text ({limits.max_bytes_per_token} bytes per token"
+                " at most with this tokenizer); shorten the prompt",
+            )
         specials = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        return self.tokenizer.encode(request.prompt, add_special_tokens=specials)
+        if self.text_work is None:
+            return tokenizer.encode(text, add_special_tokens=specials)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.text_work, lambda: tokenizer.encode(text, add_special_tokens=specials))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         metadata = await self._check_key(context)
@@ -75,9 +111,10 @@ class GenerationProxy(pb_grpc.GenerationServicer):
         ):
             carrier: dict[str, str] = {}
             propagate.inject(carrier)
-            prompt = self._prompt(request)
+            prompt = await self._prompt(request, context)
             prefix = self.dispatcher.prefix_hashes(prompt)
-            stream = self.dispatcher.generate(request, prefix, len(prompt), list(carrier.items()), timeout_s)
+            owner = self._owner(metadata)
+            stream = self.dispatcher.generate(request, prefix, len(prompt), list(carrier.items()), timeout_s, owner)
             status = "OK"
             try:
                 async with contextlib.aclosing(stream):
@@ -93,9 +130,11 @@ class GenerationProxy(pb_grpc.GenerationServicer):
                 self.metrics.finished("grpc Generate", status)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AbortResponse:
-        await self._check_key(context)
-        address = self.dispatcher.live.get(request.request_id)
-        worker = self.dispatcher.pool.workers.get(address or "")
+        owner = self._owner(await self._check_key(context))
+        route = self.dispatcher.live.get(request.request_id)
+        if route is not None and not _may_abort(owner, route.owner):
+            route = None  # another key's request: as if it did not exist
+        worker = self.dispatcher.pool.workers.get(route.address) if route is not None else None
         if worker is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request with id {request.request_id!r}")
         assert worker is not None
@@ -123,8 +162,15 @@ class GenerationProxy(pb_grpc.GenerationServicer):
         return info
 
 
+def _may_abort(caller: str | None, owner: str | None) -> bool:
+    """True when keys are off (no owner recorded) or the caller holds the key that created the request."""
+    return owner is None or (caller is not None and hmac.compare_digest(caller.encode(), owner.encode()))
+
+
 async def watch_readiness(dispatcher: Dispatcher, servicer: HealthServicer, interval_s: float) -> None:
-    """The gateway is ready (grpc.health.v1, empty name) while at least one worker is."""
+    """The gateway is live (grpc.health.v1 `liveness`) while this runs, and ready (`readiness`, the
+    empty name) while at least one worker is."""
+    await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     last = None
     while True:
         status = (
@@ -133,7 +179,7 @@ async def watch_readiness(dispatcher: Dispatcher, servicer: HealthServicer, inte
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         if status != last:
-            for name in ("", "readiness", pb.DESCRIPTOR.services_by_name["Generation"].full_name):
+            for name in ("", READINESS, pb.DESCRIPTOR.services_by_name["Generation"].full_name):
                 await servicer.set(name, status)
             last = status
         await asyncio.sleep(interval_s)

@@ -13,7 +13,8 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -23,11 +24,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway import api_errors, tokenize_api
 from gateway.api_errors import ApiError
+from gateway.body import BodyParser
 from gateway.chat_template import ChatTemplate
 from gateway.convert import generate_requests
 from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
 from gateway.metrics import GatewayMetrics
-from gateway.openai_request import ApiRequest, parse_chat, parse_completion
+from gateway.openai_request import ApiRequest, TextLimits, check_text_size
 from gateway.openai_response import ChoiceState, ChunkFrame, envelope, final_body, new_id, total_usage
 from gateway.tokens import GatewayTokenizer, token_id_text
 from hybridserve import telemetry
@@ -53,6 +55,15 @@ class Gateway:
     chat_template: ChatTemplate | None
     request_timeout_s: float
     generation_defaults: GenerationDefaults = GenerationDefaults()  # the model's generation_config.json
+    text_work: Executor | None = None  # template rendering and tokenizing, off the event loop (None: inline)
+    bodies: BodyParser = field(default_factory=BodyParser)
+
+    def text_limits(self) -> TextLimits | None:
+        """The served model's text limits; None without a tokenizer here or a ready worker's limit."""
+        max_model_len = self.dispatcher.max_model_len()
+        if self.tokenizer is None or max_model_len <= 0:
+            return None
+        return TextLimits(max_model_len, self.tokenizer.max_bytes_per_token)
 
     def served_model(self) -> str:
         if self.model_name:
@@ -84,15 +95,22 @@ def _sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def read_json(request: web.Request) -> Any:
+async def read_body(request: web.Request) -> bytes:
+    """The body's bytes (decompressed when it says Content-Encoding: gzip, deflate or br): 413 past the
+    size limit, 400 when it is not what its encoding says."""
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise api_errors.too_large(request.app["max_body_bytes"]) from None
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise api_errors.bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # aiohttp's decoders raise their library's errors on a corrupt body
+        encoding = request.headers.get("Content-Encoding", "identity")
+        raise api_errors.bad_request(
+            f"the request body cannot be read as Content-Encoding {encoding!r}: {type(exc).__name__}: {exc}"
+            "; send it as that encoding says, or without the header",
+            code="invalid_encoding",
+        ) from None
 
 
 def _traced(gateway: Gateway, request: web.Request) -> Any:
@@ -122,6 +140,12 @@ class Generation:
         self.first_token = False
         self.clock = gateway.metrics.clock(api.model, started_s)  # TTFT, ITL, E2E of this request
 
+    async def prompt_off_loop(self) -> str | tuple[int, ...] | list[int]:
+        """`prompt()` on the gateway's text executor: rendering and tokenizing never hold the event loop."""
+        if self.gateway.text_work is None:
+            return self.prompt()
+        return await asyncio.get_running_loop().run_in_executor(self.gateway.text_work, self.prompt)
+
     def prompt(self) -> str | tuple[int, ...] | list[int]:
         api, gateway = self.api, self.gateway
         text = api.prompt
@@ -134,6 +158,8 @@ class Generation:
                     "no_chat_template",
                 )
             text = gateway.chat_template.render(api.messages)
+            if (limits := gateway.text_limits()) is not None:  # the template adds text of its own
+                check_text_size([text], "messages", limits)
         if isinstance(text, str) and gateway.tokenizer is not None:  # a rendered template holds its specials
             return gateway.tokenizer.encode(text, add_special_tokens=api.kind != "chat")
         return text
@@ -162,7 +188,7 @@ class Generation:
         """Lists of (choice index, worker message) pairs from all choices: each list what had
         arrived when the previous one was taken (one pair while the client keeps up); raises
         ApiError after the pairs that came before the failure."""
-        prompt = self.prompt()
+        prompt = await self.prompt_off_loop()
         prefix = self.gateway.dispatcher.prefix_hashes(prompt)
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
@@ -256,13 +282,11 @@ class Generation:
 
 
 def generation_handler(kind: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    parse = parse_chat if kind == "chat" else parse_completion
-
     async def handle(request: web.Request) -> web.StreamResponse:
         gateway: Gateway = request.app["gateway"]
         started_s = time.perf_counter()
         with _traced(gateway, request) as span:
-            api = parse(await read_json(request))
+            api = await gateway.bodies.parse(await read_body(request), kind, gateway.text_limits())
             served = gateway.served_model()
             if not served:  # no worker has answered yet, so the model's name is not known
                 raise api_errors.unavailable("no worker is ready yet; retry shortly")

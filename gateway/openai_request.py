@@ -8,7 +8,7 @@ OpenAI does not know are refused as OpenAI refuses them."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +75,19 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
+class TextLimits:
+    """How much text the served model can take: a text longer than max_model_len * max_bytes_per_token
+    UTF-8 bytes cannot fit, and is refused before it is tokenized (tokenizing 16 MiB takes seconds)."""
+
+    max_model_len: int  # tokens, the smallest of the ready workers' limits
+    max_bytes_per_token: int  # UTF-8 bytes one token can stand for at most (gateway/tokens.py)
+
+    @property
+    def max_text_bytes(self) -> int:
+        return self.max_model_len * self.max_bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
 class ApiRequest:
     """One validated /v1/completions or /v1/chat/completions request."""
 
@@ -95,6 +108,20 @@ class ApiRequest:
     logprobs: bool  # return the chosen tokens' log-probabilities
     top_logprobs: int  # alternatives per token, 0..MAX_TOP_LOGPROBS
     ignore_eos: bool  # an extension: generate max_tokens even past EOS (benchmarks)
+
+
+def _text(value: str, name: str) -> str:
+    """`value`, refused when it cannot be UTF-8 (a lone surrogate, which JSON's \\ud800 escapes let in)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"'{name}' holds a lone surrogate ({value[exc.start]!r} at index {exc.start}), which is not text;"
+            " send valid UTF-8",
+            name,
+            "invalid_value",
+        ) from None
+    return value
 
 
 def _fail_type(name: str, expected: str, value: Any) -> Exception:
@@ -155,7 +182,7 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         raise bad_request(f"'stop' holds {len(stops)} strings; at most {MAX_STOP} are allowed", "stop")
     if any(s == "" for s in stops):
         raise bad_request("'stop' holds an empty string", "stop", "invalid_value")
-    return tuple(stops)
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def _model(body: Mapping[str, Any]) -> str:
@@ -222,7 +249,7 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' is empty", "prompt", "invalid_value")
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = next((t for t in prompt if not 0 <= t < MAX_TOKEN_ID), None)
         if bad is not None:
@@ -253,7 +280,7 @@ def _content(value: Any, index: int) -> str:
     if value is None:
         return ""
     if isinstance(value, str):
-        return value
+        return _text(value, name)
     if not isinstance(value, list):
         raise _fail_type(name, "a string or a list of content parts", value)
     texts = []
@@ -264,7 +291,7 @@ def _content(value: Any, index: int) -> str:
             raise unsupported(f"{name} part of type '{part['type']}'", "only text parts are served")
         if not isinstance(part.get("text"), str):
             raise _fail_type(f"{name}.text", "a string", part.get("text"))
-        texts.append(part["text"])
+        texts.append(_text(part["text"], f"{name}.text"))
     return "".join(texts)
 
 
@@ -305,3 +332,34 @@ def parse_chat(body: Any) -> ApiRequest:
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return _common(body, "chat", "", _messages(body), max_tokens or 0, logprobs, top)
+
+
+def check_prompt_size(api: ApiRequest, limits: TextLimits) -> None:
+    """Refuses a prompt that cannot fit the model: token ids beyond max_model_len, or text (a chat's
+    contents together) beyond `limits.max_text_bytes`. The length in characters decides in O(1) when it
+    alone is over (a character is at least one byte)."""
+    if isinstance(api.prompt, tuple):
+        if len(api.prompt) > limits.max_model_len:
+            raise bad_request(
+                f"'prompt' holds {len(api.prompt)} token ids; this server takes at most {limits.max_model_len}",
+                "prompt",
+                "context_length_exceeded",
+            )
+        return
+    texts = [m.content for m in api.messages] if api.kind == "chat" else [api.prompt]
+    check_text_size(texts, "messages" if api.kind == "chat" else "prompt", limits)
+
+
+def check_text_size(texts: Sequence[str], name: str, limits: TextLimits) -> None:
+    """Refuses texts whose UTF-8 bytes together exceed `limits.max_text_bytes`, naming the limit."""
+    most = limits.max_text_bytes
+    num_chars = sum(len(t) for t in texts)
+    size = num_chars if num_chars > most else sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if size > most:
+        raise bad_request(
+            f"'{name}' is {size} bytes of text; this server takes at most {limits.max_model_len} tokens, so at"
+            f" most {most} bytes ({limits.max_bytes_per_token} bytes per token at most with this tokenizer);"
+            " shorten the prompt",
+            name,
+            "context_length_exceeded",
+        )

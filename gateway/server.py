@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,9 @@ from hybridserve.tls import TlsSettings, add_tls_arguments
 log = logging.getLogger("hybridserve.gateway")
 
 SERVICE = "GATEWAY"  # HYBRIDSERVE_GATEWAY_<FIELD>
+# Threads rendering chat templates and tokenizing prompts, off the event loop; more requests wait their
+# turn. Tokenizing a long text releases the GIL (gateway/tokens.py), so these use other cores.
+TEXT_THREADS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +205,7 @@ async def serve(
     )
     await pool.start()
     dispatcher = Dispatcher(pool, table, config.routing, metrics)
+    text_work = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="text")
     gateway = Gateway(
         dispatcher,
         metrics,
@@ -210,6 +215,7 @@ async def serve(
         template,
         config.request_timeout_s,
         defaults,
+        text_work,
     )
     runner = web.AppRunner(build_app(gateway, config.max_body_bytes), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -217,7 +223,7 @@ async def serve(
     await site.start()
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     announce(config.host, http_port)
-    proxy = GenerationProxy(dispatcher, metrics, config.api_keys, tokenizer, config.request_timeout_s)
+    proxy = GenerationProxy(dispatcher, metrics, config.api_keys, tokenizer, config.request_timeout_s, text_work)
     grpc_server, grpc_port, health_servicer = create_grpc_server(proxy, config.host, config.grpc_port, config.tls)
     await grpc_server.start()
     announce(config.host, grpc_port, "grpc")
@@ -231,6 +237,8 @@ async def serve(
     await health_servicer.enter_graceful_shutdown()
     await grpc_server.stop(config.grace_s)
     await runner.cleanup()
+    gateway.bodies.close()
+    text_work.shutdown(wait=False, cancel_futures=True)
     await pool.close()
     log.info("stopped")
 

@@ -4,12 +4,15 @@ worker reads it (hybridserve.tokenizer_files), so both give transformers' ids fo
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from hybridserve.tokenizer_files import load_tokenizer_json
+
+UTF8_MAX_BYTES_PER_CHAR = 4  # a vocabulary entry's character stands for at most 4 bytes of UTF-8 text
+RELEASE_GIL_CHARS = 4096  # texts longer than this are encoded through the batch call, which releases the GIL
 
 
 class GatewayTokenizer:
@@ -25,12 +28,23 @@ class GatewayTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As the worker encodes: with the checkpoint's special tokens unless the text holds them already
-        (a rendered chat template: `add_special_tokens=False`)."""
+        (a rendered chat template: `add_special_tokens=False`). A long text goes through the batch call,
+        which releases the GIL while it runs (the single call holds it)."""
+        if len(text) > RELEASE_GIL_CHARS:
+            return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of token_ids, special tokens dropped (as /detokenize and vLLM's decode)."""
         return str(self._tok.decode(token_ids, skip_special_tokens=True))
+
+    @cached_property
+    def max_bytes_per_token(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for, as the worker bounds it: the
+        longest vocabulary entry in characters, times UTF8_MAX_BYTES_PER_CHAR (an entry's characters are
+        the text's, or stand for fewer bytes, as a byte-level symbol or a byte-fallback `<0xAB>` does)."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return UTF8_MAX_BYTES_PER_CHAR * max((len(token) for token in vocab), default=1)
 
     def _token_text(self, token_id: int) -> str:
         return str(self._tok.decode([token_id], skip_special_tokens=False))

@@ -2,8 +2,9 @@
 (BlockCache). Pure rules here; the gRPC interceptors that apply them are in hybridserve.grpc_auth.
 
 Keys come from a file (one per line; blank lines and `#` comments skipped) or a variable (comma
-separated), never from argv. A call without `authorization: Bearer KEY` gets UNAUTHENTICATED, one
-with a key that is not accepted PERMISSION_DENIED; both are logged with the method and the peer, never
+separated), never from argv. One rule on every server (gateway HTTP and gRPC, worker, scheduler, cache):
+a missing or invalid credential is UNAUTHENTICATED (HTTP 401); PERMISSION_DENIED (HTTP 403) is kept for a
+valid credential that may not do what it asks. Refusals are logged with the method and the peer, never
 the key. Health and reflection stay open (probes carry no credentials)."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 AUTHORIZATION = "authorization"  # the header / metadata key
-UNAUTHENTICATED = "UNAUTHENTICATED"  # no credential sent
-PERMISSION_DENIED = "PERMISSION_DENIED"  # a credential that is not accepted
+UNAUTHENTICATED = "UNAUTHENTICATED"  # no credential sent, or one that is not accepted
+PERMISSION_DENIED = "PERMISSION_DENIED"  # an accepted credential that may not do what it asks
 
 
 def parse_keys(lines: Iterable[str]) -> frozenset[str]:
@@ -70,7 +71,7 @@ def check_bearer(keys: frozenset[str], header: str | None) -> tuple[str, str] | 
     if token is None:
         return UNAUTHENTICATED, "missing credentials: send metadata authorization: Bearer KEY"
     if not is_accepted(keys, token):
-        return PERMISSION_DENIED, "the credential sent is not accepted here"
+        return UNAUTHENTICATED, "the credential sent is not accepted here; send one this server accepts"
     return None
 
 

@@ -18,6 +18,16 @@ from hybridserve.errors import InvalidArgumentError
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 MAX_TEMPERATURE = 100.0  # as the worker accepts on the wire
+# Temperatures below this sample greedily: logits divided by 1e-38 overflow float32 to inf, and the
+# softmax of infs is NaN (a sampler then takes token 0 every step). Below 1e-5 the distribution is
+# already one-hot for any logit gap above ~1e-3, so greedy is what such a temperature means.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature sampling runs at: 0 (greedy) for any value in [0, GREEDY_BELOW_TEMPERATURE), else
+    the value itself (range checks are the caller's)."""
+    return 0.0 if 0.0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +49,7 @@ class GenerationDefaults:
             _first(top_p, self.top_p, fallback[1]),
             _first(top_k, self.top_k, fallback[2]),
         )
-        return float(chosen[0]), float(chosen[1]), int(chosen[2])
+        return effective_temperature(float(chosen[0])), float(chosen[1]), int(chosen[2])
 
 
 def _first(*values: float | int | None) -> float | int:

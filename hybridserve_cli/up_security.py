@@ -1,7 +1,7 @@
 """The secrets of one `hybridserve up` stack, made fresh at every start and handed to each child
 through its environment or files of mode 0600 in a private directory (mode 0700), never argv:
 
-- the cluster token (cache service; the worker sends it),
+- the cluster token (scheduler and cache service; the worker sends it),
 - the workers' checkpoint MAC key (worker),
 - the Redis password (embedded Redis's config file; the cache service),
 - with `--tls`, a throwaway CA and one certificate per service (server and client at once), and a
@@ -90,6 +90,8 @@ class StackSecrets:
         """The secrets one child reads from its environment (and only those it needs)."""
         if service == "cache":
             return {CLUSTER_TOKEN_ENV: self.cluster_token, REDIS_PASSWORD_ENV: self.redis_password}
+        if service == "scheduler":
+            return {CLUSTER_TOKEN_ENV: self.cluster_token}
         if service == "worker":
             env = {CLUSTER_TOKEN_ENV: self.cluster_token, CHECKPOINT_KEY_ENV: self.checkpoint_key}
             if self.api_keys:

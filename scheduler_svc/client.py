@@ -38,6 +38,7 @@ from opentelemetry import trace
 
 from hybridserve import telemetry
 from hybridserve.errors import InvalidArgumentError, UnavailableError
+from hybridserve.grpc_auth import with_bearer
 from hybridserve.tls import TlsSettings, open_channel
 from hybridserve.v1 import scheduler_pb2 as pb
 from hybridserve.v1 import scheduler_pb2_grpc as pb_grpc
@@ -128,7 +129,9 @@ class SchedulerClient:
         max_backoff_s: float = 1.0,
         tracer_provider: trace.TracerProvider | None = None,
         tls: TlsSettings | None = None,
+        token: str | None = None,
     ) -> None:
+        """`token`: the cluster token, sent on every call (a scheduler with tokens refuses calls without one)."""
         if not addresses:
             raise InvalidArgumentError("at least one scheduler address is required")
         self.addresses = list(addresses)
@@ -151,7 +154,7 @@ class SchedulerClient:
                 ("grpc.max_reconnect_backoff_ms", reconnect_ms),
             ],
         )
-        traced = telemetry.intercept_channel(self._channel, tracer_provider)  # spans + trace context
+        traced = with_bearer(telemetry.intercept_channel(self._channel, tracer_provider), token)  # spans, context
         self._stub = pb_grpc.SchedulerStub(traced)  # type: ignore[no-untyped-call]
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._down_since: float | None = None  # when the current outage began; None while answered

@@ -55,7 +55,7 @@ def test_bearer_rules_and_secret_files(tmp_path: Path):
     assert check_bearer(frozenset(), None) is None and check_bearer(keys, "Bearer beta") is None
     assert check_bearer(keys, None)[0] == "UNAUTHENTICATED"  # type: ignore[index]
     assert check_bearer(keys, "Basic alpha")[0] == "UNAUTHENTICATED"  # type: ignore[index]
-    assert check_bearer(keys, "Bearer gamma")[0] == "PERMISSION_DENIED"  # type: ignore[index]
+    assert check_bearer(keys, "Bearer gamma")[0] == "UNAUTHENTICATED"  # type: ignore[index]
     (tmp_path / "token").write_text("s3cret\nignored\n")
     assert load_secret(tmp_path / "token", "from-env") == "s3cret" and load_secret(None, "from-env") == "from-env"
     (tmp_path / "empty").write_text("\n")
@@ -74,7 +74,7 @@ def test_a_tls_server_with_keys_serves_the_right_client_only(tmp_path: Path):
     try:
         for key, code in (
             ("k", None),
-            ("wrong", grpc.StatusCode.PERMISSION_DENIED),
+            ("wrong", grpc.StatusCode.UNAUTHENTICATED),
             (None, grpc.StatusCode.UNAUTHENTICATED),
         ):
             with with_bearer(open_channel(f"127.0.0.1:{port}", client), key) as channel:

@@ -4,11 +4,13 @@ that imports generated protobuf code."""
 from __future__ import annotations
 
 from gpu_worker.engine.admission import GenerationInput
+from hybridserve.generation_config import effective_temperature
 from hybridserve.v1 import generation_pb2 as pb
 
 
 def generation_input_from_pb(msg: pb.GenerateRequest) -> GenerationInput:
-    """Copies the request's fields; validation happens in admission (build_request)."""
+    """Copies the request's fields; validation happens in admission (build_request). A temperature below
+    GREEDY_BELOW_TEMPERATURE arrives as 0 (greedy): hybridserve.generation_config says why."""
     kind = msg.WhichOneof("input")
     s = msg.sampling
     return GenerationInput(
@@ -16,7 +18,7 @@ def generation_input_from_pb(msg: pb.GenerateRequest) -> GenerationInput:
         prompt=msg.prompt if kind == "prompt" else None,
         prompt_token_ids=tuple(msg.prompt_token_ids.ids) if kind == "prompt_token_ids" else None,
         max_tokens=s.max_tokens,
-        temperature=s.temperature if s.HasField("temperature") else None,
+        temperature=effective_temperature(s.temperature) if s.HasField("temperature") else None,
         top_k=s.top_k if s.HasField("top_k") else None,
         top_p=s.top_p if s.HasField("top_p") else None,
         seed=s.seed if s.HasField("seed") else None,

@@ -261,7 +261,6 @@ def shared_tier_access(server: WorkerServerSettings, tls: TlsSettings) -> Shared
     worker seals with a random key of its own (warned): no other worker can use its checkpoints."""
     try:
         key = load_secret(server.checkpoint_key_file, secret_from_env(CHECKPOINT_KEY_ENV))
-        token = load_secret(server.cluster_token_file, secret_from_env(CLUSTER_TOKEN_ENV))
     except OSError as exc:
         raise SystemExit(f"worker secrets: {exc}") from None
     if key is not None and len(key.encode()) < MIN_KEY_BYTES:
@@ -271,8 +270,17 @@ def shared_tier_access(server: WorkerServerSettings, tls: TlsSettings) -> Shared
             "no checkpoint key (%s or --checkpoint-key-file): this worker seals shared-tier checkpoints "
             "with a random key of its own, so no other worker can use them", CHECKPOINT_KEY_ENV,
         )  # fmt: skip
-    first_token = token.split(",")[0].strip() if token else None  # rotation: servers accept "new,old"
-    return SharedTierAccess(key.encode() if key else secrets.token_bytes(32), first_token, tls)
+    return SharedTierAccess(key.encode() if key else secrets.token_bytes(32), cluster_token(server), tls)
+
+
+def cluster_token(server: WorkerServerSettings) -> str | None:
+    """The cluster token this worker sends to the scheduler and the cache service (the first of a rotating
+    "new,old" list); None without one."""
+    try:
+        token = load_secret(server.cluster_token_file, secret_from_env(CLUSTER_TOKEN_ENV))
+    except OSError as exc:
+        raise SystemExit(f"worker secrets: {exc}") from None
+    return token.split(",")[0].strip() or None if token else None
 
 
 def api_keys(server: WorkerServerSettings) -> frozenset[str]:
@@ -316,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
         deadline_s=settings.scheduler_deadline_s,
         give_up_after_s=settings.scheduler_give_up_s,
         tls=tls,
+        token=cluster_token(server_settings),
     )
     access = shared_tier_access(server_settings, tls) if settings.cache_address else None
     prefix = build_prefix_cache(runner, settings, server_settings.prefix_caching, access)

@@ -84,32 +84,45 @@ class GenerationServicer:
                 self._num_streams -= 1
 
     def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        """Streams one request. Every way the call can end before the request's last event (a cancel or
+        disconnect, even one before the callback was added; a client found gone; an error; the stream
+        closed) aborts the request, by the request itself: never a later one that reused its id."""
         asked = generation_input_from_pb(request)
         req = build_request(asked, self.engine.runner, self.engine.settings, context.time_remaining())
         self.engine.submit(req)
 
-        def on_rpc_done() -> None:  # cancel / disconnect
-            self.engine.abort(req.request_id)
+        def on_rpc_done() -> None:  # cancel / disconnect / the call ended
+            self.engine.abort_request(req)
 
-        context.add_callback(on_rpc_done)
-        events = req.events
-        while True:
-            try:
-                event = events.get(timeout=POLL_S)
-            except queue.Empty:
-                if not context.is_active():
-                    return
-                continue
-            if event.error is not None:
-                raise event.error
-            behind = take_queued(events, event)
-            if behind:  # the client fell behind: the events queued meanwhile go out as one message
-                event = merge_events(event, behind)
-            yield output_to_pb(req.request_id, event)
-            if event.finish_reason is not None:
+        finished = False
+        try:
+            if not context.add_callback(on_rpc_done):  # the call had already ended: no callback will run
                 return
-            if behind and behind[-1].error is not None:
-                raise behind[-1].error
+            events = req.events
+            while True:
+                try:
+                    event = events.get(timeout=POLL_S)
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    continue
+                if event.error is not None:
+                    finished = True  # the engine ended it
+                    raise event.error
+                behind = take_queued(events, event)
+                if behind:  # the client fell behind: the events queued meanwhile go out as one message
+                    event = merge_events(event, behind)
+                if event.finish_reason is not None:
+                    finished = True
+                yield output_to_pb(req.request_id, event)
+                if finished:
+                    return
+                if behind and behind[-1].error is not None:
+                    finished = True
+                    raise behind[-1].error
+        finally:
+            if not finished:
+                self.engine.abort_request(req)
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         if not self.engine.abort(request.request_id):

@@ -23,7 +23,8 @@ class Door:
         self.max_queue_len = max_queue_len
         self.cond = threading.Condition()
         self.inbox: list[Request] = []  # submitted, not yet taken by the engine thread
-        self.aborts: list[tuple[str, FinishReason]] = []
+        # (id, reason, the request it is for: None = whichever is live under that id when taken)
+        self.aborts: list[tuple[str, FinishReason, Request | None]] = []
         self.live: dict[str, Request] = {}  # submitted and not ended, by id
         self.closed_with: UnavailableError | None = None  # set once the engine loop ended
 
@@ -43,20 +44,25 @@ class Door:
             self.inbox.append(request)
             self.cond.notify_all()
 
-    def abort(self, request_id: str, reason: FinishReason) -> bool:
-        """Asks the engine thread to end a live request; False if it is not live."""
+    def abort(self, request_id: str, reason: FinishReason, only: Request | None = None) -> bool:
+        """Asks the engine thread to end a live request; False if it is not live. With `only`, the
+        live request of that id must be that very one: a call that ended aborts its own request, never
+        a later one that reused the id."""
         with self.cond:
-            if request_id not in self.live:
+            live = self.live.get(request_id)
+            if live is None or (only is not None and live is not only):
                 return False
-            self.aborts.append((request_id, reason))
+            self.aborts.append((request_id, reason, only))
             self.cond.notify_all()
             return True
 
     def take(self) -> tuple[list[Request], list[tuple[str, FinishReason]]]:
-        """(engine thread) What came in since the last call."""
+        """(engine thread) What came in since the last call. An abort for one request whose id is
+        now another's (it ended, and a new request took the id) is dropped."""
         with self.cond:
             new, self.inbox = self.inbox, []
-            aborts, self.aborts = self.aborts, []
+            asked, self.aborts = self.aborts, []
+            aborts = [(rid, reason) for rid, reason, only in asked if only is None or self.live.get(rid) is only]
         return new, aborts
 
     def forget(self, request_ids: list[str]) -> None:

@@ -112,6 +112,10 @@ class Engine:
         """Ends a live request (freeing its pages and slot on the engine thread); False if unknown."""
         return self.door.abort(request_id, reason)
 
+    def abort_request(self, request: Request, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Ends this very request if it is still live (not a later one that reused its id)."""
+        return self.door.abort(request.request_id, reason, only=request)
+
     def is_alive(self) -> bool:
         """Liveness: the engine thread runs its loop (and the model process, when there is one, lives)."""
         return self._thread.is_alive() and self.door.closed_with is None and self.runner.is_alive()

@@ -55,7 +55,7 @@ def calls(stub: cache_pb2_grpc.BlockCacheStub) -> dict[str, object]:
 
 @pytest.mark.parametrize(
     ("token", "code"),
-    [(None, grpc.StatusCode.UNAUTHENTICATED), ("wrong-token", grpc.StatusCode.PERMISSION_DENIED)],
+    [(None, grpc.StatusCode.UNAUTHENTICATED), ("wrong-token", grpc.StatusCode.UNAUTHENTICATED)],
     ids=["anonymous", "wrong-token"],
 )
 def test_calls_without_the_cluster_token_are_refused_and_logged_without_it(guarded, caplog, token, code):

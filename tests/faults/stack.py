@@ -269,3 +269,42 @@ def write_model(folder: Path) -> Path:
 
 def health_status_name(status: int | None) -> str:
     return "error" if status is None else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+GATEWAY_KEYS = ("hostile-key-a", "hostile-key-b")  # the gateway accepts both; a request's creator is one of them
+
+
+def start_gateway(stack: Stack, flags: Sequence[str] = (), timeout_s: float = 60.0) -> tuple[str, str]:
+    """A gateway in front of the stack's worker (its tokenizer from the model, API keys GATEWAY_KEYS, a
+    17 MiB body limit so a 16 MiB body reaches the handlers); (HTTP address, gRPC address) once ready."""
+    import urllib.request
+
+    service = stack.launcher.gateway(
+        [stack.worker_address],
+        flags=["--model", str(stack.model_dir), "--max-body-mb", "17", *flags],
+        env={"HYBRIDSERVE_API_KEYS": ",".join(GATEWAY_KEYS)},
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{service.address}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return service.address, service.grpc_address
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gateway admitted no worker within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def http_health_s(address: str, timeout_s: float = 10.0) -> float:
+    """Seconds one GET /health took on a fresh connection (inf when it failed)."""
+    import urllib.request
+
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout_s) as response:
+            response.read()
+            return time.monotonic() - start if response.status == 200 else float("inf")
+    except OSError:
+        return float("inf")

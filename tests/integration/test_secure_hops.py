@@ -112,7 +112,7 @@ def test_a_client_without_the_stacks_certificate_is_refused(stack, how):
 
 
 @pytest.mark.parametrize(
-    ("key", "code"), [(None, grpc.StatusCode.UNAUTHENTICATED), ("wrong-key", grpc.StatusCode.PERMISSION_DENIED)]
+    ("key", "code"), [(None, grpc.StatusCode.UNAUTHENTICATED), ("wrong-key", grpc.StatusCode.UNAUTHENTICATED)]
 )
 def test_generation_needs_the_api_key_and_health_does_not(stack, key, code):
     with open_client_channel(stack.worker, ClientSecurity(stack.tls(), key)) as channel:

@@ -30,7 +30,8 @@ def test_every_stack_gets_fresh_secrets_each_child_only_its_own(made):
     assert stat.S_IMODE(one.directory.stat().st_mode) == 0o700
     assert set(one.env_for("cache")) == {"HYBRIDSERVE_CLUSTER_TOKEN", "HYBRIDSERVE_CACHE_REDIS_PASSWORD"}
     assert set(one.env_for("worker")) == {"HYBRIDSERVE_CLUSTER_TOKEN", "HYBRIDSERVE_WORKER_CHECKPOINT_KEY"}
-    assert one.env_for("scheduler") == {} and one.env_for("gateway") == {} and one.env_for("redis") == {}
+    assert set(one.env_for("scheduler")) == {"HYBRIDSERVE_CLUSTER_TOKEN"}  # the scheduler takes the cluster token
+    assert one.env_for("gateway") == {} and one.env_for("redis") == {}
     assert one.tls_flags("worker") == [] and one.client_env() == "" and one.client_flags() == ""
 
 
