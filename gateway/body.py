@@ -78,12 +78,21 @@ class BodyParser:
     async def parse(self, raw: bytes, kind: str, limits: TextLimits | None) -> ApiRequest:
         if len(raw) <= SMALL_BODY_BYTES:
             return parse_body(raw, kind, limits)
+        return await self._in_child(parse_body, raw, kind, limits)  # type: ignore[no-any-return]
+
+    async def decode(self, raw: bytes) -> Any:
+        """`decode_json` of any body (the routes that are not generation requests), by the same rule."""
+        if len(raw) <= SMALL_BODY_BYTES:
+            return decode_json(raw)
+        return await self._in_child(decode_json, raw)
+
+    async def _in_child(self, fn: Any, *args: Any) -> Any:
         if self._pool is None:
             context = multiprocessing.get_context("spawn")
             self._pool = ProcessPoolExecutor(PARSE_PROCESSES, mp_context=context)
         pool = self._pool
         try:
-            return await asyncio.get_running_loop().run_in_executor(pool, parse_body, raw, kind, limits)
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
         except BrokenProcessPool:  # a child died (killed, out of memory): the next body gets a fresh pool
             log.error("a body-parsing process died; starting new ones")
             if self._pool is pool:

@@ -11,14 +11,17 @@ template, which holds its own. `model`, when sent, must name the served model.""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from gateway import api_errors
-from gateway.openai_request import _messages
+from gateway.openai_request import _messages, check_text_size
 from gateway.tokens import GatewayTokenizer
 
+T = TypeVar("T")
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
 
 
@@ -45,9 +48,11 @@ def _max_model_len(request: web.Request) -> int:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    from gateway.http_app import read_json  # the one JSON reader (size limit, invalid_json errors)
+    """The JSON object of the body, decoded as generation bodies are (gateway.body: size and depth limits,
+    a large body off the event loop)."""
+    from gateway.http_app import read_body  # (http_app adds these routes)
 
-    body = await read_json(request)
+    body = await request.app["gateway"].bodies.decode(await read_body(request))
     if not isinstance(body, dict):
         raise api_errors.bad_request("the request body must be a JSON object")
     return body
@@ -66,14 +71,17 @@ async def tokenize(request: web.Request) -> web.Response:
         template = request.app["gateway"].chat_template
         if template is None:
             raise api_errors.bad_request("this model has no chat template; tokenize a 'prompt'", "messages")
-        tokens = tokenizer.encode(template.render(_messages(body)), add_special_tokens=False)
+        messages = _messages(body)
+        _check_size(request, [m.content for m in messages], "messages")
+        tokens = await _off_loop(request, lambda: tokenizer.encode(template.render(messages), add_special_tokens=False))
     else:
         prompt = body["prompt"]
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):
             raise api_errors.bad_request("'add_special_tokens' must be true or false", "add_special_tokens")
         if isinstance(prompt, str):
-            tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
+            _check_size(request, [prompt], "prompt")
+            tokens = await _off_loop(request, lambda: tokenizer.encode(prompt, add_special_tokens=add_special))
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             tokens = list(prompt)
         else:
@@ -89,7 +97,23 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise api_errors.bad_request("'tokens' must be a list of token ids", "tokens")
-    return web.json_response({"prompt": _tokenizer(request).decode(tokens)})
+    tokenizer = _tokenizer(request)
+    return web.json_response({"prompt": await _off_loop(request, lambda: tokenizer.decode(tokens))})
+
+
+def _check_size(request: web.Request, texts: list[str], name: str) -> None:
+    """Text longer than the served model could take is refused before it is tokenized, as for generation."""
+    limits = request.app["gateway"].text_limits()
+    if limits is not None:
+        check_text_size(texts, name, limits)
+
+
+async def _off_loop(request: web.Request, work: Callable[[], T]) -> T:
+    """Tokenizer work on the gateway's text threads (inline when it has none)."""
+    executor = request.app["gateway"].text_work
+    if executor is None:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(executor, work)
 
 
 def add_routes(app: web.Application) -> None:

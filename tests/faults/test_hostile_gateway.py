@@ -102,6 +102,17 @@ def test_a_16_mib_body_is_refused_while_health_answers(gateway, name):
             assert "at most" in body["error"]["message"] and "tokens" in body["error"]["message"], body
 
 
+def test_a_16_mib_tokenize_body_is_refused_while_health_answers(gateway):
+    """/tokenize reads its body and sizes its text as the generation routes do."""
+    http, _ = gateway
+    body = json.dumps({"prompt": "t" * (16 << 20)}).encode()
+    answers: list[tuple[int, dict[str, Any]]] = []
+    times = health_while([threading.Thread(target=lambda: answers.append(post(http, "/tokenize", body)))], http)
+    assert max(times) < HEALTH_BOUND_S, times
+    assert [status for status, _ in answers] == [400], answers
+    assert "at most" in answers[0][1]["error"]["message"], answers
+
+
 def test_a_4_mib_grpc_prompt_is_refused_by_size_while_health_answers(gateway):
     http, address = gateway
     channel, stub = gateway_stub(address)

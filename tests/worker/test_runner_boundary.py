@@ -15,7 +15,7 @@ import pytest
 
 from gpu_worker.runner.batch import Batch
 from gpu_worker.runner.model_process import ProcessRunner, build_runner
-from gpu_worker.runner.protocol import Runner
+from gpu_worker.runner.protocol import Pools, Runner
 from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.sampling import SamplingParams, StepSampling
 from gpu_worker.runner.settings import RunnerConfig
@@ -89,6 +89,7 @@ def generate(runner: Runner, names: list[str], steps: int = 5) -> dict[str, tupl
 
 
 def test_seeded_samples_are_the_same_in_every_runner_and_beside_any_mates(runners: dict[str, Runner]) -> None:
+    assert all(isinstance(r, Runner) and isinstance(r.pools, Pools) for r in runners.values())
     names = list(PARAMS)
     expected = generate(runners["here"], names)
     assert len(set(expected["seeded"][0])) > 1, "a temperature of 1 over 100k tokens should vary"
