@@ -7,17 +7,23 @@ listens again and until a new request is served (for the cache service and Redis
 Lookup is answered, so Redis is reached again). Last, 256 streams on the worker with readiness
 checks on the side (4 probers, each every 20 ms, a fresh channel per check as a probe makes it): the
 checks' latency (p50, p99, max) and how many failed or took over a second, and the streams' outcomes.
-Then a gateway in front of the worker: its /health latency (p50, p99, max; target p99 under 100 ms)
+Then kill -9 of the worker's model process, which the worker replaces itself: the same outcomes, the
+seconds until its liveness reads SERVING again and until a new request is served. Then a gateway in
+front of the worker: its /health latency (p50, p99, max; target p99 under 100 ms)
 while 16 MiB request bodies (a text prompt, token ids, nested lists) arrive from two senders.
 
     python bench/bench_faults.py [--streams 64] [--max-tokens 12] [--outage-s 1] [--health-streams 256]
                                  [--health-max-tokens 32] [--big-bodies 12] [--only-gateway-health]
+                                 [--only-model-process]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -29,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,6 +57,8 @@ from tests.faults.stack import (  # noqa: E402
 )
 
 KINDS = ("completed", "clear error", "hung", "wrong output", "unclear error")
+MODEL_PROCESS_LINE = re.compile(r"model process(?:es)? (\d+)[ ,]")  # "... ready" or "... replaced in"
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def fault_round(stack: Stack, name: str, args: argparse.Namespace, reference: list[list[int]]) -> dict[str, object]:
@@ -72,6 +81,33 @@ def fault_round(stack: Stack, name: str, args: argparse.Namespace, reference: li
     )
     codes = Counter(o.code.name for o in outcomes if o.code is not None)
     return {"fault": f"kill -9 {name}", **tally(outcomes), **timings, "codes": dict(codes)}
+
+
+def model_process_round(stack: Stack, args: argparse.Namespace, reference: list[list[int]]) -> dict[str, object]:
+    """kill -9 of the worker's model process under the streams: the worker replaces it itself. Seconds
+    until liveness reads SERVING again, and until a new request is served."""
+    timings: dict[str, float] = {}
+
+    def fault() -> None:
+        stack.wait_progress(2 * args.streams)
+        lines = stack.procs["worker"].lines
+        pids = [int(m.group(1)) for line in lines if (m := MODEL_PROCESS_LINE.search(line))]
+        os.kill(pids[-1], signal.SIGKILL)
+        start = time.monotonic()
+        deadline = start + 120
+        while health_check_s(stack.worker_address, "liveness")[1] == SERVING and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the worker saw it
+        while health_check_s(stack.worker_address, "liveness")[1] != SERVING and time.monotonic() < deadline:
+            time.sleep(0.02)
+        timings["listening"] = time.monotonic() - start
+        served = serves(stack.worker_address, prompts(1, seed=int(start))[0], 4, timeout_s=120) is not None
+        timings["served"] = time.monotonic() - start if served else float("inf")
+
+    outcomes = run_streams(
+        stack.worker_address, PROMPTS[: args.streams], args.max_tokens, args.deadline_s, reference, during=fault
+    )
+    codes = Counter(o.code.name for o in outcomes if o.code is not None)
+    return {"fault": "kill -9 model process", **tally(outcomes), **timings, "codes": dict(codes)}
 
 
 def cache_answers(stack: Stack, timeout_s: float) -> bool:
@@ -183,7 +219,21 @@ def main() -> int:
     parser.add_argument("--health-max-tokens", type=int, default=32)
     parser.add_argument("--big-bodies", type=int, default=12)
     parser.add_argument("--only-gateway-health", action="store_true", help="only the gateway /health row")
+    parser.add_argument("--only-model-process", action="store_true", help="only the model-process kill row")
     args = parser.parse_args()
+    if args.only_model_process:
+        PROMPTS.extend(prompts(args.streams))
+        with tempfile.TemporaryDirectory(prefix="bench-faults-") as folder:
+            stack = Stack(write_model(Path(folder)))
+            try:
+                cold = run_streams(stack.worker_address, PROMPTS, args.max_tokens, args.deadline_s)
+                row = model_process_round(stack, args, [o.tokens for o in cold])
+            finally:
+                stack.stop()
+        print(f"{row['fault']}: " + ", ".join(f"{k} {row.get(k, 0)}" for k in KINDS)
+              + f"; liveness SERVING again after {row['listening']:.2f} s, served after {row['served']:.2f} s;"
+              f" statuses {row['codes'] or '-'}")  # fmt: skip
+        return 0
     if args.only_gateway_health:
         with tempfile.TemporaryDirectory(prefix="bench-faults-") as folder:
             stack = Stack(write_model(Path(folder)))
@@ -200,6 +250,7 @@ def main() -> int:
             assert tally(cold) == {"completed": args.streams}, tally(cold)
             reference = [o.tokens for o in cold]
             rows = [fault_round(stack, name, args, reference) for name in COMPONENTS]
+            rows.append(model_process_round(stack, args, reference))
             latencies, failures, counts = health_under_load(stack, args)
             gateway_row = gateway_health_under_bodies(stack, args)
         finally:
