@@ -14,8 +14,11 @@ work. In this order, each rule only when the ones before it left the plan empty:
 1. drop_prefixes: the latest waiting request holding a hit (the back of the queue, so the head
    keeps what it holds) gives it up: it waits on with no computed tokens, its pinned pages count as
    free, and the step is planned again; repeated while the plan stays empty and hits are left.
-2. fail_never_fits: the head pending prefill (of the running ones, else of the waiting ones) fails
-   with RESOURCE_EXHAUSTED. It can never fit: see `never_fits`.
+   A plan that drops hits fails nothing, even if it plans nothing else: pages that several hits
+   share are counted in none (StepInput.pinned_kv_pages), so only the next step's free pages tell
+   what the drops gave back.
+2. never_fits: with no hit left, the head pending prefill (of the running ones, else of the
+   waiting ones) fails with RESOURCE_EXHAUSTED. It can never fit: see `never_fits`.
 
 Preemption needs no remedy of its own: the planner's stall breaker preempts a running prefill
 whenever that lets the head one advance.
@@ -42,10 +45,10 @@ def is_empty(plan: StepPlan) -> bool:
 def remedy_plan(step: StepInput, empty: StepPlan, plan_once: PlanOnce) -> StepPlan:
     """The plan of a step whose rules planned nothing (`empty`, planned from `step`) although
     requests wait or run: the remedies above, then whatever the step can plan after them."""
-    step, plan, dropped = drop_prefixes(step, empty, plan_once)
-    if not is_empty(plan):
+    if any(r.num_computed_tokens > 0 for r in step.waiting):
+        _, plan, dropped = drop_prefixes(step, empty, plan_once)
         return replace(plan, dropped_prefix_request_ids=dropped)
-    return replace(plan, dropped_prefix_request_ids=dropped, failed_request_ids=(never_fits(step).request_id,))
+    return replace(empty, failed_request_ids=(never_fits(step).request_id,))
 
 
 def drop_prefixes(step: StepInput, plan: StepPlan, plan_once: PlanOnce) -> tuple[StepInput, StepPlan, tuple[str, ...]]:

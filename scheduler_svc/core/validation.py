@@ -50,6 +50,11 @@ def _validate_pinned(step: StepInput) -> None:
         if pinned.request_id in seen:
             raise InvalidArgumentError(f"{where}: listed twice; send one count per waiting request")
         seen.add(pinned.request_id)
+        if request.num_computed_tokens == 0:
+            raise InvalidArgumentError(
+                f"{where}: the request has no prefix-cache hit (num_computed_tokens = 0), so it pins no pages;"
+                " leave it out"
+            )
         held = pages_for_tokens(request.num_computed_tokens, step.config.kv_page_size)
         if not 0 <= pinned.num_kv_pages <= held:
             raise InvalidArgumentError(
