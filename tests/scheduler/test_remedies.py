@@ -8,16 +8,18 @@ from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridserve.errors import InvalidArgumentError
 from scheduler_svc import convert
-from scheduler_svc.core import PinnedPages, RequestState, StepInput, StepPlan, plan_step, rules
+from scheduler_svc.core import PinnedPages, RequestState, SchedulerConfig, StepInput, StepPlan, plan_step, rules
 from scheduler_svc.core.planner import _plan_once
 from scheduler_svc.core.remedies import is_empty
 from scheduler_svc.service import plan_request
 from tests.scheduler.helpers import config, prefill, step
 from tests.scheduler.invariants import after_drops, check_plan
-from tests.scheduler.strategies import pinned_step_inputs, step_inputs
+from tests.scheduler.simulator import Simulation
+from tests.scheduler.strategies import configs, pinned_step_inputs, step_inputs
 
 PROPERTY = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -143,3 +145,40 @@ def test_pinned_pages_that_do_not_match_a_waiting_hit_are_rejected(pinned: tuple
         plan_step(bad)
     with pytest.raises(InvalidArgumentError, match=message):
         plan_request(convert.step_to_pb_columns(bad))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs(max_block=256), st.data())
+def test_hits_that_pin_a_tight_pool_never_stall_a_simulation(config: SchedulerConfig, data: st.DataObject) -> None:
+    """Requests start waiting with hits of whole blocks pinning their pages, in a pool barely
+    larger than the largest request: each plan fed back, no plan is empty, every request finishes,
+    and none fails (each fits the pool alone, so none can be one that never fits)."""
+    sim = Simulation.random(config, data.draw, total_pages=None)
+    page = config.kv_page_size
+    pinned: dict[str, int] = {}
+    for r in sim.requests:  # hits as long as the pool holds them
+        hit = data.draw(st.integers(0, (r.prompt - 1) // config.block_size)) * config.block_size
+        if hit and sum(pinned.values()) + rules.pages_for_tokens(hit, page) <= sim.total_pages:
+            r.computed, pinned[r.request_id] = hit, rules.pages_for_tokens(hit, page)
+    bound = 40 * (sum(r.prompt + r.max_tokens for r in sim.requests) + len(sim.requests))
+    for _ in range(bound):
+        if sim.all_finished():
+            break
+        waiting_ids = {r.request_id for r in sim.waiting}
+        step = StepInput(
+            config, tuple(r.state() for r in sim.running), tuple(r.state() for r in sim.waiting), sim.step_index,
+            sim.total_pages - sim.used_pages() - sum(pinned.values()), None,
+            tuple(PinnedPages(rid, n) for rid, n in pinned.items() if rid in waiting_ids),
+        )  # fmt: skip
+        plan = plan_step(step)
+        check_plan(step, plan)
+        assert not is_empty(plan) and not plan.failed_request_ids, (plan, sim.describe())
+        for rid in plan.dropped_prefix_request_ids:
+            next(r for r in sim.waiting if r.request_id == rid).computed = 0
+            pinned.pop(rid, None)
+        sim.apply(plan)
+        waiting_ids = {r.request_id for r in sim.waiting}
+        for rid in [rid for rid in pinned if rid not in waiting_ids]:  # admitted: its hit's pages are its own now
+            del pinned[rid]
+        sim.step_index += 1
+    assert sim.all_finished(), f"unfinished after {bound} steps; {sim.describe()}"
