@@ -11,6 +11,7 @@ from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import scheduler_pb2 as pb
 from scheduler_svc.core import (
     MambaCacheMode,
+    PinnedPages,
     PlanStats,
     PrefillShareMode,
     RequestState,
@@ -103,6 +104,17 @@ def _fill_share(msg: pb.PlanStepRequest, share: ShareState | None) -> None:
         ))  # fmt: skip
 
 
+def pinned_from_pb(msg: pb.PlanStepRequest) -> tuple[PinnedPages, ...]:
+    """The pages waiting hits pin, as sent (the planner checks them against the waiting requests)."""
+    return tuple([PinnedPages(p.request_id, p.num_kv_pages) for p in msg.pinned_kv_pages])
+
+
+def _fill_pinned(msg: pb.PlanStepRequest, pinned: tuple[PinnedPages, ...]) -> None:
+    add = msg.pinned_kv_pages.add
+    for p in pinned:
+        add(request_id=p.request_id, num_kv_pages=p.num_kv_pages)
+
+
 def state_from_pb(msg: pb.RequestState) -> RequestState:
     # Positional, in RequestState's field order: this runs for every request of every step, and
     # keyword construction costs about 40% more.
@@ -175,6 +187,7 @@ def step_from_pb(msg: pb.PlanStepRequest) -> StepInput:
         step_index=msg.step_index,
         num_free_kv_pages=msg.num_free_kv_pages,
         share=share_from_pb(msg),
+        pinned_kv_pages=pinned_from_pb(msg),
     )
 
 
@@ -183,6 +196,7 @@ def step_to_pb(step: StepInput) -> pb.PlanStepRequest:
         config=config_to_pb(step.config), step_index=step.step_index, num_free_kv_pages=step.num_free_kv_pages
     )
     _fill_share(msg, step.share)
+    _fill_pinned(msg, step.pinned_kv_pages)
     # In place, as plan_to_pb does: this runs for every request of every step.
     for add, states in ((msg.running.add, step.running), (msg.waiting.add, step.waiting)):
         for r in states:
@@ -222,6 +236,7 @@ def step_to_pb_columns(step: StepInput) -> pb.PlanStepRequest:
     _fill_columns(msg.running_columns, step.running)
     _fill_columns(msg.waiting_columns, step.waiting)
     _fill_share(msg, step.share)
+    _fill_pinned(msg, step.pinned_kv_pages)
     return msg
 
 
@@ -232,6 +247,8 @@ def plan_to_pb(plan: StepPlan, columns: bool = False) -> pb.PlanStepResponse:
     msg = pb.PlanStepResponse(
         preempted_request_ids=list(plan.preempted_request_ids),
         quantum=plan.quantum,
+        dropped_prefix_request_ids=list(plan.dropped_prefix_request_ids),
+        failed_request_ids=list(plan.failed_request_ids),
         stats=pb.PlanStats(
             num_decode_tokens=stats.num_decode_tokens,
             num_prefill_tokens=stats.num_prefill_tokens,
@@ -289,4 +306,6 @@ def plan_from_pb(msg: pb.PlanStepResponse) -> StepPlan:
             micro_sliced=stats.micro_sliced,
             num_kv_pages_allocated=stats.num_kv_pages_allocated,
         ),
+        dropped_prefix_request_ids=tuple(msg.dropped_prefix_request_ids),
+        failed_request_ids=tuple(msg.failed_request_ids),
     )

@@ -17,7 +17,11 @@ from scheduler_svc.core.steady import plan_steady_decodes
 def plan_request(request: pb.PlanStepRequest) -> StepPlan:
     """The plan of one PlanStep request: a steady decode step sent as columns is planned from its
     columns (core/steady.py); any other step, or one that path declines, by plan_step."""
-    if request.HasField("config") and request.HasField("running_columns") and not (request.running or request.waiting):
+    if (
+        request.HasField("config")
+        and request.HasField("running_columns")
+        and not (request.running or request.waiting or request.pinned_kv_pages)
+    ):
         plan = plan_steady_decodes(
             convert.config_from_pb(request.config),
             convert.columns_from_pb(request.running_columns),

@@ -124,6 +124,11 @@ class PrefixCache(ABC):
         """KV pages the scheduler may count as free, given `free_pages` free outright."""
 
     @abstractmethod
+    def num_pinned_pages(self, seq: CachedSequence) -> int:
+        """KV pages a waiting sequence's pinned hit holds alone: those giving the hit up
+        (`on_release`) would make reclaimable; 0 without a hit."""
+
+    @abstractmethod
     def make_room(self, num_pages: int) -> None:
         """Evicts unused cached blocks until `num_pages` pages are free (or nothing is left)."""
 
@@ -167,6 +172,9 @@ class NoPrefixCache(PrefixCache):
 
     def num_free_pages(self, free_pages: int, enough: int) -> int:
         return free_pages
+
+    def num_pinned_pages(self, seq: CachedSequence) -> int:
+        return 0
 
     def make_room(self, num_pages: int) -> None:
         pass

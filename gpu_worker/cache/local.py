@@ -129,6 +129,12 @@ class LocalPrefixCache:
             1 for e in self._entries.values() if e.pins == 0 for p in e.page_ids if self.kv_pool.ref_count(p) == 1
         )
 
+    def pinned_alone(self, hit: Hit) -> int:
+        """Pages of a pinned hit that releasing it would make reclaimable: its entries are pinned by
+        no one else and no request shares the pages (the entry's reference and the hit's)."""
+        ref_count = self.kv_pool.ref_count
+        return sum(1 for e in hit.entries if e.pins == 1 for p in e.page_ids if ref_count(p) == 2)
+
     def evict_for_pages(self, num_pages: int) -> None:
         """Evicts LRU unpinned entries until num_pages pages are free (or nothing is left)."""
         for entry in list(self._entries.values()):

@@ -243,6 +243,11 @@ class PrefixCacheManager(PrefixCache):
         can take): then the count cannot change the plan."""
         return free_pages if free_pages >= enough else free_pages + self.local.reclaimable_pages()
 
+    def num_pinned_pages(self, seq: CachedSequence) -> int:
+        """The pages of the sequence's pinned hit that only it and the cache hold."""
+        hit = self._hits.get(seq.request_id)
+        return self.local.pinned_alone(hit) if hit is not None else 0
+
     def make_room(self, num_pages: int) -> None:
         """Evicts unpinned cached blocks, least recently used first."""
         self.local.evict_for_pages(num_pages)

@@ -7,10 +7,13 @@ released (finished, preempted, aborted or failed). Only the engine thread calls 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from gpu_worker.cache.interface import CacheLookup, PendingCheckpoint, PrefixCache
 from gpu_worker.engine.records import Occupancy
 from gpu_worker.engine.request import Request
 from gpu_worker.runner.protocol import KVPagePool, MambaStatePool
+from scheduler_svc.core import PinnedPages
 
 
 class Allocator:
@@ -61,6 +64,12 @@ class Allocator:
         self.release(request)
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0  # usage: none of its prompt is served from the cache now
+
+    def pinned_pages(self, waiting: Iterable[Request]) -> tuple[PinnedPages, ...]:
+        """What the waiting requests' prefix-cache hits pin, for the scheduler (StepInput.pinned_kv_pages):
+        one entry per hit that holds pages no other request holds."""
+        count = self.prefix.num_pinned_pages
+        return tuple([PinnedPages(r.request_id, n) for r in waiting if r.page_ids and (n := count(r))])
 
     def num_free_pages(self, enough: int) -> int:
         """Free KV pages as the scheduler should count them: cached blocks nobody uses are free

@@ -34,8 +34,8 @@ from gpu_worker.engine.allocator import Allocator
 from gpu_worker.engine.door import Door
 from gpu_worker.engine.observer import EngineObserver, finished_record, queued_record, served_slices
 from gpu_worker.engine.output import Ending, OutputProcessor
-from gpu_worker.engine.planning import PlanFn, Planned, Planning, Remedy, ShareAccountant, stall_remedy
-from gpu_worker.engine.prepare import PreparedStep, preempt, prepare_step
+from gpu_worker.engine.planning import PlanFn, Planned, Planning, ShareAccountant
+from gpu_worker.engine.prepare import PreparedStep, prepare_step
 from gpu_worker.engine.records import EngineCounters, FirstToken, Occupancy, StepRecord
 from gpu_worker.engine.request import FinishReason, Request
 from gpu_worker.engine.settings import EngineSettings
@@ -178,14 +178,15 @@ class Engine:
         planned = self._await_plan(pending)  # 1. plan
         if planned is None:
             return None
-        stalled = not planned.plan.slices and not planned.plan.preempted_request_ids
-        if stalled and pending is not None:
+        plan = planned.plan
+        stalled = not plan.slices  # nothing to run: the plan only reclaims (remedies, preemptions)
+        if (stalled or plan.dropped_prefix_request_ids) and pending is not None:
             return None  # planned ahead from a predicted state: plan again from the real one
         waited_s = time.monotonic() - started
         step_index, self.step_index = self.step_index, self.step_index + 1
-        if stalled:  # the plan is empty: reclaim something, so that the next plan differs
-            preempted, endings = self._unstall()
-            self._emit(step_index, planned, PreparedStep((), preempted), False, waited_s, started)
+        if stalled:  # apply what it reclaims, so that the next plan differs
+            prepared, endings = self._unstall(plan)
+            self._emit(step_index, planned, prepared, False, waited_s, started)
             self._end(endings)
             return None
         prepared = self._prepare(planned.plan)  # 2. prepare (allocate)
@@ -244,6 +245,7 @@ class Engine:
             step_index=self.step_index,
             num_free_kv_pages=self.allocator.num_free_pages(self._most_pages_per_step),
             share=self.share.state,
+            pinned_kv_pages=self.allocator.pinned_pages(self.table.waiting.values()) if waiting else (),
         )
 
     # ---- 2. prepare ------------------------------------------------------------------------------
@@ -251,25 +253,28 @@ class Engine:
         """The plan's rows, with its preemptions, admissions and pages (gpu_worker.engine.prepare)."""
         return prepare_step(plan, self.table, self.allocator, self.settings.scheduler.block_size, self._enqueue)
 
-    def _unstall(self) -> tuple[tuple[str, ...], list[Ending]]:
-        """Applies one remedy for an empty plan (gpu_worker/engine/planning.py); returns the
-        preempted request ids and the endings."""
-        remedy = stall_remedy(list(self.table.waiting.values()), list(self.table.running.values()))
-        log.warning("a step planned nothing; remedy: %s %s", remedy.remedy.value, remedy.request_id)
-        if remedy.remedy is Remedy.DROP_PREFIX:
-            self.allocator.drop_prefix(self.table.waiting[remedy.request_id])
-            return (), []
-        if remedy.remedy is Remedy.PREEMPT:
-            preempted = preempt(self.table, self.allocator, remedy.request_id)
-            if preempted is not None:
-                self._enqueue(preempted)
-            return ((remedy.request_id,) if preempted is not None else ()), []
-        request = self._remove(remedy.request_id)
-        error = ResourceExhaustedError(
-            f"request {remedy.request_id} cannot be scheduled: its tokens do not fit in the free KV pages;"
-            " lower max_tokens or shorten the prompt"
-        )
-        return (), ([self.outputs.failed(request, error)] if request is not None else [])
+    def _unstall(self, plan: StepPlan) -> tuple[PreparedStep, list[Ending]]:
+        """Applies a plan without slices: its dropped prefix hits and preemptions (prepare), then the
+        requests it fails because they can never fit (scheduler_svc/core/remedies.py). Returns the
+        step as prepared (no rows) and the endings. The planner returns no empty plan while requests
+        wait or run; should one come anyway, the loop waits a moment rather than spin on it."""
+        prepared = self._prepare(plan)
+        endings: list[Ending] = []
+        for request_id in plan.failed_request_ids:
+            request = self._remove(request_id)
+            if request is None:
+                continue
+            log.warning("request %s can never fit in the KV pool; failing it, as planned", request_id)
+            error = ResourceExhaustedError(
+                f"request {request_id} cannot be scheduled: its tokens do not fit in the KV pages this worker"
+                " has; lower max_tokens or shorten the prompt"
+            )
+            endings.append(self.outputs.failed(request, error))
+        if not (plan.preempted_request_ids or plan.dropped_prefix_request_ids or plan.failed_request_ids):
+            log.error("step %d: the scheduler planned nothing for %d live requests", self.step_index,
+                      self.table.num_running + self.table.num_waiting)  # fmt: skip
+            self.door.wait(self.settings.idle_wait_s)
+        return prepared, endings
 
     # ---- 3. execute, 4. apply -------------------------------------------------------------------
     def _execute(self, prepared: PreparedStep) -> StepOutput | HybridServeError | None:

@@ -1,7 +1,8 @@
 """Step 2 of the engine loop: a plan turned into runner input, the rows of the batch and what each
-row means (`PreparedStep`, `Row`), with the preemptions, admissions and page allocations it asks
-for. The engine thread alone calls it; the table moves requests between queues, the allocator gives
-and takes pages and slots."""
+row means (`PreparedStep`, `Row`), with the dropped prefix hits, preemptions, admissions and page
+allocations it asks for. It applies what the plan decided and decides nothing: the planner already
+counted the pages each of these frees or takes. The engine thread alone calls it; the table moves
+requests between queues, the allocator gives and takes pages and slots."""
 
 from __future__ import annotations
 
@@ -95,11 +96,14 @@ log = logging.getLogger("hybridserve.engine")
 def prepare_step(
     plan: StepPlan, table: RequestTable, allocator: Allocator, block_size: int, enqueue: Callable[[Request], None]
 ) -> PreparedStep:
-    """Preempts, admits and allocates what the plan asks; a slice whose request ended since it was
-    planned (async scheduling) or that found no pages is skipped. Preempted requests are queued again
-    (`enqueue`) only after the step's pages are taken: queueing attaches a request's cached prefix,
-    which would pin again the pages its preemption freed for this step's plan. `block_size` is the
-    prefix cache's checkpoint grid."""
+    """Drops the prefix hits, preempts, admits and allocates what the plan asks, in that order (the
+    drops' pages are unused cache before anything allocates); a slice whose request ended since it
+    was planned (async scheduling) or that found no pages is skipped. Preempted requests are queued
+    again (`enqueue`) only after the step's pages are taken: queueing attaches a request's cached
+    prefix, which would pin again the pages its preemption freed for this step's plan. `block_size`
+    is the prefix cache's checkpoint grid. The plan's failures are the engine's to apply."""
+    for rid in plan.dropped_prefix_request_ids:
+        drop_prefix(table, allocator, rid)
     requeue = [r for rid in plan.preempted_request_ids if (r := preempt(table, allocator, rid)) is not None]
     rows: list[Row] = []
     running, page_size = table.running, allocator.kv_pool.page_size_tokens
@@ -136,6 +140,15 @@ def admit(table: RequestTable, allocator: Allocator, request_id: str) -> Request
         allocator.assign_slot(request)
         table.add_running(request)
     return request
+
+
+def drop_prefix(table: RequestTable, allocator: Allocator, request_id: str) -> None:
+    """A waiting request gives up its prefix-cache hit and stays waiting, to compute its whole
+    prompt; nothing happens if it is not waiting any more (it ended since the plan was made)."""
+    request = table.waiting.get(request_id)
+    if request is not None:
+        log.info("dropping the prefix-cache hit of waiting request %s, as planned", request_id)
+        allocator.drop_prefix(request)
 
 
 def preempt(table: RequestTable, allocator: Allocator, request_id: str) -> Request | None:

@@ -113,8 +113,16 @@ class RequestStateColumns(_message.Message):
     arrival_time: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, request_id: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class PinnedPages(_message.Message):
+    __slots__ = ("request_id", "num_kv_pages")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_kv_pages: int
+    def __init__(self, request_id: _Optional[str] = ..., num_kv_pages: _Optional[int] = ...) -> None: ...
+
 class PlanStepRequest(_message.Message):
-    __slots__ = ("config", "running", "waiting", "step_index", "num_free_kv_pages", "running_columns", "waiting_columns", "share")
+    __slots__ = ("config", "running", "waiting", "step_index", "num_free_kv_pages", "running_columns", "waiting_columns", "share", "pinned_kv_pages")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +131,7 @@ class PlanStepRequest(_message.Message):
     RUNNING_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     WAITING_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     config: SchedulerConfig
     running: _containers.RepeatedCompositeFieldContainer[RequestState]
     waiting: _containers.RepeatedCompositeFieldContainer[RequestState]
@@ -131,7 +140,8 @@ class PlanStepRequest(_message.Message):
     running_columns: RequestStateColumns
     waiting_columns: RequestStateColumns
     share: ShareState
-    def __init__(self, config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., running: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., step_index: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., running_columns: _Optional[_Union[RequestStateColumns, _Mapping]] = ..., waiting_columns: _Optional[_Union[RequestStateColumns, _Mapping]] = ..., share: _Optional[_Union[ShareState, _Mapping]] = ...) -> None: ...
+    pinned_kv_pages: _containers.RepeatedCompositeFieldContainer[PinnedPages]
+    def __init__(self, config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., running: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., step_index: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., running_columns: _Optional[_Union[RequestStateColumns, _Mapping]] = ..., waiting_columns: _Optional[_Union[RequestStateColumns, _Mapping]] = ..., share: _Optional[_Union[ShareState, _Mapping]] = ..., pinned_kv_pages: _Optional[_Iterable[_Union[PinnedPages, _Mapping]]] = ...) -> None: ...
 
 class Slice(_message.Message):
     __slots__ = ("request_id", "num_tokens", "is_prefill", "ends_on_checkpoint")
@@ -176,18 +186,22 @@ class PlanStats(_message.Message):
     def __init__(self, num_decode_tokens: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., prefill_budget_tokens: _Optional[int] = ..., num_pending_prefills: _Optional[int] = ..., stalled: _Optional[bool] = ..., micro_sliced: _Optional[bool] = ..., num_kv_pages_allocated: _Optional[int] = ...) -> None: ...
 
 class PlanStepResponse(_message.Message):
-    __slots__ = ("slices", "preempted_request_ids", "quantum", "stats", "slice_columns")
+    __slots__ = ("slices", "preempted_request_ids", "quantum", "stats", "slice_columns", "dropped_prefix_request_ids", "failed_request_ids")
     SLICES_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     QUANTUM_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     SLICE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_PREFIX_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     slices: _containers.RepeatedCompositeFieldContainer[Slice]
     preempted_request_ids: _containers.RepeatedScalarFieldContainer[str]
     quantum: int
     stats: PlanStats
     slice_columns: SliceColumns
-    def __init__(self, slices: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., quantum: _Optional[int] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., slice_columns: _Optional[_Union[SliceColumns, _Mapping]] = ...) -> None: ...
+    dropped_prefix_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    failed_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, slices: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., quantum: _Optional[int] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., slice_columns: _Optional[_Union[SliceColumns, _Mapping]] = ..., dropped_prefix_request_ids: _Optional[_Iterable[str]] = ..., failed_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ValidateConfigResponse(_message.Message):
     __slots__ = ("quantum", "sub_block_exception", "warnings")

@@ -5,10 +5,11 @@ from scheduler_svc.core.config import MambaCacheMode, SchedulerConfig
 from scheduler_svc.core.plan import PlanStats, Slice, StepPlan
 from scheduler_svc.core.planner import plan_step
 from scheduler_svc.core.share import PrefillShareMode, ShareState
-from scheduler_svc.core.state import RequestState, StepInput
+from scheduler_svc.core.state import PinnedPages, RequestState, StepInput
 
 __all__ = [
     "MambaCacheMode",
+    "PinnedPages",
     "PlanStats",
     "PrefillShareMode",
     "RequestState",

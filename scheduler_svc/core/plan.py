@@ -34,3 +34,7 @@ class StepPlan:
     preempted_request_ids: tuple[str, ...]  # running requests to free, in preemption order
     quantum: int  # allocation unit of micro-slicing, tokens
     stats: PlanStats
+    # Remedies, set only where the plan would otherwise be empty although requests wait or run
+    # (core/remedies.py). The worker applies them before anything else of the plan.
+    dropped_prefix_request_ids: tuple[str, ...] = ()  # waiting requests that give up their prefix hit
+    failed_request_ids: tuple[str, ...] = ()  # requests that can never fit; only in a plan without slices

@@ -22,6 +22,10 @@ Algorithm (docs/design.md, Planning rules):
    of the sliced budget left), within max_num_seqs, and not in a step that preempted.
 5. Stall breaker: if running prefills are pending and none could start for lack of pages that other
    running prefills hold, the latest of those is preempted and the prefills are planned again.
+6. Remedies: a plan that would still be empty while requests wait or run says what gives way
+   instead (core/remedies.py): waiting requests' prefix-cache hits are dropped, from the back of
+   the queue, until the step plans something; else the head pending prefill, which can never fit,
+   fails. Steps 1-5 never read the pinned pages, so every plan they make is as it was without them.
 
 In long-prompts-only mode with no prompt longer than the budget, every plan is plain chunked
 prefill's.
@@ -36,6 +40,7 @@ from operator import attrgetter
 from scheduler_svc.core import rules
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.plan import PlanStats, Slice, StepPlan
+from scheduler_svc.core.remedies import remedy_plan
 from scheduler_svc.core.share import mixed_prefill_cap
 from scheduler_svc.core.state import RequestState, StepInput
 from scheduler_svc.core.validation import validate_step
@@ -65,6 +70,14 @@ class _Grant:
 def plan_step(step: StepInput) -> StepPlan:
     """Returns the plan of one step. Raises InvalidArgumentError on inconsistent input."""
     validate_step(step)
+    plan = _plan_once(step)
+    if plan.slices or plan.preempted_request_ids or not (step.running or step.waiting):
+        return plan
+    return remedy_plan(step, plan, _plan_once)
+
+
+def _plan_once(step: StepInput) -> StepPlan:
+    """Steps 1-5 of the algorithm on a valid input."""
     config = step.config
     quantum = config.quantum
     running = sorted(step.running, key=_QUEUE_ORDER)  # stable: worker order breaks ties

@@ -38,6 +38,16 @@ class RequestState(NamedTuple):
         return (self.priority, self.arrival_time)
 
 
+class PinnedPages(NamedTuple):
+    """The KV pages a waiting request's prefix-cache hit pins: they are neither free nor reclaimable
+    while it waits, and giving the hit up (the request then computes its whole prompt) would make
+    them reclaimable. Pages another request holds too are not counted: giving this hit up frees
+    none of them."""
+
+    request_id: str  # a waiting request with num_computed_tokens > 0 (its hit)
+    num_kv_pages: int  # pages, at most those of its computed tokens
+
+
 @dataclass(frozen=True, slots=True)
 class StepInput:
     config: SchedulerConfig
@@ -46,3 +56,4 @@ class StepInput:
     step_index: int  # engine step counter; rotates micro-slice remainders
     num_free_kv_pages: int  # pages free in the worker's pool now
     share: ShareState | None = None  # the prefill compute share's accounting (config.prefill_share_mode on)
+    pinned_kv_pages: tuple[PinnedPages, ...] = ()  # waiting hits' pinned pages; a hit not listed pins none

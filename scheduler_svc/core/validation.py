@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from hybridserve.errors import InvalidArgumentError
+from scheduler_svc.core.rules import pages_for_tokens
 from scheduler_svc.core.state import RequestState, StepInput
 
 
@@ -21,6 +22,8 @@ def validate_step(step: StepInput) -> None:
         raise InvalidArgumentError(
             f"{len(step.running)} running requests exceed config.max_num_seqs = {config.max_num_seqs}"
         )
+    if step.pinned_kv_pages:
+        _validate_pinned(step)
     ids = [r.request_id for r in step.running] + [r.request_id for r in step.waiting]
     unique = len(set(ids)) == len(ids)
     if unique and all(map(_is_running_ok, step.running)) and all(map(_is_waiting_ok, step.waiting)):
@@ -31,6 +34,33 @@ def validate_step(step: StepInput) -> None:
             if not _is_consistent(request, queue == "waiting") or request.request_id in seen:
                 _explain(request, f"{queue}[{index}]", queue == "waiting", seen)
             seen.add(request.request_id)
+
+
+def _validate_pinned(step: StepInput) -> None:
+    """Each pinned count belongs to a distinct waiting request with a hit and fits its computed tokens."""
+    waiting = {r.request_id: r for r in step.waiting}
+    seen: set[str] = set()
+    for index, pinned in enumerate(step.pinned_kv_pages):
+        where = f"pinned_kv_pages[{index}] (request_id {pinned.request_id!r})"
+        request = waiting.get(pinned.request_id)
+        if request is None:
+            raise InvalidArgumentError(
+                f"{where}: no waiting request has this id; only a waiting request's prefix-cache hit pins pages"
+            )
+        if pinned.request_id in seen:
+            raise InvalidArgumentError(f"{where}: listed twice; send one count per waiting request")
+        seen.add(pinned.request_id)
+        if request.num_computed_tokens == 0:
+            raise InvalidArgumentError(
+                f"{where}: the request has no prefix-cache hit (num_computed_tokens = 0), so it pins no pages;"
+                " leave it out"
+            )
+        held = pages_for_tokens(request.num_computed_tokens, step.config.kv_page_size)
+        if not 0 <= pinned.num_kv_pages <= held:
+            raise InvalidArgumentError(
+                f"{where}: num_kv_pages = {pinned.num_kv_pages} must be >= 0 and at most the {held} pages of its"
+                f" {request.num_computed_tokens} computed tokens (its hit)"
+            )
 
 
 def _is_consistent(r: RequestState, is_waiting: bool) -> bool:

@@ -3,8 +3,9 @@ the pure planner, a real tiny model and real pools, the local prefix-cache tier 
 
 Two prefixes are cached, filling all but one page of the pool. Two requests that extend them are
 queued in the same step, so each pins its prefix's pages while it waits, and neither can be admitted
-with the one free page. The engine must make room (give up the later request's hit) rather than plan
-empty steps until the deadlines pass."""
+with the one free page. The step input tells the planner which pages those hits pin, so its plan
+gives up the later request's hit and admits the head request in the same step: no step plans
+nothing, and the engine only applies what the plan says."""
 
 from __future__ import annotations
 
@@ -108,5 +109,10 @@ def test_waiting_hits_that_pin_the_pool_are_given_up_instead_of_stalling(engine,
         assert [t for e in events for t in e.token_ids] == hf_greedy(hf_model, prompt, 4)
     assert results[0][-1].cached_tokens == 2 * BLOCK, "the head request kept its cached prefix"
     empty = [r.step_index for r in steps.records if not r.plan.slices and not r.plan.preempted_request_ids]
-    assert len(empty) == 1, f"{len(empty)} steps of {len(steps.records)} planned nothing: the engine spun"
+    assert not empty, f"{len(empty)} steps of {len(steps.records)} planned nothing"
+    drops = [r for r in steps.records if r.plan.dropped_prefix_request_ids]
+    assert [r.plan.dropped_prefix_request_ids for r in drops] == [("late-1",)], "only the later hit is given up"
+    pinned = {p.request_id: p.num_kv_pages for p in drops[0].step_input.pinned_kv_pages}
+    assert pinned == {"late-0": 2 * BLOCK // PAGE, "late-1": 2 * BLOCK // PAGE}
+    assert "late-0" in {s.request_id for s in drops[0].plan.slices}, "the head is admitted in the same step"
     assert kv_pool.num_free_pages + engine.prefix.local.reclaimable_pages() == NUM_PAGES

@@ -3,7 +3,7 @@ from the planner's code: they recompute caps from the request states and the rul
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler_svc.core import RequestState, Slice, StepInput, StepPlan, rules
 from scheduler_svc.core.share import mixed_prefill_cap
@@ -93,7 +93,56 @@ def facts_of(step: StepInput, plan: StepPlan) -> Facts:
     )
 
 
+def after_drops(step: StepInput, dropped: tuple[str, ...]) -> StepInput:
+    """The step as the plan sees it once its dropped hits are given up: those waiting requests have
+    nothing computed, and the pages they pinned are free."""
+    pinned = {p.request_id: p.num_kv_pages for p in step.pinned_kv_pages}
+    gone = set(dropped)
+    return replace(
+        step,
+        waiting=tuple(r._replace(num_computed_tokens=0) if r.request_id in gone else r for r in step.waiting),
+        num_free_kv_pages=step.num_free_kv_pages + sum(pinned.get(rid, 0) for rid in gone),
+        pinned_kv_pages=tuple(p for p in step.pinned_kv_pages if p.request_id not in gone),
+    )
+
+
+def pages_short(step: StepInput, r: RequestState) -> int:
+    """Pages r's smallest useful chunk lacks beyond the free pages and every page the other running
+    requests hold (> 0: it can never fit in this pool)."""
+    cfg = step.config
+    need = rules.new_pages_needed(r.num_computed_tokens, smallest_useful_chunk(r, step), cfg.kv_page_size)
+    others = sum(
+        rules.pages_for_tokens(o.num_computed_tokens, cfg.kv_page_size)
+        for o in step.running
+        if o.request_id != r.request_id
+    )
+    return need - step.num_free_kv_pages - others
+
+
+def check_remedies(step: StepInput, plan: StepPlan) -> StepInput:
+    """9. Remedies: live work never gets an empty plan. Dropped hits are waiting requests' hits, each
+    the back of the queue among the hits not dropped before it; a failed request is the only
+    change of its plan, made only when no waiting request holds a hit, and it can never fit. Returns the step after the
+    drops, which the plan is a plan of."""
+    if step.running or step.waiting:
+        assert plan.slices or plan.preempted_request_ids or plan.dropped_prefix_request_ids or plan.failed_request_ids
+    hits = [r for r in step.waiting if r.num_computed_tokens > 0]
+    left = {r.request_id: r for r in hits}
+    for rid in plan.dropped_prefix_request_ids:
+        victim = left.pop(rid)  # a hit, dropped once
+        assert all(victim.queue_key >= r.queue_key for r in left.values()), ("not the latest hit", rid, plan)
+    after = after_drops(step, plan.dropped_prefix_request_ids)
+    if plan.failed_request_ids:
+        assert len(plan.failed_request_ids) == 1 and not plan.slices and not plan.preempted_request_ids
+        assert not hits, "a plan fails nothing while a waiting request holds a hit"
+        by_id = {r.request_id: r for r in after.running + after.waiting}
+        failed = by_id[plan.failed_request_ids[0]]
+        assert failed.is_prefill and pages_short(after, failed) > 0, ("fails but could fit", failed, plan)
+    return after
+
+
 def check_plan(step: StepInput, plan: StepPlan) -> None:
+    step = check_remedies(step, plan)  # 9
     f = facts_of(step, plan)
     check_shape(f)
     check_limits(f)  # 1

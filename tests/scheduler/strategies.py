@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import strategies as st
 
-from scheduler_svc.core import MambaCacheMode, PrefillShareMode, RequestState, SchedulerConfig, ShareState, StepInput
+from scheduler_svc.core import (
+    MambaCacheMode,
+    PinnedPages,
+    PrefillShareMode,
+    RequestState,
+    SchedulerConfig,
+    ShareState,
+    StepInput,
+    rules,
+)
 
 
 @st.composite
@@ -27,8 +38,6 @@ def configs(draw: st.DrawFn, max_block: int = 512) -> SchedulerConfig:
         micro_slice_long_prompts_only=draw(st.booleans()),
     )
     micro = draw(st.one_of(st.just(0), st.integers(1, 6).map(lambda k: k * base.quantum)))
-    from dataclasses import replace
-
     share_mode = draw(st.sampled_from(list(PrefillShareMode)))
     if share_mode != PrefillShareMode.OFF:  # the share counts every prefill token
         base = replace(base, prefill_share_mode=share_mode, micro_slice_long_prompts_only=False,
@@ -75,3 +84,18 @@ def step_inputs(draw: st.DrawFn) -> StepInput:
         num_free_kv_pages=draw(st.one_of(st.integers(0, 64), st.integers(0, 5000))),
         share=draw(share_states()) if config.has_prefill_share and draw(st.booleans()) else None,
     )
+
+
+@st.composite
+def pinned_step_inputs(draw: st.DrawFn) -> StepInput:
+    """Step inputs whose waiting hits pin pages (any count up to the hit's pages, or none listed),
+    often with few pages free: the inputs where nothing may progress but by a remedy."""
+    step = draw(step_inputs())
+    page = step.config.kv_page_size
+    pinned = tuple(
+        PinnedPages(r.request_id, draw(st.integers(0, rules.pages_for_tokens(r.num_computed_tokens, page))))
+        for r in step.waiting
+        if r.num_computed_tokens > 0 and draw(st.booleans())
+    )
+    free = draw(st.one_of(st.just(step.num_free_kv_pages), st.integers(0, 8)))
+    return replace(step, pinned_kv_pages=pinned, num_free_kv_pages=free)

@@ -1,5 +1,6 @@
-"""The eight planning guarantees (docs/design.md) as properties over random configs and request sets, one step at a
-time and over multi-step simulations that feed every plan back into the state."""
+"""The planning guarantees (docs/design.md; with pinned pages also in test_remedies.py) as properties over random
+configs and request sets, one step at a time and over multi-step simulations that feed every plan back into the
+state."""
 
 from __future__ import annotations
 

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import scheduler_pb2 as pb
 from scheduler_svc import convert
-from scheduler_svc.core import RequestState, StepInput, plan_step
+from scheduler_svc.core import PinnedPages, RequestState, StepInput, plan_step
 from scheduler_svc.core.steady import StateColumns, plan_steady_decodes
 from scheduler_svc.service import plan_request
 from tests.scheduler.helpers import config
-from tests.scheduler.strategies import configs, step_inputs
+from tests.scheduler.strategies import configs, pinned_step_inputs, step_inputs
 
 
 def columns_of(states: tuple[RequestState, ...]) -> StateColumns:
@@ -92,6 +92,25 @@ def test_it_declines_prefills_waiting_requests_and_short_pages() -> None:
         "d0",
         "d1",
     ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(pinned_step_inputs(), decode_steps()))
+def test_steps_with_pinned_pages_are_planned_alike_on_both_paths(step: StepInput) -> None:
+    """Pinned pages belong to waiting requests, so the steady path never takes such a step; the
+    servicer's columns dispatch plans it as plan_step does, remedies included."""
+    if step.pinned_kv_pages:
+        assert steady(step) is None
+    sent = pb.PlanStepRequest.FromString(convert.step_to_pb_columns(step).SerializeToString())
+    assert plan_request(sent) == plan_step(step) == plan_request(convert.step_to_pb(step))
+
+
+def test_a_steady_step_with_pinned_pages_is_rejected_as_plan_step_rejects_it() -> None:
+    step = StepInput(config(), (RequestState("d0", 10, 10, 1, 20, 0, 0.0),), (), 0, 100, None, (PinnedPages("d0", 1),))
+    with pytest.raises(InvalidArgumentError, match="no waiting request has this id"):
+        plan_step(step)
+    with pytest.raises(InvalidArgumentError, match="no waiting request has this id"):
+        plan_request(convert.step_to_pb_columns(step))
 
 
 @pytest.mark.parametrize(

@@ -293,23 +293,46 @@ def test_no_scheduler_fails_every_live_request(start_engine):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_a_planner_stuck_on_empty_plans_never_spins_the_engine(start_engine, async_scheduling):
-    """A scheduler that plans nothing from step 2 on: the engine takes one remedy per empty plan
-    (preempt the running request, then fail it when nothing holds a page) instead of looping."""
-
-    def stuck(step_input: StepInput) -> StepPlan:
-        plan = plan_step(step_input)
-        return plan if step_input.step_index < 2 else replace(plan, slices=(), preempted_request_ids=())
-
-    engine, runner, log = start_engine(FakeRunner(num_pages=64), plan=stuck, async_scheduling=async_scheduling)
-    r = request("r", 20, 10)
+def test_a_request_that_can_never_fit_fails_as_the_plan_says(start_engine, async_scheduling):
+    """A prompt longer than the whole KV pool: its first chunk fits, the next never will. The plan
+    says to fail it (scheduler_svc/core/remedies.py) and the engine applies that; a later request is
+    served as usual."""
+    engine, runner, log = start_engine(FakeRunner(num_pages=4), async_scheduling=async_scheduling)
+    r = request("r", 10 * PAGE, 10)  # 10 pages of prompt in a pool of 4
     engine.submit(r)
     error = stream(r)[-1].error
     assert isinstance(error, ResourceExhaustedError) and "cannot be scheduled" in str(error)
-    empty = [s for s in log.steps if not s.plan.slices and not s.plan.preempted_request_ids]
-    assert len(empty) == 2 and empty[0].preempted_request_ids == ("r",), "preempted, then failed"
+    failing = [s for s in log.steps if s.plan.failed_request_ids]
+    assert [s.plan.failed_request_ids for s in failing] == [("r",)]
+    assert not failing[0].plan.slices and not failing[0].served
+    assert not [s for s in log.steps if not s.plan.slices and not s.plan.failed_request_ids], "no empty plan"
     assert log.finished["r"].reason is FinishReason.ERROR
+    later = request("later", 6, 3)
+    engine.submit(later)
+    assert tokens_of(stream(later)) == expected_tokens(3)
     assert_drained(log, runner)
+
+
+def test_an_empty_plan_with_live_requests_does_not_spin_the_engine(start_engine):
+    """The planner never returns one; should a scheduler do so anyway, the engine decides nothing
+    in its place: it waits a moment before it plans again, and the request stays live (abortable)."""
+    calls = 0
+
+    def stuck(step_input: StepInput) -> StepPlan:
+        nonlocal calls
+        calls += 1
+        plan = plan_step(step_input)
+        return plan if step_input.step_index < 2 else replace(plan, slices=(), preempted_request_ids=())
+
+    engine, runner, log = start_engine(FakeRunner(num_pages=64), plan=stuck, async_scheduling=False)
+    r = request("r", 20, 10)
+    engine.submit(r)
+    time.sleep(0.5)
+    assert calls <= 2 + 0.5 / engine.settings.idle_wait_s + 2, f"{calls} plans in 0.5 s: the engine spun"
+    assert engine.abort("r")
+    assert stream(r)[-1].finish_reason is FinishReason.ABORT  # freed before its last event goes out
+    assert runner.kv_pool.num_free_pages == runner.kv_pool.num_pages
+    assert runner.state_pool.num_free_slots == runner.state_pool.num_slots
 
 
 class OutboxWatcher(FakeRunner):
