@@ -11,7 +11,7 @@ from gpu_worker.runner.sampling import SamplingParams
 def make(rid: str) -> Request:
     return Request(
         request_id=rid, prompt_token_ids=[5, 6], params=GenerationParams(SamplingParams(), 4),
-        arrival_time=0.0, deadline=None, stop_checker=StopChecker(None, ()), generator=None,
+        arrival_time=0.0, deadline=None, stop_checker=StopChecker(None, ()),
     )  # fmt: skip
 
 
