@@ -32,7 +32,7 @@ from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from gpu_worker.runner.input_builder import build_inputs
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.memory import MemorySplit, PoolShape, size_pools
-from gpu_worker.runner.profile import activation_bytes, device_memory, weights_bytes
+from gpu_worker.runner.profile import activation_budget, bound_step_memory, device_memory, weights_bytes
 from gpu_worker.runner.shared_memory import Allocator
 from gpu_worker.runner.state_pool import MambaStatePool, state_shapes
 from gpu_worker.runner.tuning import StepThreads, set_cpu_threads
@@ -68,6 +68,7 @@ class RunnerConfig:
     memory_budget_bytes: int = 0
     gpu_memory_utilization: float = 0.9  # on CUDA: the fraction of the device's memory this worker may use
     max_num_batched_tokens: int = 2048  # the largest step (tokens), profiled for the activation budget
+    max_model_len: int = 0  # the longest context a step attends over (activation budget); 0 = max_position_embeddings
     kv_page_size_tokens: int = 16  # tokens per KV page
     max_num_seqs: int = 32  # live Mamba state slots = most requests running at once
     num_checkpoint_slots: int = 64  # Mamba state checkpoints kept on the worker (one per cached block)
@@ -164,18 +165,18 @@ class PoolPlan:
             kv_bytes, config.kv_page_size_tokens, state_bytes, config.max_num_seqs, config.num_checkpoint_slots,
             config.checkpoint_memory_bytes,
         )  # fmt: skip
-        activations, how = activation_bytes(
-            loaded, config.max_num_batched_tokens, config.kv_page_size_tokens, config.max_num_seqs
+        activations = activation_budget(
+            loaded, config.max_num_batched_tokens, config.kv_page_size_tokens, config.max_num_seqs, config.max_model_len
         )
         budget, source = config.memory_budget_bytes, "--memory-budget-mb"
         if not budget and loaded.device.type != "cuda":
             budget, source = CPU_MEMORY_BUDGET_BYTES, f"the CPU default {CPU_MEMORY_BUDGET_BYTES >> 20} MiB"
         memory = size_pools(
-            shape, weights_bytes=weights_bytes(loaded.model), activation_bytes=activations,
+            shape, weights_bytes=weights_bytes(loaded.model), activation_bytes=activations.total_bytes,
             device=device_memory(loaded.device), utilization=config.gpu_memory_utilization, budget_bytes=budget,
             budget_source=source,
         )  # fmt: skip
-        memory = replace(memory, activation_source=how)
+        memory = activations.annotate(memory)
         config = replace(config, num_checkpoint_slots=memory.num_checkpoint_slots)
         return cls(loaded, config, kv_bytes, state_bytes, memory)
 
@@ -254,6 +255,7 @@ class ModelRunner(RunnerFacts):
         self.state_bytes_per_request = plan.state_bytes_per_request
         self.memory = plan.memory
         self.kv_pool, self.state_pool = pools if pools is not None else plan.build(alloc)
+        self.step_memory = bound_step_memory(self.model, self.memory, self.device)  # gpu_worker.runner.profile
         self._kv_caches = self.kv_pool.layer_caches()
         self._states = self.state_pool.layer_states()
         self._graphs_s = 0.0  # the CUDA graph capture's seconds
