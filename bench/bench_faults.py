@@ -231,14 +231,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as folder:
         if "memory" in sections:
             lengths = [int(n) for n in args.memory_prompts.split(",")]
-            rows = memory_rows(Path(folder), lengths)
+            lines = memory_rows(Path(folder), lengths)
             print("\nstep memory: one prompt on a fresh worker (after a 3,000-token one); per model process VmRSS MiB")
             print(f"{'tokens':>8}{'seconds':>9}{'budget MiB':>12}  before/peak/after")
-            print("\n".join(rows))
+            print("\n".join(lines))
         if "soak" in sections:
-            rows, slopes, outcomes = soak(Path(folder), args.soak_requests)
+            lines, slopes, outcomes = soak(Path(folder), args.soak_requests)
             print(f"\nsoak: {args.soak_requests} mixed requests, 4 clients; VmRSS MiB (RssAnon + RssShmem)")
-            print("\n".join(rows))
+            print("\n".join(lines))
             print("private memory slope after 1,000 requests, MiB per 1,000: "
                   + ", ".join(f"{name} {slope:+.2f}" for name, slope in slopes.items()))  # fmt: skip
             print("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
