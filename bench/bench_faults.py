@@ -203,6 +203,7 @@ def soak(folder: Path, count: int, clients: int = 4) -> tuple[list[str], dict[st
                     rows.append(f"{done[0]:>8}  " + "  ".join(
                         f"{name} {m['VmRSS']:.1f} ({m['RssAnon']:.1f} + {m['RssShmem']:.1f})" for name, m in mem.items()
                     ))  # fmt: skip
+                    print(rows[-1], flush=True)  # as it goes: a long soak cut short still shows its samples
                     next_sample += 500
                     if next_sample > count:
                         break
@@ -236,9 +237,8 @@ def main() -> int:
             print(f"{'tokens':>8}{'seconds':>9}{'budget MiB':>12}  before/peak/after")
             print("\n".join(lines))
         if "soak" in sections:
-            lines, slopes, outcomes = soak(Path(folder), args.soak_requests)
-            print(f"\nsoak: {args.soak_requests} mixed requests, 4 clients; VmRSS MiB (RssAnon + RssShmem)")
-            print("\n".join(lines))
+            print(f"\nsoak: {args.soak_requests} mixed requests, 4 clients; VmRSS MiB (RssAnon + RssShmem)", flush=True)
+            _, slopes, outcomes = soak(Path(folder), args.soak_requests)
             print("private memory slope after 1,000 requests, MiB per 1,000: "
                   + ", ".join(f"{name} {slope:+.2f}" for name, slope in slopes.items()))  # fmt: skip
             print("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
