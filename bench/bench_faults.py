@@ -12,9 +12,17 @@ seconds until its liveness reads SERVING again and until a new request is served
 front of the worker: its /health latency (p50, p99, max; target p99 under 100 ms)
 while 16 MiB request bodies (a text prompt, token ids, nested lists) arrive from two senders.
 
+Step memory (tests/robustness/step_memory.py): for each of --memory-prompts, a fresh worker (model
+processes on, --max-model-len the prompt) serves one prompt of that many tokens after a 3,000-token one;
+each model process's resident memory before it, at its peak (sampled every 50 ms) and after, against the
+activation budget. Soak: --soak-requests mixed requests (4 clients) on one worker; the worker's and its
+model processes' resident memory (private RssAnon and shared-pool RssShmem) sampled every 500 requests,
+and the slope after the first 1,000, MiB per 1,000 requests.
+
     python bench/bench_faults.py [--streams 64] [--max-tokens 12] [--outage-s 1] [--health-streams 256]
                                  [--health-max-tokens 32] [--big-bodies 12] [--only-gateway-health]
-                                 [--only-model-process]
+                                 [--only-model-process] [--sections faults,memory,soak]
+                                 [--memory-prompts 2000,8000,32000,60000] [--soak-requests 10000]
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from grpc_health.v1 import health_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hybridserve.children import free_port  # noqa: E402
 from hybridserve.stats import percentile  # noqa: E402
 from hybridserve.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from tests.faults.stack import (  # noqa: E402
@@ -54,6 +63,19 @@ from tests.faults.stack import (  # noqa: E402
     start_gateway,
     tally,
     write_model,
+)
+from tests.gateway.conftest import SPEC as SOAK_SPEC  # noqa: E402
+from tests.procs import ServerProcess  # noqa: E402
+from tests.robustness.procs import worker  # noqa: E402
+from tests.robustness.step_memory import (  # noqa: E402
+    LONG_PROMPT_FLAGS,
+    PeakSampler,
+    memory_mb,
+    mixed_request,
+    model_process_pids,
+    slope_mb_per_1000,
+    token_request,
+    write_long_prompt_model,
 )
 
 KINDS = ("completed", "clear error", "hung", "wrong output", "unclear error")
@@ -209,6 +231,81 @@ def print_gateway_health(latencies: list[float], statuses: Counter[int], args: a
 PROMPTS: list[list[int]] = []
 
 
+def memory_rows(folder: Path, lengths: list[int]) -> list[str]:
+    """One row per prompt length: each model process's VmRSS before, at its peak, after (MiB)."""
+    model = write_long_prompt_model(folder)
+    rows = []
+    with ServerProcess(["scheduler", "--port", str(free_port())]) as scheduler:
+        for length in lengths:
+            client = worker(model, scheduler.address, *LONG_PROMPT_FLAGS, "--max-model-len", str(max(length, 3000) + 8))
+            try:
+                pids = model_process_pids(client)
+                list(client.stub.Generate(token_request(3000, 2), timeout=600))
+                before = {pid: memory_mb(pid)["VmRSS"] for pid in pids}
+                started = time.monotonic()
+                with PeakSampler(pids) as sampler:
+                    list(client.stub.Generate(token_request(length, 2, seed=1), timeout=3600))
+                took = time.monotonic() - started
+                after = {pid: memory_mb(pid)["VmRSS"] for pid in pids}
+                budget = client.info().activation_budget_bytes / (1 << 20)
+                cells = "  ".join(f"{before[p]:.0f}/{sampler.peak_mb[p]:.0f}/{after[p]:.0f}" for p in pids)
+                rows.append(f"{length:>8}{took:>9.1f}{budget:>12.1f}  {cells}")
+            finally:
+                client.close()
+    return rows
+
+
+def soak(folder: Path, count: int, clients: int = 4) -> tuple[list[str], dict[str, float], Counter[str]]:
+    """`count` mixed requests from `clients` threads on one worker; (sample rows, slopes, outcomes)."""
+    from hybridserve_cli.init_model import write_random_checkpoint
+
+    model = write_random_checkpoint(folder / "soak", SOAK_SPEC, seed=3)
+    rows: list[str] = []
+    samples: dict[str, list[tuple[int, float]]] = {}
+    outcomes: Counter[str] = Counter()
+    with ServerProcess(["scheduler", "--port", str(free_port())]) as scheduler:
+        client = worker(model, scheduler.address, "--memory-budget-mb", "64", "--max-num-seqs", "8")
+        try:
+            pids = {"worker": client.process.pid}
+            pids |= {f"model {i}": pid for i, pid in enumerate(model_process_pids(client))}
+            lock, done = threading.Lock(), [0]
+
+            def run(first: int) -> None:
+                for i in range(first, count, clients):
+                    try:
+                        list(client.stub.Generate(mixed_request(i), timeout=120))
+                        kind = "ok"
+                    except grpc.RpcError as exc:
+                        kind = exc.code().name
+                    with lock:
+                        outcomes[kind] += 1
+                        done[0] += 1
+
+            threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+            for t in threads:
+                t.start()
+            next_sample = 0
+            while any(t.is_alive() for t in threads) or next_sample <= done[0]:
+                if done[0] >= next_sample:
+                    mem = {name: memory_mb(pid) for name, pid in pids.items()}
+                    for name, m in mem.items():
+                        samples.setdefault(name, []).append((done[0], m["RssAnon"]))
+                    rows.append(f"{done[0]:>8}  " + "  ".join(
+                        f"{name} {m['VmRSS']:.1f} ({m['RssAnon']:.1f} + {m['RssShmem']:.1f})" for name, m in mem.items()
+                    ))  # fmt: skip
+                    print(rows[-1], flush=True)  # as it goes: a long soak cut short still shows its samples
+                    next_sample += 500
+                    if next_sample > count:
+                        break
+                time.sleep(0.05)
+            for t in threads:
+                t.join()
+        finally:
+            client.close()
+    slopes = {name: slope_mb_per_1000([s for s in points if s[0] >= 1000]) for name, points in samples.items()}
+    return rows, slopes, outcomes
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=64)
@@ -220,6 +317,9 @@ def main() -> int:
     parser.add_argument("--big-bodies", type=int, default=12)
     parser.add_argument("--only-gateway-health", action="store_true", help="only the gateway /health row")
     parser.add_argument("--only-model-process", action="store_true", help="only the model-process kill row")
+    parser.add_argument("--sections", default="faults,memory,soak", help="which parts to run, comma separated")
+    parser.add_argument("--memory-prompts", default="2000,8000,32000,60000", help="prompt lengths, tokens")
+    parser.add_argument("--soak-requests", type=int, default=10_000)
     args = parser.parse_args()
     if args.only_model_process:
         PROMPTS.extend(prompts(args.streams))
@@ -241,6 +341,22 @@ def main() -> int:
                 print_gateway_health(*gateway_health_under_bodies(stack, args), args)
             finally:
                 stack.stop()
+        return 0
+    sections = set(args.sections.split(","))
+    with tempfile.TemporaryDirectory(prefix="bench-faults-") as folder:
+        if "memory" in sections:
+            lengths = [int(n) for n in args.memory_prompts.split(",")]
+            lines = memory_rows(Path(folder), lengths)
+            print("\nstep memory: one prompt on a fresh worker (after a 3,000-token one); per model process VmRSS MiB")
+            print(f"{'tokens':>8}{'seconds':>9}{'budget MiB':>12}  before/peak/after")
+            print("\n".join(lines))
+        if "soak" in sections:
+            print(f"\nsoak: {args.soak_requests} mixed requests, 4 clients; VmRSS MiB (RssAnon + RssShmem)", flush=True)
+            _, slopes, outcomes = soak(Path(folder), args.soak_requests)
+            print("private memory slope after 1,000 requests, MiB per 1,000: "
+                  + ", ".join(f"{name} {slope:+.2f}" for name, slope in slopes.items()))  # fmt: skip
+            print("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
+    if "faults" not in sections:
         return 0
     PROMPTS.extend(prompts(args.streams))
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as folder:

@@ -19,7 +19,9 @@ from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
 from gpu_worker.runner.checkpoint_io import MIN_KEY_BYTES
+from gpu_worker.runner.memory import check_host_memory
 from gpu_worker.runner.model_process import build_runner
+from gpu_worker.runner.profile import host_memory_bytes
 from gpu_worker.runner.protocol import Runner
 from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.step_split import prefill_chunk_cap
@@ -318,6 +320,9 @@ def run(args: argparse.Namespace) -> int:
     runner = refuse_on_invalid(build_runner, source.path, settings.runner)
     log.info("model %s loaded from %s: %s", source.served_name, source.path, runner.describe())
     log.info("%s", runner.memory.describe())
+    if runner.device.type == "cpu":  # weights, pools and each model process's activation budget fit the host
+        processes = int(runner.describe().get("model_processes", 1))
+        refuse_on_invalid(check_host_memory, runner.memory, processes, host_memory_bytes())
     settings = with_chunk_cap(settings, args, runner)
     client = SchedulerClient(
         settings.scheduler_addresses,

@@ -171,6 +171,7 @@ class GenerationServicer:
             num_checkpoint_slots=memory.num_checkpoint_slots,
             weights_bytes=memory.weights_bytes,
             activation_budget_bytes=memory.activation_bytes,
+            **memory.activation_info(),
             memory_source=memory.source,
             device_memory_bytes=memory.device_total_bytes,
             decode_compile=str(runner.describe().get("decode_compile", "off")),

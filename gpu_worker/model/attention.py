@@ -3,7 +3,13 @@
 Each layer owns a K and a V tensor of flat token slots [num_pages * kv_page_size, kv_heads, head_dim].
 A forward first writes the chunk's K/V into its slots, then attends over the whole context [0, start+len)
 gathered through the page table. Query heads are grouped by their KV head ([kv_heads, group * L, d]) so
-K/V are never repeated."""
+K/V are never repeated.
+
+Step memory: what a prefill chunk's attention holds grows with its context (the gathered K/V, the scores
+of a query block over every key). `workspace_bytes` bounds it (gpu_worker.runner.profile sets it from the
+activation budget at start-up): a chunk whose untiled attention would hold more runs in key tiles merged
+by log-sum-exp (gpu_worker.model.backends.cpu.tiled_attention), and so does a decode row whose context
+is longer than one tile; the math path's [group * L, context] mask and scores go by query tiles instead."""
 
 from __future__ import annotations
 
@@ -21,12 +27,21 @@ from gpu_worker.model.backends.cpu.decode_attention import (
     plan_decode_attention,
     split_decode_attention,
 )
+from gpu_worker.model.backends.cpu.tiled_attention import (
+    key_tile_tokens,
+    slot_key_values,
+    tiled_attention,
+    untiled_bytes,
+)
 from gpu_worker.model.config import BambaConfig
 from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.layers import apply_rope
 
 if TYPE_CHECKING:
     from gpu_worker.model.backends.cuda.ops import TritonOps
+
+
+DEFAULT_WORKSPACE_BYTES = 256 << 20  # a model used outside a runner (tests, tools)
 
 
 class PagedAttention(nn.Module):
@@ -37,6 +52,9 @@ class PagedAttention(nn.Module):
     # decode sequences with at least this many context tokens attend one by one, on their own pages
     decode_long_context_tokens = LONG_CONTEXT_TOKENS
     decode_group_bytes = DECODE_GROUP_BYTES  # short rows' padded K/V gather above this: attended in groups
+    # the most bytes one call's context-scaled temporaries may hold (K/V gathers, scores); the runner sets
+    # it from the activation budget (gpu_worker.runner.profile.bound_step_memory)
+    workspace_bytes = DEFAULT_WORKSPACE_BYTES
 
     def __init__(self, config: BambaConfig) -> None:
         super().__init__()
@@ -94,7 +112,8 @@ class PagedAttention(nn.Module):
             table, mask, ps = ctx.decode_page_table, ctx.decode_kv_mask, ctx.kv_page_size_tokens
             out = batched_decode_attention(qg, table, mask, k_cache, v_cache, ps, self.scale)  # [b, kvh, g, d]
         else:
-            out = split_decode_attention(qg, plan, ctx, k_cache, v_cache, self.scale)
+            tile = self._key_tile(1, k_cache)
+            out = split_decode_attention(qg, plan, ctx, k_cache, v_cache, self.scale, tile)
         return out.reshape(b, self.num_heads * self.head_dim)
 
     def _prefill(
@@ -103,12 +122,26 @@ class PagedAttention(nn.Module):
         """q [L, heads, d] -> [L, heads * d]; causal over [0, start_pos + L)."""
         L, start = span.num_tokens, span.start_pos
         if can_use_flash(q):
+            es = k_cache.element_size()
+            if untiled_bytes(L, start + L, self.num_heads, self.num_kv_heads, self.head_dim, es) > self.workspace_bytes:
+                keys = slot_key_values(k_cache, v_cache, span.kv_slots)
+                out = tiled_attention(q, keys, start, self.scale, self._key_tile(L, k_cache))
+                return out.reshape(L, self.num_heads * self.head_dim)
             k_ctx, v_ctx = k_cache[span.kv_slots], v_cache[span.kv_slots]  # [ctx, kvh, d]
             return chunk_attention(q, k_ctx, v_ctx, start, self.scale).reshape(L, self.num_heads * self.head_dim)
-        qg = q.view(L, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)  # [kvh, g, L, d]
-        qg = qg.reshape(self.num_kv_heads, self.group * L, self.head_dim)
         k = k_cache[span.kv_slots].transpose(0, 1)  # [kvh, ctx, d]
         v = v_cache[span.kv_slots].transpose(0, 1)
+        rows = self._query_tile(L, start + L)
+        outs = [self._prefill_math(q[r : r + rows], start + r, k, v) for r in range(0, L, rows)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _prefill_math(self, q: torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [L, heads, d] at positions [start, start + L) over k/v [kvh, >= start + L, d] -> [L, heads * d]:
+        SDPA with a dense mask (the path off CPU's flash kernel; L is a query tile)."""
+        L = q.shape[0]
+        k, v = k[:, : start + L], v[:, : start + L]
+        qg = q.view(L, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)  # [kvh, g, L, d]
+        qg = qg.reshape(self.num_kv_heads, self.group * L, self.head_dim)
         if start == 0 and self.group == 1:
             out = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=self.scale)
         else:
@@ -118,3 +151,14 @@ class PagedAttention(nn.Module):
             out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         out = out.view(self.num_kv_heads, self.group, L, self.head_dim).permute(2, 0, 1, 3)
         return out.reshape(L, self.num_heads * self.head_dim)
+
+    def _key_tile(self, num_queries: int, k_cache: torch.Tensor) -> int:
+        """Keys per tile of a tiled call of `num_queries` queries within `workspace_bytes`."""
+        es = k_cache.element_size()
+        return key_tile_tokens(self.workspace_bytes, num_queries, self.num_heads, self.num_kv_heads, self.head_dim, es)
+
+    def _query_tile(self, num_queries: int, num_keys: int) -> int:
+        """Queries per call of the math path: its mask (bool) and scores and probabilities (float32) of
+        [heads, rows, keys] within `workspace_bytes` (at least one row)."""
+        per_row = self.num_heads * num_keys * (1 + 2 * 4)
+        return max(1, min(num_queries, self.workspace_bytes // per_row))

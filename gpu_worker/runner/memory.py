@@ -20,6 +20,7 @@ attention layers gets PAGES_WITHOUT_ATTENTION pages of 0 bytes (page ids still c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hybridserve.errors import InvalidArgumentError
 
@@ -64,16 +65,52 @@ class MemorySplit:
     checkpoint_pool_bytes: int
     device_total_bytes: int = 0  # the device's memory when sized from it; 0 for an explicit budget
     activation_source: str = ""  # how the activation budget was found ("profiled: ...", "estimated ...")
+    attention_workspace_bytes: int = 0  # the part of it one attention call's context-scaled temporaries may hold
+    attention_key_tile_tokens: int = 0  # keys per tile of a longest chunk's attention past the workspace
+    activation_context_tokens: int = 0  # the longest context the activation budget was sized for
 
     def describe(self) -> str:
         """One log line: the source, then each pool's count and size."""
         how = f", {self.activation_source}" if self.activation_source else ""
+        if self.attention_workspace_bytes:
+            how += (
+                f"; attention workspace {size_text(self.attention_workspace_bytes)}, key tiles of"
+                f" {self.attention_key_tile_tokens} tokens past it"
+            )
         return (
             f"memory {size_text(self.budget_bytes)} for the pools ({self.source}; weights"
             f" {size_text(self.weights_bytes)}, activations {size_text(self.activation_bytes)}{how}):"
             f" KV {self.num_kv_pages} pages {size_text(self.kv_pool_bytes)}, state {self.num_state_slots} slots"
             f" {size_text(self.state_pool_bytes)}, checkpoints {self.num_checkpoint_slots}"
             f" {size_text(self.checkpoint_pool_bytes)}"
+        )
+
+    def activation_info(self) -> dict[str, Any]:
+        """The activation budget's GetInfo fields (GetInfoResponse, generation.proto): ints and a string."""
+        return {
+            "activation_budget_source": self.activation_source,
+            "attention_workspace_bytes": self.attention_workspace_bytes,
+            "attention_key_tile_tokens": self.attention_key_tile_tokens,
+            "activation_context_tokens": self.activation_context_tokens,
+        }
+
+
+def check_host_memory(memory: MemorySplit, num_model_processes: int, host_bytes: int) -> None:
+    """Refuses (InvalidArgumentError, with the figures) a CPU worker whose weights, pools and activation
+    budgets (one per model process: each runs its own steps; the weights and pools are shared) exceed the
+    host's memory `host_bytes` (0 = unknown: no check). The activation budget holds a chunk at the end of
+    the longest context, so a --max-model-len the memory cannot serve ends here."""
+    if host_bytes <= 0:
+        return
+    activations = max(1, num_model_processes) * memory.activation_bytes
+    need = memory.weights_bytes + memory.budget_bytes + activations
+    if need > host_bytes:
+        raise InvalidArgumentError(
+            f"this worker needs {size_text(need)} and the host has {size_text(host_bytes)}: weights"
+            f" {size_text(memory.weights_bytes)}, pools {size_text(memory.budget_bytes)} ({memory.source}),"
+            f" activations {size_text(activations)} ({max(1, num_model_processes)} x"
+            f" {size_text(memory.activation_bytes)}, {memory.activation_source}); lower --memory-budget-mb,"
+            " --max-num-batched-tokens or --max-model-len, or run fewer --model-processes"
         )
 
 
@@ -95,7 +132,7 @@ def device_budget(
         raise InvalidArgumentError(
             f"the weights ({weights_bytes / GIB:.2f} GiB) plus the activation budget ({activation_bytes / GIB:.2f}"
             f" GiB) exceed {source} ({usable / GIB:.2f} GiB); raise --gpu-memory-utilization, lower"
-            " --max-num-batched-tokens, or use a device with more memory"
+            " --max-num-batched-tokens or --max-model-len, or use a device with more memory"
         )
     other = max(0, device.total_bytes - device.free_bytes - weights_bytes)
     budget = usable - weights_bytes - activation_bytes - other

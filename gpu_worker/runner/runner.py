@@ -32,7 +32,7 @@ from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from gpu_worker.runner.input_builder import build_inputs
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.memory import MemorySplit, PoolShape, size_pools
-from gpu_worker.runner.profile import activation_bytes, device_memory, weights_bytes
+from gpu_worker.runner.profile import activation_budget, bound_step_memory, device_memory, weights_bytes
 from gpu_worker.runner.protocol import LogitsRunner, PoolSet
 from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.shared_memory import Allocator
@@ -83,18 +83,18 @@ class PoolPlan:
             kv_bytes, config.kv_page_size_tokens, state_bytes, config.max_num_seqs, config.num_checkpoint_slots,
             config.checkpoint_memory_bytes,
         )  # fmt: skip
-        activations, how = activation_bytes(
-            loaded, config.max_num_batched_tokens, config.kv_page_size_tokens, config.max_num_seqs
+        activations = activation_budget(
+            loaded, config.max_num_batched_tokens, config.kv_page_size_tokens, config.max_num_seqs, config.max_model_len
         )
         budget, source = config.memory_budget_bytes, "--memory-budget-mb"
         if not budget and loaded.device.type != "cuda":
             budget, source = CPU_MEMORY_BUDGET_BYTES, f"the CPU default {CPU_MEMORY_BUDGET_BYTES >> 20} MiB"
         memory = size_pools(
-            shape, weights_bytes=weights_bytes(loaded.model), activation_bytes=activations,
+            shape, weights_bytes=weights_bytes(loaded.model), activation_bytes=activations.total_bytes,
             device=device_memory(loaded.device), utilization=config.gpu_memory_utilization, budget_bytes=budget,
             budget_source=source,
         )  # fmt: skip
-        memory = replace(memory, activation_source=how)
+        memory = activations.annotate(memory)
         config = replace(config, num_checkpoint_slots=memory.num_checkpoint_slots)
         return cls(loaded, config, kv_bytes, state_bytes, memory)
 
@@ -194,6 +194,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
                 self._warming.start()
         plan = PoolPlan.of(loaded, config)
         self._set_plan(plan, pools if pools is not None else plan.build(alloc))
+        self.step_memory = bound_step_memory(self.model, self.memory, self.device)  # gpu_worker.runner.profile
         self._kv_caches = self.kv_pool.layer_caches()
         self._states = self.state_pool.layer_states()
         self._graphs_s = 0.0  # the CUDA graph capture's seconds

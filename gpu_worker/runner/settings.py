@@ -19,6 +19,7 @@ class RunnerConfig:
     memory_budget_bytes: int = 0
     gpu_memory_utilization: float = 0.9  # on CUDA: the fraction of the device's memory this worker may use
     max_num_batched_tokens: int = 2048  # the largest step (tokens), profiled for the activation budget
+    max_model_len: int = 0  # the longest context a step attends over (activation budget); 0 = max_position_embeddings
     kv_page_size_tokens: int = 16  # tokens per KV page
     max_num_seqs: int = 32  # live Mamba state slots = most requests running at once
     num_checkpoint_slots: int = 64  # Mamba state checkpoints kept on the worker (one per cached block)

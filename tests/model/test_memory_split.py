@@ -160,3 +160,33 @@ def test_on_cuda_the_pools_take_the_utilised_device_memory(tmp_path):
     assert memory.activation_source.startswith("profiled") and memory.activation_bytes > 0
     assert memory.budget_bytes <= 0.3 * total - memory.weights_bytes - memory.activation_bytes
     assert runner.kv_pool.num_pages == memory.num_kv_pages and free > 0.6 * total  # the rest left free
+
+
+def test_a_host_that_cannot_hold_the_budgets_is_refused_with_the_figures(tmp_path):
+    from gpu_worker.runner.memory import check_host_memory
+
+    spec = ModelSpec(hidden_size=64, num_hidden_layers=2, attn_layer_indices=(1,))
+    path = write_random_checkpoint(tmp_path / "m", spec, seed=1)
+    memory = ModelRunner.from_model_dir(path, RunnerConfig(device="cpu", memory_budget_bytes=8 << 20,
+                                                           max_model_len=60_000)).memory  # fmt: skip
+    assert memory.activation_context_tokens == 60_000 and memory.attention_workspace_bytes > 0
+    assert memory.activation_source.startswith("estimated from the shapes: a chunk of 2048 tokens at the end of 60000")
+    need = memory.weights_bytes + memory.budget_bytes + 2 * memory.activation_bytes
+    check_host_memory(memory, 2, need)  # exactly enough
+    with pytest.raises(InvalidArgumentError, match=r"this worker needs .* activations .* \(2 x"):
+        check_host_memory(memory, 2, need - 1)
+
+
+def test_freed_memory_beyond_the_budget_goes_back_after_a_step():
+    from gpu_worker.runner.tuning import StepMemoryTrim, anonymous_resident_bytes, keep_freed_memory
+
+    assert keep_freed_memory()  # as a worker runs: freed blocks stay in the heap
+    trim = StepMemoryTrim(keep_bytes=8 << 20)
+    assert not trim.after_step()  # the first check sets the line
+    held = [bytearray(1 << 20) for _ in range(64)]  # 64 MiB touched, then freed: in the heap, resident
+    del held
+    grown = anonymous_resident_bytes()
+    assert grown - (trim.line or 0) > 32 << 20
+    assert trim.after_step() and trim.num_trims == 1
+    assert anonymous_resident_bytes() < grown - (32 << 20)
+    assert not trim.after_step()  # nothing more above the line

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.model.backends.cpu.tiled_attention import page_key_values, tiled_attention
 from gpu_worker.model.context import ForwardContext
 
 # Fewest context tokens a sequence needs to get its own SDPA call (the crossover above: one call
@@ -131,9 +132,10 @@ def batched_decode_attention(
 
 def split_decode_attention(
     qg: torch.Tensor, plan: DecodeAttentionPlan, ctx: ForwardContext, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, scale: float,
+    v_cache: torch.Tensor, scale: float, key_tile: int = 1 << 62,
 ) -> torch.Tensor:  # fmt: skip
-    """qg [b, kvh, g, d] -> [b, kvh, g, d]: the short rows batched by group, each long row on its own."""
+    """qg [b, kvh, g, d] -> [b, kvh, g, d]: the short rows batched by group, each long row on its own; a row
+    of more than `key_tile` context tokens in key tiles (gpu_worker.model.backends.cpu.tiled_attention)."""
     _, kvh, _, d = qg.shape
     ps = ctx.kv_page_size_tokens
     out = torch.empty_like(qg)
@@ -143,6 +145,12 @@ def split_decode_attention(
         )
         out.index_copy_(0, group.rows, short)
     for row, length, first_slot in plan.long_rows:
+        if length > key_tile:
+            pages = ctx.decode_page_table[row]
+            keys = page_key_values(k_cache, v_cache, pages, ps, first_slot)
+            q_row = qg[row].reshape(1, -1, d)  # [1, heads, d] at position length - 1
+            out[row] = tiled_attention(q_row, keys, length - 1, scale, key_tile).view(kvh, -1, d)
+            continue
         if first_slot is not None:  # consecutive pages: the cache rows themselves
             k, v = k_cache[first_slot : first_slot + length], v_cache[first_slot : first_slot + length]
         else:
