@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_worker.runner.batch import Batch, SequenceChunk
-from gpu_worker.runner.sampling import SamplingParams, StepSampling, TopLogprobs
+from gpu_worker.runner.batch import Batch, ForwardOutput, SequenceChunk
+from gpu_worker.runner.sampling import EMPTY_OUTPUT, SamplingParams, StepOutput, StepSampling, TopLogprobs
 from gpu_worker.runner.shared_memory import Allocator
 from gpu_worker.runner.warmup import WarmupTimes
 from hybridserve.errors import InvalidArgumentError
@@ -209,3 +209,42 @@ class TableReader:
         if cached is None or cached[0] != version:
             cached = self._params[slot] = (version, self.tables.read_params(slot))
         return cached[1]
+
+
+# ---- replies into the runner's output --------------------------------------------------------------
+def step_output(done: StepDone) -> StepOutput:
+    return StepOutput(done.token_ids, done.logprobs, done.top_logprobs)
+
+
+def step_logits(done: StepDone) -> ForwardOutput:
+    assert done.logits is not None
+    all_logits = None if done.all_logits is None else tuple(torch.from_numpy(a) for a in done.all_logits)
+    return ForwardOutput(logits=torch.from_numpy(done.logits), all_logits=all_logits)
+
+
+def joined_output(parts: list[list[int]], done: list[StepDone], sampling: StepSampling) -> StepOutput:
+    """The parts' tokens in `sampling.rows` order (each part's are its yielding rows, ascending)."""
+    if not sampling.rows:
+        return EMPTY_OUTPUT
+    yielding = set(sampling.rows)
+    where: dict[int, tuple[StepDone, int]] = {}
+    for part, d in zip(parts, done, strict=True):
+        for j, row in enumerate(r for r in part if r in yielding):
+            where[row] = (d, j)
+    picked = [where[row] for row in sampling.rows]
+    asked = any(d.top_logprobs is not None for d in done)
+    top = [d.top_logprobs[j] if d.top_logprobs is not None else () for d, j in picked] if asked else None
+    return StepOutput([d.token_ids[j] for d, j in picked], [d.logprobs[j] for d, j in picked], top)
+
+
+def joined_logits(parts: list[list[int]], done: list[StepDone]) -> ForwardOutput:
+    order = [i for p in parts for i in p]
+    joined = torch.cat([torch.from_numpy(d.logits) for d in done if d.logits is not None])
+    logits = torch.empty_like(joined)
+    logits[torch.tensor(order)] = joined
+    all_logits = None
+    if done[0].all_logits is not None:
+        flat = [a for d in done for a in (d.all_logits or [])]
+        by_index = dict(zip(order, flat, strict=True))
+        all_logits = tuple(torch.from_numpy(by_index[i]) for i in range(len(order)))
+    return ForwardOutput(logits=logits, all_logits=all_logits)

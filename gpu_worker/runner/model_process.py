@@ -44,46 +44,45 @@ up: the worker stays NOT_SERVING and must be restarted.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import multiprocessing
 import os
 import pickle
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle, send_handle
+from multiprocessing.reduction import send_handle
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from gpu_worker.model.loader import LoadedModel, load_model
+from gpu_worker.runner import model_child
 from gpu_worker.runner.batch import Batch, ForwardOutput
 from gpu_worker.runner.messages import (
     PROTOCOL_VERSION,
     Failed,
     Ready,
-    Step,
     StepDone,
     StepTables,
     Stop,
-    TableReader,
     TableWriter,
     Warm,
     WarmUp,
     encode_step,
+    joined_logits,
+    joined_output,
+    step_logits,
+    step_output,
 )
 from gpu_worker.runner.runner import ModelRunner, PoolPlan, RunnerFacts
-from gpu_worker.runner.sampling import EMPTY_OUTPUT, StepOutput, StepSampling, sample_step
+from gpu_worker.runner.sampling import EMPTY_OUTPUT, StepOutput, StepSampling
 from gpu_worker.runner.settings import RunnerConfig
-from gpu_worker.runner.shared_memory import AttachedArena, Shapes, SharedArena, share_weights
+from gpu_worker.runner.shared_memory import SharedArena, share_weights
 from gpu_worker.runner.step_split import Split
 from gpu_worker.runner.tuning import usable_cores
 from gpu_worker.runner.warmup import WarmupTimes, scratch_steps
@@ -94,7 +93,7 @@ START_TIMEOUT_S = 600.0  # loading and (on a cold cache) nothing else: the decod
 WARM_UP_TIMEOUT_S = 1800.0  # the warm-up waits for the decode compile: a cold inductor cache on a busy machine
 STOP_TIMEOUT_S = 10.0
 MODEL_PROCESS_MODES = ("auto", "on", "off")
-PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies
+
 SUPERVISE_INTERVAL_S = 0.25  # how often the supervisor looks for a dead model process between steps
 MAX_REPLACEMENTS = 5  # dead model processes replaced within REPLACEMENT_WINDOW_S before the worker gives up
 REPLACEMENT_WINDOW_S = 600.0
@@ -347,10 +346,10 @@ class ProcessRunner(RunnerFacts):
         self._describe["decode_compile"] = done[0].compile_status
         self.lone_parts += sum(1 for r in done if r.widened)
         if len(parts) == 1:
-            return _output(done[0]), _logits(done[0]) if want_logits else None
+            return step_output(done[0]), step_logits(done[0]) if want_logits else None
         self.steps_shared += 1
         self._split.learn(batch, parts, [r.seconds for r in done])
-        return _joined(parts, done, sampling), _joined_logits(parts, done) if want_logits else None
+        return joined_output(parts, done, sampling), joined_logits(parts, done) if want_logits else None
 
     def warm_up(self) -> WarmupTimes:
         """ModelRunner.warm_up in every model process, one after the other on the same scratch pages and
@@ -407,44 +406,6 @@ class ProcessRunner(RunnerFacts):
                 arena.close()
 
 
-def _output(done: StepDone) -> StepOutput:
-    return StepOutput(done.token_ids, done.logprobs, done.top_logprobs)
-
-
-def _logits(done: StepDone) -> ForwardOutput:
-    assert done.logits is not None
-    all_logits = None if done.all_logits is None else tuple(torch.from_numpy(a) for a in done.all_logits)
-    return ForwardOutput(logits=torch.from_numpy(done.logits), all_logits=all_logits)
-
-
-def _joined(parts: list[list[int]], done: list[StepDone], sampling: StepSampling) -> StepOutput:
-    """The parts' tokens in `sampling.rows` order (each part's are its yielding rows, ascending)."""
-    if not sampling.rows:
-        return EMPTY_OUTPUT
-    yielding = set(sampling.rows)
-    where: dict[int, tuple[StepDone, int]] = {}
-    for part, d in zip(parts, done, strict=True):
-        for j, row in enumerate(r for r in part if r in yielding):
-            where[row] = (d, j)
-    picked = [where[row] for row in sampling.rows]
-    asked = any(d.top_logprobs is not None for d in done)
-    top = [d.top_logprobs[j] if d.top_logprobs is not None else () for d, j in picked] if asked else None
-    return StepOutput([d.token_ids[j] for d, j in picked], [d.logprobs[j] for d, j in picked], top)
-
-
-def _joined_logits(parts: list[list[int]], done: list[StepDone]) -> ForwardOutput:
-    order = [i for p in parts for i in p]
-    joined = torch.cat([torch.from_numpy(d.logits) for d in done if d.logits is not None])
-    logits = torch.empty_like(joined)
-    logits[torch.tensor(order)] = joined
-    all_logits = None
-    if done[0].all_logits is not None:
-        flat = [a for d in done for a in (d.all_logits or [])]
-        by_index = dict(zip(order, flat, strict=True))
-        all_logits = tuple(torch.from_numpy(by_index[i]) for i in range(len(order)))
-    return ForwardOutput(logits=logits, all_logits=all_logits)
-
-
 class _Child:
     """One model process and the worker's end of its pipe."""
 
@@ -461,8 +422,9 @@ class _Child:
     ) -> _Child:  # fmt: skip
         conn, child_conn = context.Pipe()
         process = context.Process(
-            target=serve, args=(child_conn, str(loaded.model_dir), config, arena.shapes, weights.shapes, weight_names,
-                                log.getEffectiveLevel(), index, count),
+            target=model_child.serve,
+            args=(child_conn, str(loaded.model_dir), config, arena.shapes, weights.shapes, weight_names,
+                  log.getEffectiveLevel(), index, count),
             name=f"hybridserve-model-{index}", daemon=True,
         )  # fmt: skip
         process.start()
@@ -517,104 +479,3 @@ def build_runner(model_dir: str | Path, config: RunnerConfig) -> Any:
     if wants_model_process(config, loaded.device):
         return ProcessRunner(loaded, config)
     return ModelRunner(loaded, config)
-
-
-# ---- the child --------------------------------------------------------------------------------------
-def serve(
-    conn: Connection, model_dir: str, config: RunnerConfig, shapes: Shapes, weight_shapes: Shapes,
-    weight_names: list[str], log_level: int, index: int, count: int,
-) -> None:  # fmt: skip
-    """Model process `index` (of `count`)'s loop: carry out each message until `Stop` or the worker goes away."""
-    from gpu_worker.runner.tuning import keep_freed_memory
-
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    _follow_the_worker()
-    fds = [recv_handle(conn) for _ in shapes]
-    weight_fds = [recv_handle(conn) for _ in weight_shapes]
-    keep_freed_memory()
-    try:
-        loaded = load_model(model_dir, device="cpu", dtype=config.dtype)
-        if share_weights(loaded.model, AttachedArena(weight_fds, weight_shapes)) != weight_names:
-            raise ValueError("the model process built other parameters than the worker's")
-        pool = AttachedArena(fds, shapes)
-        runner = ModelRunner(loaded, replace(config, device="cpu"), alloc=pool.zeros)
-        busy = pool.zeros((count,), torch.int32).numpy()  # the worker's order: pools, busy flags, step tables
-        reader = TableReader(StepTables(runner.state_pool.num_slots, runner.kv_pool.num_pages, pool.zeros))
-        if not pool.complete:
-            raise ValueError("the worker shared more tensors than this process built")
-    except Exception as exc:  # reported to the worker, which fails its start-up with it
-        conn.send_bytes(pickle.dumps(Failed(f"{type(exc).__name__}: {exc}")))
-        return
-    others = [i for i in range(count) if i != index]
-    if runner.step_threads is not None and others:
-        runner.step_threads.others_idle = lambda: not busy[others].any()
-        runner.model.between_blocks = runner.step_threads.widen
-    for fd in fds + weight_fds:
-        os.close(fd)  # the mappings keep the memory
-    conn.send_bytes(pickle.dumps(Ready(PROTOCOL_VERSION, runner.describe())))
-    while True:
-        try:
-            message = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            runner.close()
-            return  # the worker is gone
-        if isinstance(message, Stop):
-            runner.close()
-            return
-        if isinstance(message, WarmUp):
-            reply: Any = _warm_up(runner, message.steps)
-        elif isinstance(message, Step):
-            reply = _step(runner, reader, message)
-            busy[index] = 0  # before the reply: the worker marks the next step's processes before sending
-        else:
-            reply = Failed(f"unknown message {type(message).__name__}")
-        try:
-            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-        except OSError:
-            runner.close()
-            return  # the worker is gone
-
-
-def _follow_the_worker() -> None:
-    """The worker decides when this process ends: Ctrl-C or SIGTERM sent to the process group drain the
-    worker, which then says "stop"; and should the worker die without a word, so does this process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _warm_up(runner: ModelRunner, steps: tuple[Batch, ...]) -> Warm | Failed:
-    try:
-        return Warm(runner.warm_up_with(steps))
-    except Exception as exc:
-        log.exception("warm-up failed")
-        return Failed(f"{type(exc).__name__}: {exc}")
-
-
-def _step(runner: ModelRunner, reader: TableReader, step: Step) -> StepDone | Failed:
-    """The forward of the step's rows, and the sampling of those that yield, here where the logits are."""
-    started = time.perf_counter()
-    try:
-        batch, sampling = reader.decode(step)
-        out = runner.forward(batch)
-        sampled = sample_step(out.logits, batch, sampling)
-    except InvalidArgumentError as exc:
-        return Failed(str(exc), invalid=True)
-    except Exception as exc:
-        log.exception("forward failed")
-        return Failed(f"{type(exc).__name__}: {exc}")
-    status = runner.decode_compiler.status if runner.decode_compiler is not None else "off"
-    widened = runner.step_threads is not None and runner.step_threads.widened
-    logits = _array(out.logits) if step.want_logits else None
-    all_logits = [_array(a) for a in out.all_logits] if step.want_logits and out.all_logits is not None else None
-    return StepDone(
-        sampled.token_ids, sampled.logprobs, sampled.top_logprobs, time.perf_counter() - started, widened, status,
-        logits, all_logits,
-    )  # fmt: skip
-
-
-def _array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
-    return tensor.detach().contiguous().numpy()
