@@ -138,6 +138,7 @@ class Generation:
         with_top = api.logprobs if api.kind == "completion" else api.top_logprobs > 0
         self.choices = [ChoiceState(i, api.kind, api.logprobs, with_top, token_text) for i in range(api.n)]
         self.first_token = False
+        self.num_prompt_tokens = 0  # known once the prompt is tokenized
         self.clock = gateway.metrics.clock(api.model, started_s)  # TTFT, ITL, E2E of this request
 
     async def prompt_off_loop(self) -> str | tuple[int, ...] | list[int]:
@@ -189,6 +190,7 @@ class Generation:
         arrived when the previous one was taken (one pair while the client keeps up); raises
         ApiError after the pairs that came before the failure."""
         prompt = await self.prompt_off_loop()
+        self.num_prompt_tokens = len(prompt)
         prefix = self.gateway.dispatcher.prefix_hashes(prompt)
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
@@ -228,6 +230,10 @@ class Generation:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def sse_with_usage(self, frame: ChunkFrame, choice: ChoiceState, message: pb.GenerateResponse) -> bytes:
+        entry = choice.apply(message)
+        return frame.sse_with_usage(entry, self.num_prompt_tokens, choice.num_tokens)
+
     def record_usage(self) -> dict[str, Any]:
         usage = total_usage([c.usage for c in self.choices if c.usage is not None])
         reason = next((c.finish_reason for c in self.choices if c.finish_reason), "")
@@ -255,7 +261,10 @@ class Generation:
         async with contextlib.aclosing(self.events()) as events:
             try:
                 async for batch in events:
-                    data = b"".join([frame.sse(choices[index].apply(message)) for index, message in batch])
+                    if self.api.continuous_usage:
+                        data = b"".join([self.sse_with_usage(frame, choices[i], m) for i, m in batch])
+                    else:
+                        data = b"".join([frame.sse(choices[index].apply(message)) for index, message in batch])
                     if response is None:  # errors before the first token still get their HTTP status
                         response = web.StreamResponse(
                             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}

@@ -108,6 +108,9 @@ class ApiRequest:
     logprobs: bool  # return the chosen tokens' log-probabilities
     top_logprobs: int  # alternatives per token, 0..MAX_TOP_LOGPROBS
     ignore_eos: bool  # an extension: generate max_tokens even past EOS (benchmarks)
+    # stream_options.continuous_usage_stats (vLLM's extension, which GuideLLM sends): every chunk carries its
+    # choice's usage so far (prompt tokens, tokens generated up to and including the chunk)
+    continuous_usage: bool = False
 
 
 def _text(value: str, name: str) -> str:
@@ -203,9 +206,15 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
     if not isinstance(options, dict):
         raise _fail_type("stream_options", "an object", options)
     check_fields(options, frozenset({"include_usage", "continuous_usage_stats"}))
-    if options.get("continuous_usage_stats"):
-        raise unsupported("stream_options.continuous_usage_stats")
+    _bool(options, "continuous_usage_stats", False)  # its type checked; read by _continuous_usage
     return _bool(options, "include_usage", False)
+
+
+def _continuous_usage(body: Mapping[str, Any]) -> bool:
+    """stream_options.continuous_usage_stats, as vLLM reads it: usage in every chunk, when include_usage is on
+    too (otherwise there is no usage to report). _include_usage has checked the object."""
+    options = body.get("stream_options")
+    return bool(options and options.get("include_usage") and options.get("continuous_usage_stats"))
 
 
 def _common(
@@ -234,6 +243,7 @@ def _common(
         n=_int(body, "n", 1, 1, MAX_N) or 1,
         stream=stream,
         include_usage=_include_usage(body, stream),
+        continuous_usage=_continuous_usage(body),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),

@@ -131,10 +131,12 @@ class ChoiceState:
     finish_reason: str | None = None
     usage: UsageCount | None = None
     sent_role: bool = False
+    num_tokens: int = 0  # tokens generated so far
 
     def apply(self, msg: pb.GenerateResponse) -> dict[str, Any]:
         """Takes one worker message; returns this choice's stream chunk entry for it."""
         self.text.append(msg.text)
+        self.num_tokens += len(msg.token_ids)
         entry: dict[str, Any] = {"index": self.index}
         logprobs: Any = None
         if self.want_logprobs and self.kind == "chat":
@@ -204,6 +206,16 @@ class ChunkFrame:
 
     def sse(self, entry: dict[str, Any]) -> bytes:
         return self.head + json.dumps(entry, separators=(",", ":")).encode() + self.tail
+
+    def sse_with_usage(self, entry: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The chunk with its choice's usage so far (stream_options.continuous_usage_stats)."""
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        body = json.dumps(entry, separators=(",", ":")) + '],"usage":' + json.dumps(usage, separators=(",", ":"))
+        return self.head + body.encode() + b"}\n\n"
 
 
 def final_body(kind: str, response_id: str, model: str, choices: Sequence[ChoiceState]) -> dict[str, Any]:
