@@ -222,7 +222,7 @@ class Generation:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks = []
         for p, prompt in enumerate(prompts):
-            prefix = self.gateway.dispatcher.prefix_hashes(prompt)
+            prefix = self.gateway.dispatcher.prefix_hashes(prompt, self.api.cache_salt)
             requests = generate_requests(self.api, prompt, self.gateway.generation_defaults)
             for j, r in enumerate(requests):
                 index = p * self.api.n + j

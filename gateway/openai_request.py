@@ -19,6 +19,7 @@ MAX_BATCH_CHOICES = 128  # prompts x n of one completions request: the worker ca
 MAX_STOP = 4  # stop strings, as OpenAI
 MAX_TOP_LOGPROBS = 20  # the workers' limit
 OPENAI_COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+MAX_CACHE_SALT_CHARS = 256  # as the workers allow
 MAX_TOKEN_ID = 2**31  # token ids travel as int32; the worker checks them against its vocabulary
 
 _COMMON = frozenset(
@@ -36,6 +37,7 @@ _COMMON = frozenset(
         "logprobs",
         "top_k",
         "ignore_eos",
+        "cache_salt",
     }
 )
 _COMPLETION = _COMMON | {"prompt"}
@@ -111,6 +113,7 @@ class ApiRequest:
     ignore_eos: bool  # an extension: generate max_tokens even past EOS (benchmarks)
     # completions: every prompt of the request in order (a list of several); () = just `prompt`
     prompts: tuple[str | tuple[int, ...], ...] = ()
+    cache_salt: str = ""  # vLLM's: requests of different salts share no prefix-cache block ("" = unsalted)
 
     @property
     def all_prompts(self) -> tuple[str | tuple[int, ...], ...]:
@@ -216,6 +219,22 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
     return _bool(options, "include_usage", False)
 
 
+def _cache_salt(body: Mapping[str, Any]) -> str:
+    """A non-empty string of at most MAX_CACHE_SALT_CHARS characters, or absent (vLLM refuses "" too)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str):
+        raise _fail_type("cache_salt", "a string", salt)
+    if not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise bad_request(
+            f"'cache_salt' must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
+            "cache_salt",
+            "invalid_value",
+        )
+    return _text(salt, "cache_salt")
+
+
 def _common(
     body: Mapping[str, Any],
     kind: str,
@@ -245,6 +264,7 @@ def _common(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),
+        cache_salt=_cache_salt(body),
     )
 
 

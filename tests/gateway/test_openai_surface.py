@@ -107,3 +107,25 @@ def test_version_and_max_model_len(stack, client):
     _, tokenized = call(stack.gateway.address, "/tokenize", {"prompt": "x"})
     assert models["data"][0]["max_model_len"] == tokenized["max_model_len"] > 0
     assert client.models.retrieve(MODEL_NAME).model_extra["max_model_len"] == tokenized["max_model_len"]
+
+
+def test_two_salts_share_no_hits_and_one_salt_does(client):
+    prefix = "A system prompt long enough to fill a few cache blocks of sixteen tokens each. "
+
+    def cached_tokens(suffix: str, salt: str, chat: bool = False) -> int:
+        extra = {**GREEDY["extra_body"], "cache_salt": salt}
+        if chat:
+            messages = [{"role": "system", "content": prefix}, {"role": "user", "content": suffix}]
+            result = client.chat.completions.create(**{**GREEDY, "extra_body": extra}, messages=messages)
+        else:
+            result = client.completions.create(**{**GREEDY, "extra_body": extra}, prompt=prefix + suffix)
+        return result.usage.prompt_tokens_details.cached_tokens
+
+    assert cached_tokens("one", "tenant-a") == 0
+    assert cached_tokens("two", "tenant-b") == 0
+    assert cached_tokens("three", "tenant-a") >= 3 * 16
+    assert cached_tokens("one", "tenant-c", chat=True) == 0
+    assert cached_tokens("two", "tenant-c", chat=True) >= 3 * 16
+    with pytest.raises(openai.BadRequestError) as failed:
+        client.completions.create(prompt="x", **{**GREEDY, "extra_body": {"cache_salt": "s" * 257}})
+    assert failed.value.body["param"] == "cache_salt"

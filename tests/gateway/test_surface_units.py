@@ -43,3 +43,21 @@ def test_choices_of_prompt_i_are_i_n_to_i_n_plus_n_and_usage_sums_the_prompts():
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert body["usage"]["prompt_tokens"] == 17 and body["usage"]["total_tokens"] == 35
     assert request_usage(choices[:2], n=2) == UsageCount(10, 2, 7)  # one prompt: counted once, as before
+
+
+@pytest.mark.parametrize("salt", ["", 5, "s" * 257, "\ud800"])
+def test_a_bad_cache_salt_is_named(salt):
+    with pytest.raises(ApiError) as failed:
+        parse_completion({"model": "m", "prompt": "x", "cache_salt": salt})
+    assert failed.value.param == "cache_salt"
+
+
+def test_the_salt_goes_to_every_choice_and_roots_the_routing_hashes():
+    from gateway.convert import generate_requests
+    from gateway.routing import prefix_block_hashes
+
+    api = parse_completion({"model": "m", "prompt": "x", "n": 2, "cache_salt": "tenant"})
+    assert [r.cache_salt for r in generate_requests(api, [1, 2])] == ["tenant", "tenant"]
+    tokens = list(range(32))
+    salted, other, bare = (prefix_block_hashes(tokens, 16, salt=s) for s in ("tenant", "other", ""))
+    assert not set(salted) & set(other) and not set(salted) & set(bare)
