@@ -41,7 +41,7 @@ def generate_requests(
     defaults = defaults if defaults is not None else GenerationDefaults()
     requests = []
     for i in range(api.n):
-        request = pb.GenerateRequest(sampling=sampling_of(api, i, defaults))
+        request = pb.GenerateRequest(sampling=sampling_of(api, i, defaults), cache_salt=api.cache_salt)
         if isinstance(prompt, str):
             request.prompt = prompt
             if api.kind == "chat":

@@ -55,6 +55,18 @@ def total_usage(usages: Sequence[UsageCount]) -> UsageCount:
     return UsageCount(usages[0].prompt_tokens, usages[0].cached_tokens, sum(u.completion_tokens for u in usages))
 
 
+def request_usage(choices: Sequence[ChoiceState], n: int) -> UsageCount:
+    """A request's usage: each prompt's n choices as `total_usage` counts them (prompt i's are choices
+    i*n .. i*n+n-1), the prompts of a batch summed, as vLLM sums them."""
+    groups: dict[int, list[UsageCount]] = {}
+    for choice in choices:
+        if choice.usage is not None:
+            groups.setdefault(choice.index // max(n, 1), []).append(choice.usage)
+    parts = [total_usage(usages) for usages in groups.values()]
+    prompt_tokens = sum(u.prompt_tokens for u in parts)
+    return UsageCount(prompt_tokens, sum(u.cached_tokens for u in parts), sum(u.completion_tokens for u in parts))
+
+
 def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
@@ -218,8 +230,9 @@ class ChunkFrame:
         return self.head + body.encode() + b"}\n\n"
 
 
-def final_body(kind: str, response_id: str, model: str, choices: Sequence[ChoiceState]) -> dict[str, Any]:
+def final_body(kind: str, response_id: str, model: str, choices: Sequence[ChoiceState], n: int = 1) -> dict[str, Any]:
+    """The non-streaming body; `n` choices per prompt (request_usage)."""
     body = envelope(kind, response_id, model)
     body["choices"] = [c.final_json() for c in choices]
-    body["usage"] = total_usage([c.usage for c in choices if c.usage is not None]).to_json()
+    body["usage"] = request_usage(choices, n).to_json()
     return body

@@ -27,4 +27,5 @@ def generation_input_from_pb(msg: pb.GenerateRequest) -> GenerationInput:
         ignore_eos=s.ignore_eos,
         priority=msg.priority,
         add_special_tokens=msg.add_special_tokens if msg.HasField("add_special_tokens") else True,
+        cache_salt=msg.cache_salt,
     )

@@ -22,6 +22,7 @@ MAX_TOP_LOGPROBS = 20  # sampling.logprobs: top alternatives per token
 MAX_STOP_STRINGS = 16  # sampling.stop: strings per request (each is searched for at every token)
 MAX_STOP_STRING_CHARS = 256  # characters in one stop string
 MAX_REQUEST_ID_CHARS = 256  # request_id
+MAX_CACHE_SALT_CHARS = 256  # cache_salt
 MAX_TEMPERATURE = 100.0  # sampling.temperature; beyond it sampling is uniform in all but name
 GENERATION_API_SAMPLING = (0.0, 1.0, 0)  # (temperature, top_p, top_k) unset here and in the checkpoint: greedy
 
@@ -44,6 +45,7 @@ class GenerationInput:
     ignore_eos: bool = False
     priority: int = 0
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens (false: it holds them)
+    cache_salt: str = ""  # requests of different salts share no prefix-cache block; "" = unsalted
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,10 @@ def build_request(
         raise InvalidArgumentError(
             f"request_id has {len(asked.request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
         )
+    if len(asked.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgumentError(
+            f"cache_salt has {len(asked.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed"
+        )
     # cheap checks first: a bad request is refused before tokenising
     params = _params(asked, settings, loaded.generation_defaults)
     prompt = _prompt_ids(asked, loaded, limit)
@@ -120,6 +126,7 @@ def build_request(
         arrival_time=now,
         deadline=None if time_remaining_s is None else now + time_remaining_s,
         stop_checker=StopChecker(loaded.tokenizer, params.stop),
+        cache_salt=asked.cache_salt,
     )
 
 

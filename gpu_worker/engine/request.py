@@ -140,6 +140,7 @@ class Request:
     sched_prompt_len: int = 0  # the prompt as the scheduler sees it (grows on preemption)
     sched_output_base: int = 0  # outputs folded into sched_prompt_len
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
+    cache_salt: str = ""  # roots block_hashes' chain (gpu_worker/cache/blocks.py); "" = unsalted
     first_token_time: float | None = None
     trace_context: object | None = None  # the request span's tracing context, from the observer
     events: queue.SimpleQueue[RequestOutput] = field(default_factory=queue.SimpleQueue)
