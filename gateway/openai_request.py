@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.api_errors import bad_request, unsupported
+from gateway.structured import FIELDS as STRUCTURED_FIELDS
+from gateway.structured import parse_structured
+from hybridserve.structured_output import StructuredSpec
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings, as OpenAI
@@ -35,6 +38,7 @@ _COMMON = frozenset(
         "logprobs",
         "top_k",
         "ignore_eos",
+        *STRUCTURED_FIELDS,
     }
 )
 _COMPLETION = _COMMON | {"prompt"}
@@ -54,7 +58,6 @@ _NO_OP: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "store": (False,),
     "metadata": ({},),
     "modalities": (["text"],),
@@ -108,6 +111,7 @@ class ApiRequest:
     logprobs: bool  # return the chosen tokens' log-probabilities
     top_logprobs: int  # alternatives per token, 0..MAX_TOP_LOGPROBS
     ignore_eos: bool  # an extension: generate max_tokens even past EOS (benchmarks)
+    structured: StructuredSpec | None = None  # response_format / structured_outputs (gateway/structured.py)
 
 
 def _text(value: str, name: str) -> str:
@@ -237,6 +241,7 @@ def _common(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),
+        structured=parse_structured(body),
     )
 
 
