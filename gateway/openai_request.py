@@ -13,6 +13,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.api_errors import bad_request, unsupported
+from gateway.structured import FIELDS as STRUCTURED_FIELDS
+from gateway.structured import parse_structured
+from hybridserve.structured_output import StructuredSpec
 
 MAX_N = 16  # choices per prompt
 MAX_BATCH_CHOICES = 128  # prompts x n of one completions request: the worker calls it fans out to
@@ -38,6 +41,7 @@ _COMMON = frozenset(
         "top_k",
         "ignore_eos",
         "cache_salt",
+        *STRUCTURED_FIELDS,
     }
 )
 _COMPLETION = _COMMON | {"prompt"}
@@ -57,7 +61,6 @@ _NO_OP: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "store": (False,),
     "metadata": ({},),
     "modalities": (["text"],),
@@ -122,6 +125,8 @@ class ApiRequest:
     def all_prompts(self) -> tuple[str | tuple[int, ...], ...]:
         """The prompts whose n choices each make up the response: prompt i's are choices i*n .. i*n+n-1."""
         return self.prompts or (self.prompt,)
+
+    structured: StructuredSpec | None = None  # response_format / structured_outputs (gateway/structured.py)
 
 
 def _text(value: str, name: str) -> str:
@@ -275,6 +280,7 @@ def _common(
         top_logprobs=top_logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),
         cache_salt=_cache_salt(body),
+        structured=parse_structured(body),
     )
 
 

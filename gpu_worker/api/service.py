@@ -94,7 +94,9 @@ class GenerationServicer:
         disconnect, even one before the callback was added; a client found gone; an error; the stream
         closed) aborts the request, by the request itself: never a later one that reused its id."""
         asked = generation_input_from_pb(request)
-        req = build_request(asked, self.engine.runner, self.engine.settings, context.time_remaining())
+        req = build_request(
+            asked, self.engine.runner, self.engine.settings, context.time_remaining(), self.engine.grammars
+        )
         self.engine.submit(req)
 
         def on_rpc_done() -> None:  # cancel / disconnect / the call ended

@@ -10,12 +10,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from gpu_worker.engine.grammar import GrammarCompiler
 from gpu_worker.engine.request import GenerationParams, Request, StopChecker
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.model.loader import LoadedModel
 from gpu_worker.runner.protocol import Runner, SamplingParams
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.generation_config import GenerationDefaults
+from hybridserve.structured_output import StructuredSpec
 
 # Documented limits of one request (README, "Limits of one request").
 MAX_TOP_LOGPROBS = 20  # sampling.logprobs: top alternatives per token
@@ -46,6 +48,7 @@ class GenerationInput:
     priority: int = 0
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens (false: it holds them)
     cache_salt: str = ""  # requests of different salts share no prefix-cache block; "" = unsalted
+    structured: StructuredSpec | None = None  # the grammar the output must match (structured outputs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +101,15 @@ def max_model_len(runner: Runner, settings: EngineSettings) -> int:
 
 
 def build_request(
-    asked: GenerationInput, runner: Runner, settings: EngineSettings, time_remaining_s: float | None
+    asked: GenerationInput,
+    runner: Runner,
+    settings: EngineSettings,
+    time_remaining_s: float | None,
+    grammars: GrammarCompiler | None = None,
 ) -> Request:
+    """The engine request of `asked`; InvalidArgumentError for what can never be served. A structured
+    output is compiled here (`grammars`: the engine's compiler), so that a spec the engine cannot compile
+    fails the call at once."""
     loaded = runner.loaded
     limit = max_model_len(runner, settings)
     if len(asked.request_id) > MAX_REQUEST_ID_CHARS:
@@ -118,8 +128,14 @@ def build_request(
             f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds this worker's"
             f" limit of {limit} tokens; shorten the prompt or lower max_tokens"
         )
+    grammar = None
+    if asked.structured is not None:
+        if grammars is None:
+            raise InvalidArgumentError("structured_output is not served by this engine")
+        grammar = grammars.compile(asked.structured)
     now = time.monotonic()
     return Request(
+        grammar=grammar,
         request_id=asked.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
         params=params,

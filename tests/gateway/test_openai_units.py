@@ -91,8 +91,8 @@ def test_bad_completion_fields_are_named(body, param):
          "messages[0].content part of type 'image_url'"),
         ({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-         "response_format"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+         "response_format.type"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ],
 )  # fmt: skip
