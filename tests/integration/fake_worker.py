@@ -81,6 +81,12 @@ class FakeGeneration:
     ) -> generation_pb2.GetInfoResponse:
         return generation_pb2.GetInfoResponse(model="fake", vocab_size=VOCAB_SIZE, async_scheduling=True)
 
+    def GetModelFiles(
+        self, request: generation_pb2.GetModelFilesRequest, context: grpc.ServicerContext
+    ) -> Iterator[generation_pb2.ModelFileChunk]:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "the fake worker serves no model files")
+        yield from ()
+
 
 def start_fake_worker(token_delay_s: float = 0.002) -> tuple[grpc.Server, str, FakeGeneration]:
     """A started fake worker on a free local port: (server, address, servicer)."""
