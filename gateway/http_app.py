@@ -25,13 +25,17 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from gateway import api_errors, tokenize_api
 from gateway.api_errors import ApiError
 from gateway.body import BodyParser
-from gateway.chat_template import ChatTemplate
+from gateway.chat_output import OutputParser
+from gateway.chat_template import ChatPrompt, ChatTemplate
 from gateway.convert import generate_requests
 from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_request import ApiRequest, TextLimits, check_text_size
 from gateway.openai_response import ChoiceState, ChunkFrame, envelope, final_body, new_id, total_usage
+from gateway.reasoning import ReasoningSplitter, pick_reasoning_parser, prompt_opens_reasoning
 from gateway.tokens import GatewayTokenizer, token_id_text
+from gateway.tool_constraint import tool_constraint
+from gateway.tool_parsers import make_parser, pick_parser
 from hybridserve import telemetry
 from hybridserve.auth import is_authorized
 from hybridserve.generation_config import GenerationDefaults
@@ -57,6 +61,17 @@ class Gateway:
     generation_defaults: GenerationDefaults = GenerationDefaults()  # the model's generation_config.json
     text_work: Executor | None = None  # template rendering and tokenizing, off the event loop (None: inline)
     bodies: BodyParser = field(default_factory=BodyParser)
+    tool_parser: str = "auto"  # --tool-call-parser: a format of gateway/tool_parsers.py, or auto (the template's)
+    reasoning_parser: str = "auto"  # --reasoning-parser: deepseek_r1, none, or auto (when the template writes <think>)
+    allow_special_tokens_in_content: bool = False  # content's special-token text read as special tokens
+
+    def tool_format(self) -> str:
+        """The tool-call format of the served model."""
+        return pick_parser(self.tool_parser, self.chat_template.source if self.chat_template else None)
+
+    def reasoning_format(self) -> str:
+        """The reasoning parser ("" = none)."""
+        return pick_reasoning_parser(self.reasoning_parser, self.chat_template.source if self.chat_template else None)
 
     def text_limits(self) -> TextLimits | None:
         """The served model's text limits; None without a tokenizer here or a ready worker's limit."""
@@ -157,12 +172,43 @@ class Generation:
                     "messages",
                     "no_chat_template",
                 )
-            text = gateway.chat_template.render(api.messages)
+            tools = api.tools.template_tools() if api.tools is not None else None
+            literal = not gateway.allow_special_tokens_in_content and gateway.tokenizer is not None
+            escape = gateway.tokenizer.special_token_texts if literal and gateway.tokenizer is not None else ()
+            chat = gateway.chat_template.render_prompt(api.messages, tools, escape)
             if (limits := gateway.text_limits()) is not None:  # the template adds text of its own
-                check_text_size([text], "messages", limits)
-        if isinstance(text, str) and gateway.tokenizer is not None:  # a rendered template holds its specials
-            return gateway.tokenizer.encode(text, add_special_tokens=api.kind != "chat")
+                check_text_size([chat.text], "messages", limits)
+            self.attach_parsers(chat)
+            if gateway.tokenizer is not None:  # a rendered template holds its specials
+                return gateway.tokenizer.encode_chat(chat)
+            return chat.text
+        if isinstance(text, str) and gateway.tokenizer is not None:
+            return gateway.tokenizer.encode(text, add_special_tokens=True)
         return text
+
+    def attach_parsers(self, chat: ChatPrompt) -> None:
+        """Each choice's output parsers: reasoning (when the model writes it) and tool calls (when the
+        request offers tools the model may call)."""
+        reasoning = self.gateway.reasoning_format()
+        tools = self.api.tools if self.api.tools is not None and self.api.tools.choice != "none" else None
+        if not reasoning and tools is None:
+            return
+        starts_inside = prompt_opens_reasoning(chat.text)
+        for choice in self.choices:
+            choice.output = OutputParser(
+                ReasoningSplitter(starts_inside) if reasoning else None,
+                make_parser(self.gateway.tool_format()) if tools is not None else None,
+                tools.parallel if tools is not None else True,
+            )
+
+    def requests(self, prompt: str | tuple[int, ...] | list[int]) -> list[pb.GenerateRequest]:
+        """The worker requests of the choices; forced tool calls constrained (gateway/tool_constraint.py)."""
+        requests = generate_requests(self.api, prompt, self.gateway.generation_defaults)
+        constraint = tool_constraint(self.api.tools, self.gateway.tool_format())
+        if constraint is not None:
+            for request in requests:
+                request.sampling.structured_output.CopyFrom(constraint)
+        return requests
 
     async def run_choice(
         self,
@@ -195,7 +241,7 @@ class Generation:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks = [
             asyncio.create_task(self.run_choice(r, prefix, len(prompt), queue, i, list(carrier.items())))
-            for i, r in enumerate(generate_requests(self.api, prompt, self.gateway.generation_defaults))
+            for i, r in enumerate(self.requests(prompt))
         ]
         remaining = len(tasks)
         try:
@@ -255,7 +301,9 @@ class Generation:
         async with contextlib.aclosing(self.events()) as events:
             try:
                 async for batch in events:
-                    data = b"".join([frame.sse(choices[index].apply(message)) for index, message in batch])
+                    data = b"".join(
+                        [frame.sse(entry) for index, message in batch for entry in choices[index].entries(message)]
+                    )
                     if response is None:  # errors before the first token still get their HTTP status
                         response = web.StreamResponse(
                             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.api_errors import bad_request, unsupported
+from gateway.tool_calls import ToolCall, ToolRequest, parse_message_tool_calls, parse_tool_call_id, parse_tool_request
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings, as OpenAI
@@ -38,7 +39,7 @@ _COMMON = frozenset(
     }
 )
 _COMPLETION = _COMMON | {"prompt"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 
 # field -> values that mean "off" (accepted and ignored, since they change nothing)
 _NO_OP: dict[str, tuple[Any, ...]] = {
@@ -72,6 +73,10 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 class Message:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+    null_content: bool = False  # content was null (an assistant turn of only tool calls): the template sees None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,7 @@ class ApiRequest:
     logprobs: bool  # return the chosen tokens' log-probabilities
     top_logprobs: int  # alternatives per token, 0..MAX_TOP_LOGPROBS
     ignore_eos: bool  # an extension: generate max_tokens even past EOS (benchmarks)
+    tools: ToolRequest | None = None  # chat: the functions the model may call (gateway/tool_calls.py)
 
 
 def _text(value: str, name: str) -> str:
@@ -313,10 +319,33 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
                 "invalid_value",
             )
         for key in item:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 raise unsupported(f"messages[{i}].{key}")
-        messages.append(Message(role=str(role), content=_content(item.get("content"), i)))
+        messages.append(_message(item, str(role), i))
     return tuple(messages)
+
+
+def _message(item: Mapping[str, Any], role: str, i: int) -> Message:
+    """One message, with an assistant's `tool_calls` and a tool message's `tool_call_id`."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    if item.get("tool_calls") is not None:
+        if role != "assistant":
+            raise bad_request(
+                f"messages[{i}].tool_calls: only assistant messages make tool calls", f"messages[{i}].tool_calls"
+            )
+        tool_calls = parse_message_tool_calls(item["tool_calls"], f"messages[{i}].tool_calls")
+    tool_call_id = None
+    if role == "tool":
+        tool_call_id = parse_tool_call_id(item.get("tool_call_id"), f"messages[{i}].tool_call_id")
+    elif item.get("tool_call_id") is not None:
+        raise bad_request(
+            f"messages[{i}].tool_call_id: only tool messages answer a tool call", f"messages[{i}].tool_call_id"
+        )
+    name = item.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _fail_type(f"messages[{i}].name", "a string", name)
+    content = item.get("content")
+    return Message(role, _content(content, i), tool_calls, tool_call_id, name, content is None)
 
 
 def parse_chat(body: Any) -> ApiRequest:
@@ -331,7 +360,8 @@ def parse_chat(body: Any) -> ApiRequest:
     top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    return _common(body, "chat", "", _messages(body), max_tokens or 0, logprobs, top)
+    api = _common(body, "chat", "", _messages(body), max_tokens or 0, logprobs, top)
+    return replace(api, tools=parse_tool_request(body))
 
 
 def check_prompt_size(api: ApiRequest, limits: TextLimits) -> None:
