@@ -1,5 +1,5 @@
 """The OpenAI HTTP API on aiohttp: /v1/completions, /v1/chat/completions (JSON or server-sent
-events), /v1/models, and /health, /ready, /metrics.
+events), /v1/responses (responses_api.py), /v1/models, and /health, /ready, /metrics.
 
 Every error leaves as OpenAI's body shape with its status (api_errors.py). A client that disconnects
 cancels its handler (the runner is built with handler_cancellation), which cancels the worker calls:
@@ -431,4 +431,7 @@ def build_app(gateway: Gateway, max_body_bytes: int) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     tokenize_api.add_routes(app)
+    from gateway import responses_api  # it builds on this module's Generation
+
+    responses_api.add_routes(app)
     return app
