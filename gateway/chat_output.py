@@ -97,9 +97,9 @@ def chat_deltas(pieces: list[Piece], calls_before: int) -> list[dict[str, Any]]:
 def chat_message(parser: OutputParser) -> dict[str, Any]:
     """The assistant message of a finished choice."""
     content = parser.text_of("content")
-    message: dict[str, Any] = {"role": "assistant", "content": content if content or not parser.calls else None}
-    if content is None and not parser.calls:
-        message["content"] = ""
+    if content is None and not parser.calls and parser.text_of("reasoning") is None:
+        content = ""  # nothing at all: an empty answer (null content says "see the calls, or the reasoning")
+    message: dict[str, Any] = {"role": "assistant", "content": content or None if parser.calls else content}
     message["refusal"] = None
     if parser.reasoning is not None:
         message["reasoning_content"] = parser.text_of("reasoning")

@@ -24,7 +24,7 @@ from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 from hybridserve_cli.chat_templates import add_chat_template
 from hybridserve_cli.init_model import write_random_checkpoint
-from tests.gateway.conftest import MODEL_NAME, SPEC, Stack, gateway_stack
+from tests.gateway.conftest import MODEL_NAME, SPEC, Stack, gateway_stack, start_gateway, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -258,3 +258,25 @@ def test_responses_refuses_what_it_cannot_do(client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, previous_response_id="resp_1")
     assert "stores no responses" in exc.value.body["message"]
+
+
+def test_reasoning_is_split_from_content(tools_stack, granite_dir, tmp_path):
+    """A template that opens `<think>` for the model: what the model writes until `</think>` (here all of
+    it: a random model does not close the block) is reasoning_content, streamed as delta.reasoning_content."""
+    template = tmp_path / "think.jinja"
+    template.write_text(
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|><think>\n"
+    )
+    with start_gateway(tools_stack.worker_addresses, granite_dir, "--chat-template", str(template)) as gateway:
+        wait_ready(gateway, 2)
+        client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
+        kwargs = dict(model=MODEL_NAME, messages=ASK, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        result = client.chat.completions.create(**kwargs)
+        message = result.choices[0].message
+        assert message.content is None and message.reasoning_content and result.usage.completion_tokens == 8
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for c in chunk.choices:
+                reasoning += c.delta.model_extra.get("reasoning_content") or ""
+                content += c.delta.content or ""
+        assert reasoning and content == ""
