@@ -217,10 +217,13 @@ def test_bad_requests_get_openai_errors(stack, body, status, param):
 
 
 def test_chat_errors_name_the_field(stack):
-    for field, value in (("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"})):
+    for field, value, param in (
+        ("tools", [{"type": "function"}], "tools[0].function"),
+        ("response_format", {"type": "json_object"}, "response_format"),
+    ):
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], field: value}
         status, got = post(stack, "/v1/chat/completions", json.dumps(body).encode())
-        assert status == 400 and _error(got)["param"] == field and field in got["error"]["message"]
+        assert status == 400 and _error(got)["param"] == param and param in got["error"]["message"]
     status, got = post(stack, "/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": "hi"}).encode())
     assert status == 400 and _error(got)["param"] == "messages"
 
