@@ -109,7 +109,9 @@ class ChatTemplate:
 
         data = [message_dict(m, lambda text: pattern.sub(placeholder, text)) for m in messages]
         rendered = self._render(data, tools)
-        parts, spans, length = [], [], 0
+        parts: list[str] = []
+        spans: list[tuple[int, int]] = []
+        length = 0
         for piece in re.split(f"\ue000{nonce}(\\d+)\ue001", rendered):
             if len(parts) % 2:  # a placeholder's index
                 special = wanted[int(piece)]

@@ -109,7 +109,7 @@ class ResponseBuilder:
         part = self.open["content"][0]
         part["text"] += piece.text
         delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         self.emit(
             delta, item_id=self.open["id"], output_index=len(self.items), content_index=0, delta=piece.text, **extra
         )

@@ -122,6 +122,7 @@ def parse_tool(item: Any, field: str, flat: bool = False) -> ToolSpec:
             f"{field}.type",
             "invalid_value",
         )
+    function: Any
     if flat:
         function, prefix = item, field
         known = {"type", "name", "description", "parameters", "strict"}
