@@ -88,18 +88,31 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"the chat template does not compile: {exc}") from exc
 
-    def render(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt for these messages, ending with the assistant's turn opened."""
-        return self.render_prompt(messages, tools).text
+    def render(
+        self,
+        messages: Sequence[Message],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt for these messages, ending with the assistant's turn opened (unless
+        `add_generation_prompt` is false: /tokenize may ask for the conversation alone)."""
+        return self.render_prompt(messages, tools, add_generation_prompt=add_generation_prompt).text
 
     def render_prompt(
-        self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None, escape: Sequence[str] = ()
+        self,
+        messages: Sequence[Message],
+        tools: list[dict[str, Any]] | None = None,
+        escape: Sequence[str] = (),
+        *,
+        add_generation_prompt: bool = True,
     ) -> ChatPrompt:
         """The prompt, with the spans where message content spells one of the `escape` strings (the
         tokenizer's special tokens) marked literal."""
         wanted = [s for s in escape if s and any(s in m.content for m in messages)]
         if not wanted:
-            return ChatPrompt(self._render([message_dict(m) for m in messages], tools))
+            data = [message_dict(m) for m in messages]
+            return ChatPrompt(self._render(data, tools, add_generation_prompt))
         nonce = uuid.uuid4().hex
         pattern = re.compile("|".join(re.escape(s) for s in sorted(wanted, key=len, reverse=True)))
         index = {s: i for i, s in enumerate(wanted)}
@@ -108,7 +121,7 @@ class ChatTemplate:
             return f"\ue000{nonce}{index[match.group(0)]}\ue001"
 
         data = [message_dict(m, lambda text: pattern.sub(placeholder, text)) for m in messages]
-        rendered = self._render(data, tools)
+        rendered = self._render(data, tools, add_generation_prompt)
         parts: list[str] = []
         spans: list[tuple[int, int]] = []
         length = 0
@@ -128,10 +141,16 @@ class ChatTemplate:
             )
         return ChatPrompt(text, tuple(spans))
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
         try:
             return self.template.render(
-                messages=messages, add_generation_prompt=True, tools=tools, documents=None, **self.special_tokens
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=None,
+                **self.special_tokens,
             )
         except jinja2.exceptions.TemplateError as exc:  # raise_exception() in the template: the messages' fault
             raise bad_request(f"the chat template refused these messages: {exc}", "messages") from exc

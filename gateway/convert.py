@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.openai_request import ApiRequest
+from gateway.structured import structured_output_pb
 from hybridserve.generation_config import GenerationDefaults
 from hybridserve.v1 import generation_pb2 as pb
 
@@ -27,6 +28,8 @@ def sampling_of(api: ApiRequest, choice_index: int, defaults: GenerationDefaults
         ignore_eos=api.ignore_eos,
         logprobs=api.top_logprobs,
     )
+    if api.structured is not None:
+        sampling.structured_output.CopyFrom(structured_output_pb(api.structured))
     if api.seed is not None:
         sampling.seed = (api.seed + choice_index) & SEED_MASK if choice_index else api.seed
     return sampling
@@ -41,7 +44,7 @@ def generate_requests(
     defaults = defaults if defaults is not None else GenerationDefaults()
     requests = []
     for i in range(api.n):
-        request = pb.GenerateRequest(sampling=sampling_of(api, i, defaults))
+        request = pb.GenerateRequest(sampling=sampling_of(api, i, defaults), cache_salt=api.cache_salt)
         if isinstance(prompt, str):
             request.prompt = prompt
             if api.kind == "chat":

@@ -61,6 +61,10 @@ class OutputProcessor:
                 firsts.append(request)
             outputs, params, checker = request.output_token_ids, request.params, request.stop_checker
             outputs.append(token_id)
+            if request.grammar is not None and request.grammar.advance(token_id):  # the grammar is complete
+                text = checker.push([])[0] if token_id in eos_ids else checker.push_one(token_id)
+                endings.append(_ending(request, token_id, logprob, top, False, text, complete=True))
+                continue
             if token_id in eos_ids and not params.ignore_eos:
                 endings.append(_ending(request, token_id, logprob, top, True, checker.push([])[0]))
                 continue
@@ -87,10 +91,13 @@ class OutputProcessor:
         self.outbox.append((ending.request.events, ending.last))
 
 
-def _ending(request: Request, token_id: int, logprob: float, top: TopLogprobs, is_eos: bool, text: str) -> Ending:
-    """The ending of a request whose token (already appended, its text `text`) is its last."""
+def _ending(
+    request: Request, token_id: int, logprob: float, top: TopLogprobs, is_eos: bool, text: str, complete: bool = False
+) -> Ending:
+    """The ending of a request whose token (already appended, its text `text`) is its last; `complete`: the
+    token completed the request's grammar."""
     hit_stop = request.stop_checker.stopped
-    reason = finish_reason(is_eos, hit_stop, len(request.output_token_ids) >= request.params.max_tokens)
+    reason = finish_reason(is_eos, hit_stop or complete, len(request.output_token_ids) >= request.params.max_tokens)
     assert reason is not None
     if not hit_stop:
         text += request.stop_checker.flush()
@@ -100,7 +107,8 @@ def _ending(request: Request, token_id: int, logprob: float, top: TopLogprobs, i
 
 def finish_reason(is_eos: bool, hit_stop: bool, reached_max_tokens: bool) -> FinishReason | None:
     """Why the request ends after this token, if it does. A stop string wins (its text is cut
-    there), then EOS, then the length limit: the token that hits the limit may also be EOS."""
+    there; a completed grammar counts as one), then EOS, then the length limit: the token that hits the
+    limit may also be EOS."""
     if hit_stop:
         return FinishReason.STOP
     if is_eos:

@@ -30,15 +30,27 @@ processes beside the worker). `LogitsRunner` turns a forward that returns logits
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from gpu_worker.runner.batch import Batch, ForwardOutput, SequenceChunk
 from gpu_worker.runner.checkpoint_io import BlockCheckpoint, CheckpointLayout, export_block, import_block
 from gpu_worker.runner.kv_pool import KVPagePool
-from gpu_worker.runner.sampling import SamplingParams, StepOutput, StepSampling, TopLogprobs, sample_step
+from gpu_worker.runner.sampling import (
+    SamplingParams,
+    StepOutput,
+    StepSampling,
+    TokenMasks,
+    TopLogprobs,
+    mask_vocab_size,
+    mask_words,
+    sample_step,
+)
 from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.step_split import DECODE_ROW_TOKENS, FORWARD_FIXED_TOKENS
 
@@ -51,7 +63,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DECODE_ROW_TOKENS", "FORWARD_FIXED_TOKENS", "Batch", "BlockCheckpoint", "CheckpointLayout", "KVPagePool",
     "LogitsRunner", "MambaStatePool", "PoolSet", "Pools", "Runner", "SamplingParams", "SequenceChunk",
-    "StepOutput", "StepSampling", "TopLogprobs",
+    "StepOutput", "StepSampling", "TokenMasks", "TopLogprobs", "mask_vocab_size", "mask_words",
 ]  # fmt: skip
 
 
@@ -137,6 +149,18 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
+_MASKS: list[ThreadPoolExecutor] = []
+_MASKS_LOCK = threading.Lock()
+
+
+def _mask_thread() -> ThreadPoolExecutor:
+    """The thread that builds a step's token masks beside an in-process forward (started at first use)."""
+    with _MASKS_LOCK:
+        if not _MASKS:
+            _MASKS.append(ThreadPoolExecutor(1, thread_name_prefix="token-masks"))
+        return _MASKS[0]
+
+
 class LogitsRunner:
     """`execute` over a `forward(batch, while_waiting) -> ForwardOutput` that computes logits in this
     process: the rows are sampled where the logits are (on the runner's device). The in-process
@@ -148,7 +172,18 @@ class LogitsRunner:
     def execute(
         self, batch: Batch, sampling: StepSampling, while_waiting: Callable[[], None] | None = None
     ) -> StepOutput:
-        return sample_step(self.forward(batch, while_waiting).logits, batch, sampling)
+        if sampling.masks is None:
+            return sample_step(self.forward(batch, while_waiting).logits, batch, sampling)
+        # The constrained rows' masks are built on the mask thread while the forward runs (the matchers
+        # release the GIL), and waited for before sampling.
+        bitmask = np.zeros((len(sampling.masked), sampling.masks.words), dtype=np.int32)
+        building = _mask_thread().submit(sampling.masks.fill, bitmask, range(len(sampling.masked)))
+        try:
+            logits = self.forward(batch, while_waiting).logits
+        finally:
+            wait([building])  # the caller may touch the matchers once execute returns
+        building.result()
+        return sample_step(logits, batch, sampling, torch.from_numpy(bitmask))
 
     def runs_elsewhere(self, batch: Batch) -> bool:
         return False

@@ -10,13 +10,21 @@ alternatives.
 The random stream is counter-based: a seeded request's draw for the token at position p (the number of
 tokens before it, prompt included) uses a generator seeded with `stream_key(seed, p)`, so a request
 samples the same tokens whatever process, batch or step it lands in, and after a preemption. Unseeded
-requests draw from the process's global generator."""
+requests draw from the process's global generator.
+
+Structured outputs add one step before the pipeline: a row a grammar constrains comes with its token mask
+(one bit per token id, vocab/32 int32 words, built by the engine's matcher while the forward ran:
+`TokenMasks`), and `apply_token_masks` puts the tokens it disallows at -inf before the argmax and the
+filters, for greedy and sampled rows alike. Log-probabilities stay those of the raw distribution. A step
+without constrained rows pays nothing for it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from gpu_worker.runner.batch import Batch
@@ -85,19 +93,46 @@ class _Streams:
 _STREAMS = _Streams()
 
 
+def mask_vocab_size(logits_vocab: int, tokenizer_vocab: int) -> int:
+    """The token ids a mask covers: the logits' width, or the tokenizer's where that is larger."""
+    return max(logits_vocab, tokenizer_vocab)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's token mask (bit t % 32 of word t // 32: token t allowed)."""
+    return (vocab_size + 31) // 32
+
+
+class TokenMasks(Protocol):
+    """The token masks of a step's constrained rows (StepSampling.masked), built by whoever owns the
+    matchers (the engine: gpu_worker.engine.grammar.StepMasks). The runner calls `fill` once, while the
+    forward runs, and waits for it before sampling."""
+
+    words: int  # int32 words per row
+
+    def fill(self, bitmask: np.ndarray[Any, Any], indices: Sequence[int]) -> None:
+        """Writes constrained row j's mask into row `indices[j]` of `bitmask` (int32 [n, words])."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class StepSampling:
     """What a step samples: one token for each of `rows` (batch rows, ascending: the rows whose chunk
     reaches the end of their request's known tokens). `special` (ascending indices into `rows`) are the
-    rows that need more than the argmax, with their `params`, one each; every other row is plain greedy."""
+    rows that need more than the argmax, with their `params`, one each; every other row is plain greedy.
+    `masked` (ascending indices into `rows`) are the rows a grammar constrains, whose masks `masks` fills."""
 
     rows: Sequence[int] = ()
     special: Sequence[int] = ()
     params: Sequence[SamplingParams] = ()
+    masked: Sequence[int] = ()
+    masks: TokenMasks | None = None
 
     def __post_init__(self) -> None:
         if len(self.special) != len(self.params):
             raise InvalidArgumentError(f"sampling: {len(self.special)} special rows, {len(self.params)} params")
+        if bool(self.masked) != (self.masks is not None):
+            raise InvalidArgumentError(f"sampling: {len(self.masked)} masked rows, masks {self.masks!r}")
 
     @classmethod
     def of(cls, rows: Sequence[int], params: Sequence[SamplingParams]) -> StepSampling:
@@ -124,14 +159,44 @@ def sample_positions(batch: Batch, sampling: StepSampling) -> list[int]:
     return [seqs[rows[j]].start_pos + len(seqs[rows[j]].token_ids) for j in sampling.special]
 
 
-def sample_step(last_logits: torch.Tensor, batch: Batch, sampling: StepSampling) -> StepOutput:
+def sample_step(
+    last_logits: torch.Tensor, batch: Batch, sampling: StepSampling, bitmask: torch.Tensor | None = None
+) -> StepOutput:
     """`sampling`'s tokens from `last_logits` [num_sequences, vocab]: the logits after each batch row's last
-    token (the runner's forward output)."""
+    token (the runner's forward output). `bitmask` [len(sampling.masked), words] int32: the masked rows'
+    token masks, filled (required when `sampling.masked` is not empty)."""
     if not sampling.rows:
         return EMPTY_OUTPUT
     rows = sampling.rows
     logits = last_logits if len(rows) == last_logits.shape[0] else last_logits[list(rows)]  # all rows: no copy
-    return sample_rows(logits, sampling.special, sampling.params, sample_positions(batch, sampling))
+    if sampling.masked and bitmask is None:
+        raise InvalidArgumentError(f"sample_step: {len(sampling.masked)} masked rows and no bitmask")
+    return sample_rows(
+        logits, sampling.special, sampling.params, sample_positions(batch, sampling), sampling.masked, bitmask
+    )
+
+
+# Byte -> its 8 bits, least significant first (a mask's byte b holds tokens 8b..8b+7, on a little-endian host).
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).bool()
+
+
+def apply_token_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """The mask step, before every other: `logits` [b, vocab] with the tokens that row `rows[j]`'s mask
+    (`bitmask[j]`, int32 words, bit t % 32 of word t // 32 set = token t allowed) disallows at -inf.
+    A new tensor: the raw logits stay for the log-probabilities. Token ids past the mask are disallowed."""
+    vocab = logits.shape[-1]
+    table = _BYTE_BITS if _BYTE_BITS.device == logits.device else _BYTE_BITS.to(logits.device)
+    as_bytes = bitmask.to(logits.device, torch.int32).contiguous().view(torch.uint8).long()  # [m, words * 4]
+    allowed = table[as_bytes].view(len(rows), -1)  # [m, words * 32]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    allowed = allowed[:, :vocab]
+    if len(rows) == logits.shape[0]:  # every row constrained (rows ascending: in order)
+        return logits.masked_fill(~allowed, float("-inf"))
+    masked = logits.clone()
+    index = torch.tensor(list(rows), device=logits.device)
+    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return masked
 
 
 def _filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -168,22 +233,32 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
 
 
 def sample_rows(
-    logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams], positions: Sequence[int]
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    masked_rows: Sequence[int] = (),
+    bitmask: torch.Tensor | None = None,
 ) -> StepOutput:
     """`sample` where only `rows` (ascending) need more than the argmax: `params`/`positions` are theirs,
     one each (a position keys a seeded row's random stream); every other row is greedy without
-    alternatives (SamplingParams.is_plain).
+    alternatives (SamplingParams.is_plain). `masked_rows` (ascending) are constrained by `bitmask`'s rows,
+    one each (apply_token_masks), whatever else they need.
 
     The rows in no list cost no Python: a batch of plain rows is one argmax, one log_softmax, one
     gather and two tolists. Same tokens and log-probabilities as row by row."""
     if len(params) != len(rows) or len(positions) != len(rows):
         raise InvalidArgumentError(f"sample_rows: {len(rows)} rows, {len(params)} params, {len(positions)} positions")
     logits = logits.float()
-    chosen = logits.argmax(dim=-1)  # [b]; the first maximal logit
+    choose = logits
+    if masked_rows:  # the mask step: first, before every filter and the argmax
+        assert bitmask is not None and bitmask.shape[0] == len(masked_rows)
+        choose = apply_token_masks(logits, masked_rows, bitmask)
+    chosen = choose.argmax(dim=-1)  # [b]; the first maximal logit
     random = [(i, p, pos) for i, p, pos in zip(rows, params, positions, strict=True) if p.temperature != 0.0]
     if random:
         index = torch.tensor([i for i, _, _ in random], device=logits.device)
-        probs = _filter_logits(logits[index], [p for _, p, _ in random]).softmax(dim=-1)
+        probs = _filter_logits(choose[index], [p for _, p, _ in random]).softmax(dim=-1)
         noise = torch.empty_like(probs)
         if any(p.seed is None for _, p, _ in random):
             noise.exponential_()  # the unseeded rows' draws, from this process's generator, in one call
