@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import llguidance
 
 from hybridserve.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # a TypedDict of the engine's stubs only
+    from llguidance._lib import JsonCompileOptions
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -62,7 +65,7 @@ def to_grammar(spec: StructuredSpec, field: str | None = None) -> str:
     name = field or f"structured_output.{spec.kind}"
     if len(spec.value) > MAX_SPEC_CHARS:
         raise InvalidArgumentError(f"{name} is {len(spec.value)} characters; at most {MAX_SPEC_CHARS} are accepted")
-    options = {"whitespace_flexible": spec.any_whitespace}
+    options: JsonCompileOptions = {"whitespace_flexible": spec.any_whitespace}
     if spec.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=options)
     if spec.kind == "json_schema":
