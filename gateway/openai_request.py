@@ -435,7 +435,23 @@ def parse_chat(body: Any) -> ApiRequest:
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     api = _common(body, "chat", "", _messages(body), max_tokens or 0, logprobs, top)
-    return replace(api, tools=parse_tool_request(body))
+    tools = parse_tool_request(body)
+    check_one_constraint(body, api.structured, tools)
+    return replace(api, tools=tools)
+
+
+def check_one_constraint(body: Mapping[str, Any], structured: StructuredSpec | None, tools: ToolRequest | None) -> None:
+    """Refuses a structured output beside a forced tool call: each constrains generation with a grammar
+    of its own, and a worker request carries one."""
+    if structured is None or tools is None or not tools.is_forced:
+        return
+    field = next(f for f in STRUCTURED_FIELDS if body.get(f) is not None)
+    raise bad_request(
+        f"'{field}' and 'tool_choice' ({'required' if tools.choice == 'required' else 'a named function'}) both"
+        f" constrain the output, and only one can; drop '{field}', or let the model choose with 'tool_choice':"
+        " 'auto'",
+        field,
+    )
 
 
 def check_prompt_size(api: ApiRequest, limits: TextLimits) -> None:

@@ -262,6 +262,19 @@ def test_constraint_grammars_accept_exactly_well_formed_calls(granite_model):
     assert tool_constraint(parse_tool_request({"tools": [WEATHER]}), "granite") is None  # auto: unconstrained
 
 
+def test_a_forced_tool_whose_schema_the_engine_cannot_compile_is_a_400_naming_it():
+    pytest.importorskip("llguidance")
+    bad = {"type": "function", "function": {"name": "broken", "parameters": {"type": "object", "$ref": "#/nowhere"}}}
+    for parser in ("granite", "nemotron_h", "json"):
+        with pytest.raises(ApiError) as caught:
+            tool_constraint(parse_tool_request({"tools": [WEATHER, bad], "tool_choice": "required"}), parser)
+        assert caught.value.status == 400 and caught.value.body()["error"]["param"] == "tools[1]"
+    # not forced, or forced to the other tool: the broken schema is never compiled
+    assert tool_constraint(parse_tool_request({"tools": [WEATHER, bad]}), "granite") is None
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert tool_constraint(parse_tool_request({"tools": [WEATHER, bad], "tool_choice": named}), "granite")
+
+
 def test_granite_template_renders_tools_as_transformers_does(granite_model):
     transformers = pytest.importorskip("transformers")
     call = {
