@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cached_property, lru_cache
 from pathlib import Path
 
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
 from gateway.chat_template import ChatPrompt
@@ -47,23 +48,32 @@ class GatewayTokenizer:
         added = self._tok.get_added_tokens_decoder().values()
         return tuple(sorted({t.content for t in added if t.special and t.content}))
 
-    def encode_chat(self, prompt: ChatPrompt) -> list[int]:
-        """A rendered chat prompt's ids (it holds its special tokens; none are added): its literal spans
-        encoded as text, the rest as the template wrote it. The text between spans is cut where the
-        tokenizer cuts anyway (a special token's text ends a segment), so only the spans themselves
-        tokenize differently from the whole text."""
+    def encode_chat(self, prompt: ChatPrompt, add_special_tokens: bool = False) -> list[int]:
+        """A rendered chat prompt's ids (it holds its special tokens; none are added unless
+        `add_special_tokens`, as /tokenize may ask): its literal spans encoded as text, the rest as the
+        template wrote it. The text between spans is cut where the tokenizer cuts anyway (a special
+        token's text ends a segment), so only the spans themselves tokenize differently from the whole
+        text; the checkpoint's special tokens go around the whole, as its post-processor places them."""
         if not prompt.literal_spans:
-            return self.encode(prompt.text, add_special_tokens=False)
-        ids: list[int] = []
+            return self.encode(prompt.text, add_special_tokens=add_special_tokens)
+        parts: list[Encoding] = []
         start = 0
         for begin, end in prompt.literal_spans:
             if begin > start:
-                ids += self.encode(prompt.text[start:begin], add_special_tokens=False)
-            ids += self._literal.encode(prompt.text[begin:end], add_special_tokens=False).ids
+                parts.append(self._encoding(prompt.text[start:begin]))
+            parts.append(self._literal.encode(prompt.text[begin:end], add_special_tokens=False))
             start = end
         if start < len(prompt.text):
-            ids += self.encode(prompt.text[start:], add_special_tokens=False)
-        return ids
+            parts.append(self._encoding(prompt.text[start:]))
+        if add_special_tokens:
+            return list(self._tok.post_process(Encoding.merge(parts), None, True).ids)
+        return [token_id for part in parts for token_id in part.ids]
+
+    def _encoding(self, text: str) -> Encoding:
+        """`text` encoded without special tokens added (through the batch call when long: see `encode`)."""
+        if len(text) > RELEASE_GIL_CHARS:
+            return self._tok.encode_batch([text], add_special_tokens=False)[0]
+        return self._tok.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of token_ids, special tokens dropped (as /detokenize and vLLM's decode)."""

@@ -340,5 +340,22 @@ def test_special_tokens_in_content_stay_text(granite_model):
     assert exc.value.param == "messages"
 
 
+def test_literal_spans_keep_the_checkpoints_added_special_tokens_around_the_whole(granite_model):
+    """/tokenize's add_special_tokens on a chat: the post-processor's BOS goes before the whole prompt once,
+    not before each of the pieces the literal spans cut it into."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    raw = Tokenizer.from_file(str(granite_model / "tokenizer.json"))
+    raw.post_processor = TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 1)])
+    tokenizer = GatewayTokenizer(raw)
+    template = ChatTemplate.compile("{% for m in messages %}{{ m['content'] }}<|eos|>{% endfor %}", {})
+    messages = parse_chat({"model": "m", "messages": [{"role": "user", "content": "a <|eos|> b"}]}).messages
+    prompt = template.render_prompt(messages, None, tokenizer.special_token_texts)
+    assert prompt.literal_spans
+    bare = tokenizer.encode_chat(prompt)
+    assert bare[0] != 1 and tokenizer.encode_chat(prompt, add_special_tokens=True) == [1, *bare]
+
+
 def _literal(tokenizer: GatewayTokenizer, text: str) -> list[int]:
     return [i for ch in text.encode() for i in tokenizer.encode(chr(ch), False)]
