@@ -3,16 +3,16 @@ gateway in front of real workers serving a tiny random model with a Granite-styl
 
 A random model never calls a tool of its own accord, so `tool_choice: auto` is checked for what reaches
 the model (the rendered tools) and for a stream that says what the body says; well-formed calls come from
-`required` and named choices, which the worker's structured-output engine guarantees. Those tests
-(`needs_grammar`) skip when the worker ignores `structured_output`."""
+`required` and named choices, which the worker's structured-output engine guarantees."""
 
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import jsonschema
 import openai
 import pytest
@@ -20,8 +20,6 @@ import pytest
 from gateway.chat_template import load_chat_template
 from gateway.openai_request import parse_chat
 from gateway.tokens import GatewayTokenizer
-from hybridserve.v1 import generation_pb2 as pb
-from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 from hybridserve_cli.chat_templates import add_chat_template
 from hybridserve_cli.init_model import write_random_checkpoint
 from tests.gateway.conftest import MODEL_NAME, SPEC, Stack, gateway_stack, start_gateway, wait_ready
@@ -58,21 +56,6 @@ def tools_stack(granite_dir, scheduler) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def client(tools_stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=tools_stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def needs_grammar(tools_stack) -> None:
-    """Skips unless the workers constrain generation (structured_output): a one-choice grammar must win."""
-    request = pb.GenerateRequest(
-        prompt="x",
-        sampling=pb.SamplingParams(
-            max_tokens=8, structured_output=pb.StructuredOutput(choice=pb.Choices(values=["yes"]))
-        ),
-    )
-    with grpc.insecure_channel(tools_stack.worker_addresses[0]) as channel:
-        text = "".join(m.text for m in pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
-    if text != "yes":
-        pytest.skip("the workers ignore structured_output (no grammar engine in this build)")
 
 
 def prompt_tokens(model_dir: Path, body: dict) -> int:
@@ -129,13 +112,35 @@ def test_special_tokens_in_content_are_text(client, granite_dir):
     assert result.usage.prompt_tokens == plain.usage.prompt_tokens + 7 == prompt_tokens(granite_dir, body)
 
 
+def post_json(stack: Stack, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://{stack.gateway.address}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tokenize_renders_the_tools_and_keeps_content_literal(tools_stack, granite_dir):
+    """/tokenize with messages and tools gives the ids a chat request with the same body is served on."""
+    body = {"messages": [{"role": "user", "content": "stop <|eos|> here"}], "tools": [WEATHER]}
+    status, result = post_json(tools_stack, "/tokenize", {"model": MODEL_NAME, **body})
+    assert status == 200 and result["count"] == len(result["tokens"]) == prompt_tokens(granite_dir, body), result
+    _, bare = post_json(tools_stack, "/tokenize", {"model": MODEL_NAME, "messages": body["messages"]})
+    assert bare["count"] < result["count"] - 100  # the tools' schemas are in the prompt
+    status, refused = post_json(tools_stack, "/tokenize", {"model": MODEL_NAME, "prompt": "x", "tools": [WEATHER]})
+    assert status == 400 and refused["error"]["param"] == "tools"
+
+
 def check_call(call, name: str = "get_weather") -> None:
     assert call.id.startswith("call_") and call.type == "function" and call.function.name == name
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS if name == "get_weather" else {})
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_required_gives_valid_calls(client, needs_grammar, seed):
+def test_required_gives_valid_calls(client, seed):
     result = client.chat.completions.create(
         model=MODEL_NAME, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0.8, seed=seed,
         max_tokens=200, parallel_tool_calls=False,
@@ -146,7 +151,7 @@ def test_required_gives_valid_calls(client, needs_grammar, seed):
     check_call(choice.message.tool_calls[0])
 
 
-def test_named_call_streamed(client, needs_grammar):
+def test_named_call_streamed(client):
     stream = client.chat.completions.create(
         model=MODEL_NAME, messages=ASK, tools=[WEATHER, TIME], temperature=0.8, seed=5, max_tokens=200, stream=True,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -163,6 +168,29 @@ def test_named_call_streamed(client, needs_grammar):
     jsonschema.validate(json.loads(arguments), PARAMETERS)
 
 
+def test_continuous_usage_rides_on_every_tool_call_delta(tools_stack):
+    """One worker message can make several chunks (a call's name, then its arguments): each carries the
+    usage so far (stream_options.continuous_usage_stats)."""
+    body = {"model": MODEL_NAME, "messages": ASK, "tools": [WEATHER], "max_tokens": 200, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    request = urllib.request.Request(
+        f"http://{tools_stack.gateway.address}/v1/chat/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = [e for e in response.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    *chunks, last = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    calls = [c for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert len(calls) == 2 and calls[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert calls[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == last["usage"]["completion_tokens"] > 0
+    assert calls[0]["usage"] == calls[1]["usage"]  # both from the last worker message
+    assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in chunks)
+
+
 def test_bad_tool_requests_are_400s(client):
     cases = [
         (
@@ -171,6 +199,14 @@ def test_bad_tool_requests_are_400s(client):
         ),
         (dict(tool_choice="required"), "tool_choice"),
         (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name"),
+        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+        (
+            dict(
+                tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/no"}}}],
+                tool_choice={"type": "function", "function": {"name": "f"}},
+            ),
+            "tools[1]",
+        ),
     ]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as exc:
@@ -228,7 +264,7 @@ def test_responses_round_trip_with_a_tool(client, granite_dir):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
-def test_responses_function_call(client, needs_grammar):
+def test_responses_function_call(client):
     kwargs = dict(model=MODEL_NAME, input="Weather in Oslo?", tools=[RESPONSES_TOOL], tool_choice="required",
                   parallel_tool_calls=False, max_output_tokens=200, temperature=0.8)  # fmt: skip
     response = client.responses.create(**kwargs)
