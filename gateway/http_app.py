@@ -194,6 +194,7 @@ class Generation:
         self.choices = [ChoiceState(i, api.kind, api.logprobs, with_top, token_text) for i in range(num_choices)]
         self.first_token = False
         self.prompt_tokens_of: dict[int, int] = {}  # choice index -> its prompt's tokens, once tokenized
+        self.tool_output: pb.StructuredOutput | None = None  # forced tool calls' constraint, set with the prompt
         self.clock = gateway.metrics.clock(api.model, started_s)  # TTFT, ITL, E2E of this request
 
     async def prompts_off_loop(self) -> list[str | tuple[int, ...] | list[int]]:
@@ -216,6 +217,8 @@ class Generation:
         if api.kind == "chat":
             if gateway.chat_template is None:
                 raise api_errors.bad_request(gateway.missing_template_reason(), "messages", "no_chat_template")
+            # checked by the grammar engine here, on the text threads (gateway/tool_constraint.py)
+            self.tool_output = tool_constraint(api.tools, gateway.tool_format())
             chat = gateway.render_chat(api.messages, api.tools)
             if (limits := gateway.text_limits()) is not None:  # the template adds text of its own
                 check_text_size([chat.text], "messages", limits)
@@ -245,10 +248,9 @@ class Generation:
     def requests(self, prompt: str | tuple[int, ...] | list[int]) -> list[pb.GenerateRequest]:
         """The worker requests of the choices; forced tool calls constrained (gateway/tool_constraint.py)."""
         requests = generate_requests(self.api, prompt, self.gateway.generation_defaults)
-        constraint = tool_constraint(self.api.tools, self.gateway.tool_format())
-        if constraint is not None:
+        if self.tool_output is not None:
             for request in requests:
-                request.sampling.structured_output.CopyFrom(constraint)
+                request.sampling.structured_output.CopyFrom(self.tool_output)
         return requests
 
     async def run_choice(
