@@ -1,5 +1,5 @@
 """The OpenAI HTTP API on aiohttp: /v1/completions, /v1/chat/completions (JSON or server-sent
-events), /v1/models, and /health, /ready, /metrics.
+events), /v1/responses (responses_api.py), /v1/models, and /health, /ready, /metrics.
 
 Every error leaves as OpenAI's body shape with its status (api_errors.py). A client that disconnects
 cancels its handler (the runner is built with handler_cancellation), which cancels the worker calls:
@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,13 +25,18 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from gateway import api_errors, tokenize_api
 from gateway.api_errors import ApiError
 from gateway.body import BodyParser
-from gateway.chat_template import ChatTemplate
+from gateway.chat_output import OutputParser
+from gateway.chat_template import ChatPrompt, ChatTemplate
 from gateway.convert import generate_requests
 from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
 from gateway.metrics import GatewayMetrics
-from gateway.openai_request import ApiRequest, TextLimits, check_text_size
+from gateway.openai_request import ApiRequest, Message, TextLimits, check_text_size
 from gateway.openai_response import ChoiceState, ChunkFrame, envelope, final_body, new_id, request_usage
+from gateway.reasoning import ReasoningSplitter, pick_reasoning_parser, prompt_opens_reasoning
 from gateway.tokens import GatewayTokenizer, token_id_text
+from gateway.tool_calls import ToolRequest
+from gateway.tool_constraint import tool_constraint
+from gateway.tool_parsers import make_parser, pick_parser
 from hybridserve import telemetry
 from hybridserve.auth import is_authorized
 from hybridserve.generation_config import GenerationDefaults
@@ -57,9 +62,34 @@ class Gateway:
     generation_defaults: GenerationDefaults = GenerationDefaults()  # the model's generation_config.json
     text_work: Executor | None = None  # template rendering and tokenizing, off the event loop (None: inline)
     bodies: BodyParser = field(default_factory=BodyParser)
+    tool_parser: str = "auto"  # --tool-call-parser: a format of gateway/tool_parsers.py, or auto (the template's)
+    reasoning_parser: str = "auto"  # --reasoning-parser: deepseek_r1, none, or auto (when the template writes <think>)
+    allow_special_tokens_in_content: bool = False  # content's special-token text read as special tokens
     # where the tokenizer, template and defaults came from: "--model" (a folder here), "workers"
     # (GetModelFiles, gateway/model_files.py), "" (neither: no --model and no worker has sent them yet)
     files_source: str = "--model"
+
+    def tool_format(self) -> str:
+        """The tool-call format of the served model."""
+        return pick_parser(self.tool_parser, self.chat_template.source if self.chat_template else None)
+
+    def reasoning_format(self) -> str:
+        """The reasoning parser ("" = none)."""
+        return pick_reasoning_parser(self.reasoning_parser, self.chat_template.source if self.chat_template else None)
+
+    def render_chat(
+        self, messages: Sequence[Message], tools: ToolRequest | None, add_generation_prompt: bool = True
+    ) -> ChatPrompt:
+        """Messages (and the tools the model may call) through the chat template, content's special-token
+        text kept literal unless --allow-special-tokens-in-content (the tokenizer's, wherever it came
+        from: --model or the workers); the caller has checked that there is a template."""
+        assert self.chat_template is not None
+        literal = not self.allow_special_tokens_in_content and self.tokenizer is not None
+        escape = self.tokenizer.special_token_texts if literal and self.tokenizer is not None else ()
+        template_tools = tools.template_tools() if tools is not None else None
+        return self.chat_template.render_prompt(
+            messages, template_tools, escape, add_generation_prompt=add_generation_prompt
+        )
 
     def missing_template_reason(self) -> str:
         """Why there is no chat template: this gateway has no model files at all, or the model has none."""
@@ -164,6 +194,7 @@ class Generation:
         self.choices = [ChoiceState(i, api.kind, api.logprobs, with_top, token_text) for i in range(num_choices)]
         self.first_token = False
         self.prompt_tokens_of: dict[int, int] = {}  # choice index -> its prompt's tokens, once tokenized
+        self.tool_output: pb.StructuredOutput | None = None  # forced tool calls' constraint, set with the prompt
         self.clock = gateway.metrics.clock(api.model, started_s)  # TTFT, ITL, E2E of this request
 
     async def prompts_off_loop(self) -> list[str | tuple[int, ...] | list[int]]:
@@ -186,12 +217,41 @@ class Generation:
         if api.kind == "chat":
             if gateway.chat_template is None:
                 raise api_errors.bad_request(gateway.missing_template_reason(), "messages", "no_chat_template")
-            text = gateway.chat_template.render(api.messages)
+            # checked by the grammar engine here, on the text threads (gateway/tool_constraint.py)
+            self.tool_output = tool_constraint(api.tools, gateway.tool_format())
+            chat = gateway.render_chat(api.messages, api.tools)
             if (limits := gateway.text_limits()) is not None:  # the template adds text of its own
-                check_text_size([text], "messages", limits)
-        if isinstance(text, str) and gateway.tokenizer is not None:  # a rendered template holds its specials
-            return gateway.tokenizer.encode(text, add_special_tokens=api.kind != "chat")
+                check_text_size([chat.text], "messages", limits)
+            self.attach_parsers(chat)
+            if gateway.tokenizer is not None:  # a rendered template holds its specials
+                return gateway.tokenizer.encode_chat(chat)
+            return chat.text
+        if isinstance(text, str) and gateway.tokenizer is not None:
+            return gateway.tokenizer.encode(text, add_special_tokens=True)
         return text
+
+    def attach_parsers(self, chat: ChatPrompt) -> None:
+        """Each choice's output parsers: reasoning (when the model writes it) and tool calls (when the
+        request offers tools the model may call)."""
+        reasoning = self.gateway.reasoning_format()
+        tools = self.api.tools if self.api.tools is not None and self.api.tools.choice != "none" else None
+        if not reasoning and tools is None:
+            return
+        starts_inside = prompt_opens_reasoning(chat.text)
+        for choice in self.choices:
+            choice.output = OutputParser(
+                ReasoningSplitter(starts_inside) if reasoning else None,
+                make_parser(self.gateway.tool_format()) if tools is not None else None,
+                tools.parallel if tools is not None else True,
+            )
+
+    def requests(self, prompt: str | tuple[int, ...] | list[int]) -> list[pb.GenerateRequest]:
+        """The worker requests of the choices; forced tool calls constrained (gateway/tool_constraint.py)."""
+        requests = generate_requests(self.api, prompt, self.gateway.generation_defaults)
+        if self.tool_output is not None:
+            for request in requests:
+                request.sampling.structured_output.CopyFrom(self.tool_output)
+        return requests
 
     async def run_choice(
         self,
@@ -224,8 +284,7 @@ class Generation:
         tasks = []
         for p, prompt in enumerate(prompts):
             prefix = self.gateway.dispatcher.prefix_hashes(prompt, self.api.cache_salt)
-            requests = generate_requests(self.api, prompt, self.gateway.generation_defaults)
-            for j, r in enumerate(requests):
+            for j, r in enumerate(self.requests(prompt)):
                 index = p * self.api.n + j
                 self.prompt_tokens_of[index] = len(prompt)
                 tasks.append(
@@ -263,8 +322,10 @@ class Generation:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def sse_with_usage(self, frame: ChunkFrame, choice: ChoiceState, message: pb.GenerateResponse) -> bytes:
-        entry = choice.apply(message)
-        return frame.sse_with_usage(entry, self.prompt_tokens_of.get(choice.index, 0), choice.num_tokens)
+        """The chunks of one worker message, each with its choice's usage so far (continuous_usage_stats)."""
+        entries = choice.entries(message)
+        prompt_tokens = self.prompt_tokens_of.get(choice.index, 0)
+        return b"".join([frame.sse_with_usage(e, prompt_tokens, choice.num_tokens) for e in entries])
 
     def record_usage(self) -> dict[str, Any]:
         usage = request_usage(self.choices, self.api.n)
@@ -296,7 +357,9 @@ class Generation:
                     if self.api.continuous_usage:
                         data = b"".join([self.sse_with_usage(frame, choices[i], m) for i, m in batch])
                     else:
-                        data = b"".join([frame.sse(choices[index].apply(message)) for index, message in batch])
+                        data = b"".join(
+                            [frame.sse(entry) for index, message in batch for entry in choices[index].entries(message)]
+                        )
                     if response is None:  # errors before the first token still get their HTTP status
                         response = web.StreamResponse(
                             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -426,4 +489,7 @@ def build_app(gateway: Gateway, max_body_bytes: int) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     tokenize_api.add_routes(app)
+    from gateway import responses_api  # it builds on this module's Generation
+
+    responses_api.add_routes(app)
     return app

@@ -15,6 +15,7 @@ from typing import Any
 from gateway.api_errors import bad_request, unsupported
 from gateway.structured import FIELDS as STRUCTURED_FIELDS
 from gateway.structured import parse_structured
+from gateway.tool_calls import ToolCall, ToolRequest, parse_message_tool_calls, parse_tool_call_id, parse_tool_request
 from hybridserve.structured_output import StructuredSpec
 
 MAX_N = 16  # choices per prompt
@@ -45,7 +46,7 @@ _COMMON = frozenset(
     }
 )
 _COMPLETION = _COMMON | {"prompt"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 
 # field -> values that mean "off" (accepted and ignored, since they change nothing)
 _NO_OP: dict[str, tuple[Any, ...]] = {
@@ -78,6 +79,10 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 class Message:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+    null_content: bool = False  # content was null (an assistant turn of only tool calls): the template sees None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,13 +125,13 @@ class ApiRequest:
     # completions: every prompt of the request in order (a list of several); () = just `prompt`
     prompts: tuple[str | tuple[int, ...], ...] = ()
     cache_salt: str = ""  # vLLM's: requests of different salts share no prefix-cache block ("" = unsalted)
+    structured: StructuredSpec | None = None  # response_format / structured_outputs (gateway/structured.py)
+    tools: ToolRequest | None = None  # chat: the functions the model may call (gateway/tool_calls.py)
 
     @property
     def all_prompts(self) -> tuple[str | tuple[int, ...], ...]:
         """The prompts whose n choices each make up the response: prompt i's are choices i*n .. i*n+n-1."""
         return self.prompts or (self.prompt,)
-
-    structured: StructuredSpec | None = None  # response_format / structured_outputs (gateway/structured.py)
 
 
 def _text(value: str, name: str) -> str:
@@ -388,10 +393,33 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
                 "invalid_value",
             )
         for key in item:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 raise unsupported(f"messages[{i}].{key}")
-        messages.append(Message(role=str(role), content=_content(item.get("content"), i)))
+        messages.append(_message(item, str(role), i))
     return tuple(messages)
+
+
+def _message(item: Mapping[str, Any], role: str, i: int) -> Message:
+    """One message, with an assistant's `tool_calls` and a tool message's `tool_call_id`."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    if item.get("tool_calls") is not None:
+        if role != "assistant":
+            raise bad_request(
+                f"messages[{i}].tool_calls: only assistant messages make tool calls", f"messages[{i}].tool_calls"
+            )
+        tool_calls = parse_message_tool_calls(item["tool_calls"], f"messages[{i}].tool_calls")
+    tool_call_id = None
+    if role == "tool":
+        tool_call_id = parse_tool_call_id(item.get("tool_call_id"), f"messages[{i}].tool_call_id")
+    elif item.get("tool_call_id") is not None:
+        raise bad_request(
+            f"messages[{i}].tool_call_id: only tool messages answer a tool call", f"messages[{i}].tool_call_id"
+        )
+    name = item.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _fail_type(f"messages[{i}].name", "a string", name)
+    content = item.get("content")
+    return Message(role, _content(content, i), tool_calls, tool_call_id, name, content is None)
 
 
 def parse_chat(body: Any) -> ApiRequest:
@@ -406,7 +434,24 @@ def parse_chat(body: Any) -> ApiRequest:
     top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    return _common(body, "chat", "", _messages(body), max_tokens or 0, logprobs, top)
+    api = _common(body, "chat", "", _messages(body), max_tokens or 0, logprobs, top)
+    tools = parse_tool_request(body)
+    check_one_constraint(body, api.structured, tools)
+    return replace(api, tools=tools)
+
+
+def check_one_constraint(body: Mapping[str, Any], structured: StructuredSpec | None, tools: ToolRequest | None) -> None:
+    """Refuses a structured output beside a forced tool call: each constrains generation with a grammar
+    of its own, and a worker request carries one."""
+    if structured is None or tools is None or not tools.is_forced:
+        return
+    field = next(f for f in STRUCTURED_FIELDS if body.get(f) is not None)
+    raise bad_request(
+        f"'{field}' and 'tool_choice' ({'required' if tools.choice == 'required' else 'a named function'}) both"
+        f" constrain the output, and only one can; drop '{field}', or let the model choose with 'tool_choice':"
+        " 'auto'",
+        field,
+    )
 
 
 def check_prompt_size(api: ApiRequest, limits: TextLimits) -> None:

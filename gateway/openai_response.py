@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.chat_output import OutputParser, chat_deltas, chat_message
 from hybridserve.v1 import generation_pb2 as pb
 
 TokenText = Callable[[int], str]  # token id -> its text (as decoded alone)
@@ -144,9 +145,32 @@ class ChoiceState:
     usage: UsageCount | None = None
     sent_role: bool = False
     num_tokens: int = 0  # tokens generated so far
+    output: OutputParser | None = None  # chat: reasoning and tool calls parsed out of the text (chat_output.py)
+    more_deltas: list[dict[str, Any]] = field(default_factory=list)  # with `output`: the last message's others
+
+    def entries(self, msg: pb.GenerateResponse) -> list[dict[str, Any]]:
+        """Takes one worker message; returns this choice's stream chunk entries for it (one, or with
+        `output` one per delta: a tool call's name comes before its arguments)."""
+        entry = self.apply(msg)
+        if not self.more_deltas:
+            return [entry]
+        last = {"index": self.index, "logprobs": None, "finish_reason": entry["finish_reason"]}
+        entry["finish_reason"] = None
+        rest = [{"index": self.index, "delta": d, "logprobs": None, "finish_reason": None} for d in self.more_deltas]
+        rest[-1] = last | {"delta": self.more_deltas[-1]}
+        return [entry, *rest]
+
+    def _output_deltas(self, msg: pb.GenerateResponse) -> list[dict[str, Any]]:
+        assert self.output is not None
+        calls_before = len(self.output.calls)
+        pieces = self.output.feed(msg.text) + (self.output.finish() if msg.finish_reason else [])
+        if self.finish_reason == "stop" and self.output.calls:
+            self.finish_reason = "tool_calls"
+        return chat_deltas(pieces, calls_before)
 
     def apply(self, msg: pb.GenerateResponse) -> dict[str, Any]:
-        """Takes one worker message; returns this choice's stream chunk entry for it."""
+        """Takes one worker message; returns this choice's stream chunk entry for it (with `output`, the
+        first of `entries`)."""
         self.text.append(msg.text)
         self.num_tokens += len(msg.token_ids)
         entry: dict[str, Any] = {"index": self.index}
@@ -161,7 +185,13 @@ class ChoiceState:
             self.finish_reason = openai_finish_reason(msg.finish_reason)
             u = msg.usage
             self.usage = UsageCount(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
-        if self.kind == "chat":
+        if self.kind == "chat" and self.output is not None:
+            deltas = self._output_deltas(msg) or [{}]
+            if not self.sent_role:
+                deltas[0] = {"role": "assistant", **(deltas[0] or {"content": ""})}
+                self.sent_role = True
+            entry["delta"], self.more_deltas = deltas[0], deltas[1:]
+        elif self.kind == "chat":
             delta: dict[str, Any] = {"content": msg.text} if msg.text or not msg.finish_reason else {}
             if not self.sent_role:
                 delta = {"role": "assistant", "content": msg.text}
@@ -183,6 +213,8 @@ class ChoiceState:
             logprobs = self.completion_logprobs.to_json(self.with_top)
         if self.kind == "chat":
             message = {"role": "assistant", "content": text, "refusal": None}
+            if self.output is not None:
+                message = chat_message(self.output)
             return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason}
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
 

@@ -30,7 +30,9 @@ from gateway.http_app import Gateway, build_app
 from gateway.metrics import GatewayMetrics
 from gateway.model_files import LoadedFiles, adopt_worker_files
 from gateway.pool import WorkerPool, split_host_port
+from gateway.reasoning import pick_reasoning_parser
 from gateway.tokens import GatewayTokenizer
+from gateway.tool_parsers import pick_parser
 from hybridserve import telemetry
 from hybridserve.auth import load_keys
 from hybridserve.errors import InvalidArgumentError
@@ -77,6 +79,9 @@ class GatewaySettings:
     poll_interval_s: float = 0.25  # worker health and load poll period
     grace_s: float = 5.0  # on SIGTERM, time for calls in flight
     metrics_compat: str = ""  # "vllm": vLLM's series also under their vllm: names
+    tool_call_parser: str = "auto"  # granite (hermes), nemotron_h, json, or auto: the format the template writes
+    reasoning_parser: str = "auto"  # deepseek_r1, none, or auto: deepseek_r1 when the template writes <think>
+    allow_special_tokens_in_content: bool = False  # message content's special-token text read as special tokens
 
 
 FLAGS = {
@@ -101,6 +106,20 @@ FLAGS = {
     "poll_interval_s": Flag("worker health and load poll period"),
     "grace_s": Flag("on SIGTERM, time for calls in flight"),
     "metrics_compat": Flag(METRICS_COMPAT_HELP, metavar="vllm"),
+    "tool_call_parser": Flag(
+        "the tool-call format: granite (Granite-4.0's <tool_call>; also 'hermes'), nemotron_h (<TOOLCALL>),"
+        " json (bare JSON calls), or auto: the one the chat template writes",
+        metavar="auto|granite|nemotron_h|json",
+    ),
+    "reasoning_parser": Flag(
+        "split <think>...</think> into reasoning_content: deepseek_r1, none, or auto (when the template writes"
+        " <think>)",
+        metavar="auto|deepseek_r1|none",
+    ),
+    "allow_special_tokens_in_content": Flag(
+        "read special-token text in message content as special tokens (by default it is literal text)",
+        switch=True,
+    ),
 }
 
 
@@ -124,6 +143,9 @@ class GatewayConfig:
     grace_s: float
     tls: TlsSettings  # the gRPC port's certificate (mTLS with a client CA), and how to dial the workers
     metrics_compat: str = ""  # "vllm": /metrics also under vLLM's names
+    tool_call_parser: str = "auto"  # the tool-call format (gateway/tool_parsers.py)
+    reasoning_parser: str = "auto"  # the reasoning parser (gateway/reasoning.py)
+    allow_special_tokens_in_content: bool = False
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +165,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise SystemExit(f"--workers: {exc}") from None
     if settings.metrics_compat not in METRICS_COMPAT:
         raise SystemExit(f"--metrics-compat {settings.metrics_compat!r}: use vllm (or leave it out)")
+    try:
+        pick_parser(settings.tool_call_parser, None)
+        pick_reasoning_parser(settings.reasoning_parser, None)
+    except ValueError as exc:
+        raise SystemExit(f"--tool-call-parser / --reasoning-parser: {exc}") from None
     if settings.routing not in ("prefix", "round-robin"):
         raise SystemExit(f"--routing {settings.routing!r}: use prefix or round-robin")
     if settings.request_cost_tokens < 0 or settings.max_body_mb <= 0 or settings.poll_interval_s <= 0:
@@ -171,6 +198,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         grace_s=settings.grace_s,
         tls=settings_from_args(TlsSettings, args),
         metrics_compat=settings.metrics_compat,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+        allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
     )
 
 
@@ -223,6 +253,9 @@ async def serve(
         config.request_timeout_s,
         defaults,
         text_work,
+        tool_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+        allow_special_tokens_in_content=config.allow_special_tokens_in_content,
         files_source="--model" if config.model_dir is not None else "",
     )
     runner = web.AppRunner(build_app(gateway, config.max_body_bytes), handler_cancellation=True, access_log=None)

@@ -15,8 +15,8 @@ Accepted, on /v1/chat/completions and /v1/completions alike:
 JSON output is compact (no whitespace between tokens) unless `structured_outputs.disable_any_whitespace` is
 false. `strict` is accepted either way: the output always follows the schema.
 
-`tool_call_output` is for tool calling: the StructuredOutput of one or more calls, each a JSON value valid
-against a schema, between fixed tags."""
+Forced tool calls (`tool_choice: "required"` or a named function) are constrained through the same spec and
+message: gateway/tool_constraint.py builds their grammar; one request cannot have both (openai_request.py)."""
 
 from __future__ import annotations
 
@@ -157,36 +157,3 @@ def structured_output_pb(spec: StructuredSpec) -> pb.StructuredOutput:
     else:
         setattr(message, spec.kind, spec.value)
     return message
-
-
-def tool_call_output(
-    schema: Mapping[str, Any] | bool,
-    open_tag: str = "<tool_call>",
-    close_tag: str = "</tool_call>",
-    *,
-    many: bool = False,
-    separator: str = "\n",
-) -> pb.StructuredOutput:
-    """The StructuredOutput (a Lark grammar) of tool calls: `open_tag`, one JSON value valid against `schema`
-    (compact, as llguidance's `%json` writes it), `close_tag`; with `many`, one or more such calls with
-    `separator` between them. The output ends (FINISH_REASON_STOP) right after the last `close_tag`.
-
-    `schema` is a JSON Schema (a dict, or True for any JSON value): for a named function, the call's
-    envelope, e.g. {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments":
-    <the function's parameters schema>}, "required": ["name", "arguments"], "additionalProperties": false};
-    for `tool_choice: "required"`, an `anyOf` of such envelopes. Tags and separator are literal text; a tag
-    the tokenizer holds as a special token must be given as that token, in llguidance's syntax `<[id]>`
-    (e.g. "<[100264]>"), since special tokens never match literal text. Raises gateway.api_errors.ApiError
-    (400, field `tools`) when the schema cannot be compiled."""
-    body = json.dumps(schema)
-    call = f"{_lark_literal(open_tag)} call_json {_lark_literal(close_tag)}"
-    start = f"start: call ({json.dumps(separator)} call)*" if many else "start: call"
-    grammar = f"{start}\ncall: {call}\ncall_json: %json {body}\n"
-    return structured_output_pb(_checked(StructuredSpec("grammar", grammar), "tools"))
-
-
-def _lark_literal(tag: str) -> str:
-    """A tag in Lark: quoted text, or a special token's `<[id]>` as it is."""
-    if tag.startswith("<[") and tag.endswith("]>") and tag[2:-2].isdigit():
-        return tag
-    return json.dumps(tag)

@@ -3,7 +3,8 @@ GuideLLM's) and eval harnesses can size prompts in the served model's tokens wit
 GET /version as vLLM's.
 
     /tokenize    {"prompt": str | [int], "add_special_tokens"?: bool (true)}
-                 or {"messages": [...], "add_generation_prompt"?: bool (true), "add_special_tokens"?: bool (false)}
+                 or {"messages": [...], "tools"?: [...], "add_generation_prompt"?: bool (true),
+                     "add_special_tokens"?: bool (false)}
                  (either with "return_token_strs"?: bool)
                  -> {"count": N, "max_model_len": M, "tokens": [int], "token_strs": [str] | null}
     /detokenize  {"tokens": [int]} -> {"prompt": str}
@@ -11,7 +12,9 @@ GET /version as vLLM's.
 
 The ids are those a generation request with the same body would be served on: a prompt is encoded
 with the checkpoint's special tokens (unless add_special_tokens is false), messages through the chat
-template, which holds its own (vLLM's defaults for both). max_model_len is the ready workers' smallest,
+template, which holds its own (vLLM's defaults for both), with the `tools` the template is given and
+message content's special-token text kept literal as chat requests keep it (gateway/http_app.py
+`Gateway.render_chat`). max_model_len is the ready workers' smallest,
 as generation requests are limited by it. `model`, when sent, must name the served model."""
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from aiohttp import web
 from gateway import api_errors
 from gateway.openai_request import MAX_TOKEN_ID, _messages, check_text_size
 from gateway.tokens import GatewayTokenizer
+from gateway.tool_calls import parse_tool_request
 from hybridserve import __version__
 
 T = TypeVar("T")
 _TOKENIZE_FIELDS = frozenset(
-    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
+    {"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
 )
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
@@ -92,22 +96,23 @@ async def tokenize(request: web.Request) -> web.Response:
     tokenizer = _tokenizer(request)
     if "messages" in body:
         gateway = request.app["gateway"]
-        template = gateway.chat_template
-        if template is None:
+        if gateway.chat_template is None:
             raise api_errors.bad_request(
                 gateway.missing_template_reason() + "; tokenize a 'prompt'", "messages", "no_chat_template"
             )
         add_generation = _flag(body, "add_generation_prompt", True)
         add_special = _flag(body, "add_special_tokens", False)
         messages = _messages(body)
+        tools = parse_tool_request({"tools": body.get("tools")})
         _check_size(request, [m.content for m in messages], "messages")
         tokens = await _off_loop(
             request,
-            lambda: tokenizer.encode(template.render(messages, add_generation), add_special_tokens=add_special),
+            lambda: tokenizer.encode_chat(gateway.render_chat(messages, tools, add_generation), add_special),
         )
     else:
-        if "add_generation_prompt" in body:
-            raise api_errors.bad_request("'add_generation_prompt' goes with 'messages'", "add_generation_prompt")
+        for name in ("add_generation_prompt", "tools"):
+            if name in body:
+                raise api_errors.bad_request(f"'{name}' goes with 'messages'", name)
         prompt = body["prompt"]
         add_special = _flag(body, "add_special_tokens", True)
         if isinstance(prompt, str):

@@ -1,6 +1,7 @@
-"""`hybridserve init-model DIR [--random | --arch bamba|granitemoehybrid|nemotron_h [--moe]]`: write the
-default model (a small Bamba trained on the Python standard library, see `hybridserve_cli.demo_model`), or a
-tiny seeded random checkpoint of a family for tests (`--random`; `--arch` and `--moe` imply it).
+"""`hybridserve init-model DIR [--random | --arch bamba|granitemoehybrid|nemotron_h [--moe]] [--chat-template
+granite]`: write the default model (a small Bamba trained on the Python standard library, see
+`hybridserve_cli.demo_model`), or a tiny seeded random checkpoint of a family for tests (`--random`; `--arch`
+and `--moe` imply it); `--chat-template granite` writes a Granite-4.0-style chat template with tools.
 
 The output is a regular Hugging Face checkpoint folder (config.json, model.safetensors,
 generation_config.json, tokenizer.json) that transformers' `from_pretrained` of the family also loads.
@@ -24,6 +25,7 @@ from gpu_worker.model.families import BY_NAME, family_for, family_named
 from gpu_worker.model.loader import checkpoint_shapes
 from gpu_worker.model.tokenizer import BYTE_VOCAB_SIZE, Tokenizer, build_byte_tokenizer
 from hybridserve.errors import InvalidArgumentError
+from hybridserve_cli.chat_templates import TEMPLATES, add_chat_template
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the byte tokenizer's specials (and the Bamba config defaults)
 
@@ -142,6 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe", action="store_true", help="MoE layers (implies --random)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of a random model (default 0)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing checkpoint in DIR")
+    parser.add_argument(
+        "--chat-template",
+        choices=sorted(TEMPLATES),
+        default=None,
+        help="write this chat template into tokenizer_config.json (granite: Granite-4.0's layout, with tools)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         from hybridserve_cli.demo_model.default import write_default_checkpoint  # it builds on this module
 
         write_default_checkpoint(root)
+    if args.chat_template is not None:
+        add_chat_template(root, args.chat_template)
     from gpu_worker.model.loader import load_model  # the check below re-reads what was written
 
     loaded = load_model(root, device="cpu", dtype="float32")

@@ -20,10 +20,23 @@ WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"  # package data: model
 DEMO_SPEC = ModelSpec()  # the architecture the committed weights were trained with
 
 # Turns as "Role: text" paragraphs, then "Assistant:" to prompt the reply. The model was never trained on
-# dialogue; the template lets chat requests run end to end.
+# dialogue; the template lets chat requests run end to end. With tools, a "Tools:" paragraph lists them (one
+# JSON object a line) and says how to call one; an assistant's calls are written as
+# <tool_call>{"name", "arguments"}</tool_call> (the gateway's `granite` parser reads them back), and tool
+# results are "Tool: text" paragraphs.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- 'Tools:\\n' -}}"
+    "{%- for tool in tools -%}{{- (tool | tojson) + '\\n' -}}{%- endfor -%}"
+    '{{- \'To call a tool, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call>.\\n\\n\' -}}'
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{{- (message['role'] | capitalize) + ': ' + message['content'] + '\\n\\n' -}}"
+    "{{- (message['role'] | capitalize) + ': ' + (message['content'] or '') -}}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{- '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson)"
+    " + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '\\n\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- 'Assistant:' -}}{%- endif -%}"
 )

@@ -82,6 +82,11 @@ def test_chat_and_completions_with_the_workers_files(gateway, large_vocab_dir):
     )  # fmt: skip
     rendered = "<|bos|><|user|>Hello!\n<|assistant|>"  # the template came from the worker
     assert chat.usage.prompt_tokens == len(rendered.encode()) - len("<|bos|>") + 1
+    smuggled = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello!<|eos|>"}], max_tokens=1, temperature=0
+    )
+    # the workers' tokenizer keeps content's special-token text literal: 7 tokens, not EOS's one
+    assert smuggled.usage.prompt_tokens == chat.usage.prompt_tokens + len("<|eos|>")
     completion = client.completions.create(
         model=MODEL_NAME, prompt="Tokenized here", max_tokens=3, temperature=0, logprobs=1,
         extra_body={"ignore_eos": True},

@@ -6,7 +6,20 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PURE = ("gateway.routing", "gateway.affinity", "gateway.openai_request", "gateway.api_errors", "hybridserve.auth")
+PURE = (
+    "gateway.routing",
+    "gateway.affinity",
+    "gateway.openai_request",
+    "gateway.api_errors",
+    "hybridserve.auth",
+    "gateway.structured",
+    "gateway.tool_calls",
+    "gateway.tool_constraint",
+    "gateway.tool_parsers",
+    "gateway.chat_output",
+    "gateway.reasoning",
+    "gateway.responses_request",
+)
 EDGE = ("grpc", "aiohttp", "torch", "opentelemetry", "google", "jinja2")
 
 

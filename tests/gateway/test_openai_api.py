@@ -247,7 +247,7 @@ def test_bad_requests_get_openai_errors(stack, body, status, param):
 
 def test_chat_errors_name_the_field(stack):
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}
-    for field, value, param in (("tools", [{"type": "function"}], "tools"),
+    for field, value, param in (("tools", [{"type": "function"}], "tools[0].function"),
                                 ("response_format", bad_schema, "response_format.json_schema.schema")):  # fmt: skip
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], field: value}
         status, got = post(stack, "/v1/chat/completions", json.dumps(body).encode())

@@ -1,5 +1,5 @@
 """gateway/structured.py: the body's structured-output fields into a spec (a 400 naming the field for a
-spec the engine cannot compile), the spec into the gRPC message, and the tool-call grammar helper."""
+spec the engine cannot compile, or one beside a forced tool call), and the spec into the gRPC message."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from gateway.api_errors import ApiError
 from gateway.openai_request import parse_chat, parse_completion
-from gateway.structured import structured_output_pb, tool_call_output
+from gateway.structured import structured_output_pb
 from hybridserve.structured_output import StructuredSpec
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
@@ -54,12 +54,25 @@ def test_specs_map_to_the_grpc_field() -> None:
     )
 
 
-def test_tool_call_output_is_a_grammar_of_tagged_json_and_refuses_a_bad_schema() -> None:
-    envelope = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
-    message = tool_call_output(envelope, many=True)
-    assert message.WhichOneof("kind") == "grammar" and "<tool_call>" in message.grammar and "%json" in message.grammar
-    assert "<[7]>" in tool_call_output(envelope, "<[7]>", "<[8]>").grammar
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "f"}}], ids=["required", "named"]
+)
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ],
+)
+def test_a_structured_output_beside_a_forced_tool_call_is_a_400_naming_it(choice, fields, param) -> None:
     with pytest.raises(ApiError) as caught:
-        tool_call_output({"$ref": "#/nowhere"})
-    assert caught.value.body()["error"]["param"] == "tools"
+        parse_chat({**CHAT, **fields, "tools": [TOOL], "tool_choice": choice})
+    error = caught.value.body()["error"]
+    assert caught.value.status == 400 and error["param"] == param and "tool_choice" in error["message"]
+    # the model choosing (auto), or a plain-text format, constrain once: accepted
+    assert parse_chat({**CHAT, **fields, "tools": [TOOL], "tool_choice": "auto"}).structured is not None
+    text = {"response_format": {"type": "text"}}
+    assert parse_chat({**CHAT, **text, "tools": [TOOL], "tool_choice": choice}).structured is None
