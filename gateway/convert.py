@@ -22,7 +22,7 @@ def sampling_of(api: ApiRequest, choice_index: int, defaults: GenerationDefaults
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        max_tokens=api.max_tokens,
+        max_tokens=api.max_tokens or None,  # 0 = the worker's default (unset)
         stop=list(api.stop),
         ignore_eos=api.ignore_eos,
         logprobs=api.top_logprobs,

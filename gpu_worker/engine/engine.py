@@ -300,11 +300,21 @@ class Engine:
             return StepSampling(rows)
         requests = prepared.yielding
         special = [i for i, r in enumerate(requests) if not r.params.sampling.is_plain]
-        return StepSampling(rows, special, [requests[i].params.sampling for i in special])
+        params = [requests[i].params.sampling for i in special]
+        if not any(p.needs_history for p in params):
+            return StepSampling(rows, special, params)
+        histories = [requests[i].history if p.needs_history else None for i, p in zip(special, params, strict=True)]
+        return StepSampling(rows, special, params, histories)
 
     def _apply(self, prepared: PreparedStep, sampled: StepOutput | None) -> list[Ending]:
         """Each sampled token to its request; returns the requests that ended (already freed)."""
-        if sampled is None or not prepared.yielding:
+        if sampled is None:
+            return []
+        for row, values in sampled.prompt_scores:  # before the tokens: a first token's event carries them
+            request = prepared.rows[row].request
+            del request.prompt_logprobs[prepared.rows[row].chunk.start_pos :]  # a recompute scores again
+            request.prompt_logprobs.extend(values)
+        if not prepared.yielding:
             return []
         now = time.monotonic()
         endings, firsts = self.outputs.append_step(
@@ -344,7 +354,9 @@ class Engine:
         new, aborts = self.door.take()
         for request in new:
             self.table.watch_deadline(request)
-            fetch = failures.guarded("shared-tier fetch", self.prefix.start_fetch, request)  # a failed fetch is a miss
+            fetch = (  # a failed fetch is a miss; a request that scores its prompt computes all of it
+                None if request.scoring else failures.guarded("shared-tier fetch", self.prefix.start_fetch, request)
+            )
             if fetch is None:
                 self._enqueue(request)
             else:
@@ -379,7 +391,7 @@ class Engine:
     # ---- request lifecycle -----------------------------------------------------------------------
     def _enqueue(self, request: Request) -> None:
         """Into the waiting queue, holding the pages of its cached prefix if there is one."""
-        lookup = self.allocator.attach_prefix(request)
+        lookup = None if request.scoring else self.allocator.attach_prefix(request)  # scoring: the whole prompt
         if lookup is not None:
             self.observer.cache_lookup(lookup)
         self.table.add_waiting(request)

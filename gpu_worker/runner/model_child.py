@@ -64,7 +64,9 @@ def serve(
         pool = AttachedArena(fds, shapes)
         runner = ModelRunner(loaded, replace(config, device="cpu"), alloc=pool.zeros)
         busy = pool.zeros((count,), torch.int32).numpy()  # the worker's order: pools, busy flags, step tables
-        reader = TableReader(StepTables(runner.state_pool.num_slots, runner.kv_pool.num_pages, pool.zeros))
+        reader = TableReader(StepTables(
+            runner.state_pool.num_slots, runner.kv_pool.num_pages, runner.config.vocab_size, pool.zeros
+        ))  # fmt: skip
         if not pool.complete:
             raise ValueError("the worker shared more tensors than this process built")
     except Exception as exc:  # reported to the worker, which fails its start-up with it
@@ -125,7 +127,7 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step) -> StepDone | Fa
     try:
         batch, sampling = reader.decode(step)
         out = runner.forward(batch)
-        sampled = sample_step(out.logits, batch, sampling)
+        sampled = sample_step(out.logits, batch, sampling, reader.tables.history)
     except InvalidArgumentError as exc:
         return Failed(str(exc), invalid=True)
     except Exception as exc:
@@ -137,7 +139,7 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step) -> StepDone | Fa
     all_logits = [_array(a) for a in out.all_logits] if step.want_logits and out.all_logits is not None else None
     return StepDone(
         sampled.token_ids, sampled.logprobs, sampled.top_logprobs, time.perf_counter() - started, widened, status,
-        logits, all_logits,
+        logits, all_logits, out.prompt_scores,
     )  # fmt: skip
 
 

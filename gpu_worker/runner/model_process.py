@@ -146,7 +146,9 @@ class ProcessRunner(RunnerFacts):
         # 1 while a model process computes its part of a step: set here before the parts go out, cleared by
         # the process when done (the others may then take its cores: StepThreads.widen)
         self._busy = self._arena.zeros((count,), torch.int32).numpy()
-        self._tables = TableWriter(StepTables(self.state_pool.num_slots, self.kv_pool.num_pages, self._arena.zeros))
+        self._tables = TableWriter(StepTables(
+            self.state_pool.num_slots, self.kv_pool.num_pages, loaded.config.vocab_size, self._arena.zeros
+        ))  # fmt: skip
         self._weights = SharedArena("hybridserve-weights")
         self._weight_names = share_weights(loaded.model, self._weights)  # one copy, whatever the processes
         self._context = multiprocessing.get_context("spawn")  # never fork a process that runs torch threads

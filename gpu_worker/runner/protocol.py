@@ -31,6 +31,7 @@ processes beside the worker). `LogitsRunner` turns a forward that returns logits
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -38,7 +39,16 @@ import torch
 from gpu_worker.runner.batch import Batch, ForwardOutput, SequenceChunk
 from gpu_worker.runner.checkpoint_io import BlockCheckpoint, CheckpointLayout, export_block, import_block
 from gpu_worker.runner.kv_pool import KVPagePool
-from gpu_worker.runner.sampling import SamplingParams, StepOutput, StepSampling, TopLogprobs, sample_step
+from gpu_worker.runner.sampling import (
+    MAX_LOGIT_BIAS_TOKENS,
+    HistoryTables,
+    HistoryWriter,
+    SamplingParams,
+    StepOutput,
+    StepSampling,
+    TopLogprobs,
+    sample_step,
+)
 from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.step_split import DECODE_ROW_TOKENS, FORWARD_FIXED_TOKENS
 
@@ -49,8 +59,9 @@ if TYPE_CHECKING:
     from gpu_worker.runner.warmup import WarmupTimes
 
 __all__ = [
-    "DECODE_ROW_TOKENS", "FORWARD_FIXED_TOKENS", "Batch", "BlockCheckpoint", "CheckpointLayout", "KVPagePool",
-    "LogitsRunner", "MambaStatePool", "PoolSet", "Pools", "Runner", "SamplingParams", "SequenceChunk",
+    "DECODE_ROW_TOKENS", "FORWARD_FIXED_TOKENS", "MAX_LOGIT_BIAS_TOKENS", "Batch", "BlockCheckpoint",
+    "CheckpointLayout", "KVPagePool", "LogitsRunner", "MambaStatePool", "PoolSet", "Pools", "Runner",
+    "SamplingParams", "SequenceChunk",
     "StepOutput", "StepSampling", "TopLogprobs",
 ]  # fmt: skip
 
@@ -137,10 +148,16 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype)
+
+
 class LogitsRunner:
     """`execute` over a `forward(batch, while_waiting) -> ForwardOutput` that computes logits in this
     process: the rows are sampled where the logits are (on the runner's device). The in-process
     runner is one; so are the engine tests' fakes."""
+
+    _history: HistoryWriter | None = None  # the penalties' state, from the first step that needs it
 
     def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
         raise NotImplementedError
@@ -148,7 +165,15 @@ class LogitsRunner:
     def execute(
         self, batch: Batch, sampling: StepSampling, while_waiting: Callable[[], None] | None = None
     ) -> StepOutput:
-        return sample_step(self.forward(batch, while_waiting).logits, batch, sampling)
+        out = self.forward(batch, while_waiting)
+        if sampling.histories and self._history is None:
+            slots = self.pools.state_pool.num_slots  # type: ignore[attr-defined]
+            self._history = HistoryWriter(HistoryTables(slots, out.logits.shape[-1], _zeros))
+        if self._history is not None:
+            self._history.publish(batch, sampling)
+        tables = self._history.tables if self._history is not None else None
+        sampled = sample_step(out.logits, batch, sampling, tables)
+        return replace(sampled, prompt_scores=out.prompt_scores) if out.prompt_scores else sampled
 
     def runs_elsewhere(self, batch: Batch) -> bool:
         return False

@@ -132,3 +132,53 @@ def test_a_step_of_32_rows_at_100k_vocab_moves_under_64_kb(runners: dict[str, Ru
     finally:
         for r in requests:
             r.release()
+
+
+CONTROLLED = {  # sampled, seeded rows with every control, and a greedy one with penalties
+    "penalised": SamplingParams(
+        temperature=1.0,
+        seed=11,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias=((5, 8.0), (9, -100.0)),
+        min_p=0.01,
+    ),  # fmt: skip
+    "min-tokens": SamplingParams(temperature=0.8, seed=12, top_k=40, min_tokens=4, held_token_ids=(5, 6)),
+    "greedy-penalised": SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, logit_bias=((7, 3.0),)),
+    "plain": SamplingParams(),
+}
+
+
+def generate_controlled(runner: Runner, names: list[str], steps: int = 6) -> dict[str, list[int]]:
+    """`generate` for CONTROLLED, each row's history (prompt, generated) handed to the runner as the engine
+    hands it: the lists themselves, grown each step."""
+    assert isinstance(runner, ModelRunner | ProcessRunner)
+    prompts = {n: [(13 * i + 7 * len(n)) % VOCAB for i in range(18 + 7 * len(n))] for n in names}
+    requests = {n: Request(runner, prompts[n]) for n in names}
+    outputs: dict[str, list[int]] = {n: [] for n in names}
+    try:
+        for step in range(steps + 1):
+            chunks = [r.chunk(len(r.token_ids) if step == 0 else 1) for r in requests.values()]
+            sampling = StepSampling.of(
+                range(len(names)), [CONTROLLED[n] for n in names], [(prompts[n], outputs[n]) for n in names]
+            )
+            sampled = runner.execute(Batch(tuple(chunks)), sampling)
+            for n, token in zip(names, sampled.token_ids, strict=True):
+                requests[n].token_ids.append(token)
+                outputs[n].append(token)
+    finally:
+        for r in requests.values():
+            r.release()
+    return outputs
+
+
+def test_rows_with_controls_sample_the_same_in_every_runner(runners: dict[str, Runner]) -> None:
+    names = list(CONTROLLED)
+    expected = generate_controlled(runners["here"], names)
+    assert 5 in expected["penalised"] and 9 not in expected["penalised"]  # the +8 bias shows, the -100 one bans
+    assert not {5, 6} & set(expected["min-tokens"][:4])
+    for label, runner in runners.items():
+        for together in (names, names[::-1], ["min-tokens", "plain"]):
+            got = generate_controlled(runner, together)
+            assert got == {n: expected[n] for n in together}, (label, together)
