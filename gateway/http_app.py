@@ -28,6 +28,7 @@ from gateway.body import BodyParser
 from gateway.chat_template import ChatTemplate
 from gateway.convert import generate_requests
 from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
+from gateway.echo import echo_of
 from gateway.metrics import GatewayMetrics
 from gateway.openai_request import ApiRequest, TextLimits, check_text_size
 from gateway.openai_response import ChoiceState, ChunkFrame, envelope, final_body, new_id, total_usage
@@ -189,6 +190,8 @@ class Generation:
         arrived when the previous one was taken (one pair while the client keeps up); raises
         ApiError after the pairs that came before the failure."""
         prompt = await self.prompt_off_loop()
+        for choice in self.choices:
+            choice.echo = echo_of(self.api, prompt, self.gateway.tokenizer)
         prefix = self.gateway.dispatcher.prefix_hashes(prompt)
         carrier: dict[str, str] = {}
         propagate.inject(carrier)

@@ -37,6 +37,7 @@ from gpu_worker.runner.sampling import (
     StepOutput,
     StepSampling,
     TopLogprobs,
+    history_capacity,
 )
 from gpu_worker.runner.shared_memory import Allocator
 from gpu_worker.runner.warmup import WarmupTimes
@@ -116,7 +117,7 @@ class StepTables:
     the penalties). Built over an `Allocator`: the worker's shared arena, or the same tensors attached in a
     model process (in the same order)."""
 
-    def __init__(self, num_slots: int, max_pages: int, vocab: int, alloc: Allocator) -> None:
+    def __init__(self, num_slots: int, max_pages: int, vocab: int, page_size: int, alloc: Allocator) -> None:
         self.num_slots = num_slots
         self.max_pages = max_pages
         self.pages = alloc((num_slots, max_pages), torch.int32).numpy()
@@ -126,7 +127,7 @@ class StepTables:
         self.bias_values = alloc((num_slots, MAX_LOGIT_BIAS_TOKENS), torch.float32).numpy()
         self.held = alloc((num_slots, MAX_HELD_TOKENS), torch.int32).numpy()
         self.versions = alloc((num_slots,), torch.int64).numpy()
-        self.history = HistoryTables(num_slots, vocab, alloc)
+        self.history = HistoryTables(num_slots, history_capacity(vocab, max_pages, page_size), alloc)
 
     def write_params(self, slot: int, p: SamplingParams) -> None:
         self.floats[slot] = (p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,

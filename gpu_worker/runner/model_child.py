@@ -65,7 +65,8 @@ def serve(
         runner = ModelRunner(loaded, replace(config, device="cpu"), alloc=pool.zeros)
         busy = pool.zeros((count,), torch.int32).numpy()  # the worker's order: pools, busy flags, step tables
         reader = TableReader(StepTables(
-            runner.state_pool.num_slots, runner.kv_pool.num_pages, runner.config.vocab_size, pool.zeros
+            runner.state_pool.num_slots, runner.kv_pool.num_pages, runner.config.vocab_size,
+            runner.kv_pool.page_size_tokens, pool.zeros,
         ))  # fmt: skip
         if not pool.complete:
             raise ValueError("the worker shared more tensors than this process built")

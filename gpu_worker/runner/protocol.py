@@ -47,6 +47,7 @@ from gpu_worker.runner.sampling import (
     StepOutput,
     StepSampling,
     TopLogprobs,
+    history_capacity,
     sample_step,
 )
 from gpu_worker.runner.state_pool import MambaStatePool
@@ -167,8 +168,10 @@ class LogitsRunner:
     ) -> StepOutput:
         out = self.forward(batch, while_waiting)
         if sampling.histories and self._history is None:
-            slots = self.pools.state_pool.num_slots  # type: ignore[attr-defined]
-            self._history = HistoryWriter(HistoryTables(slots, out.logits.shape[-1], _zeros))
+            pools = self.pools  # type: ignore[attr-defined]
+            kv = pools.kv_pool
+            capacity = history_capacity(out.logits.shape[-1], kv.num_pages, kv.page_size_tokens)
+            self._history = HistoryWriter(HistoryTables(pools.state_pool.num_slots, capacity, _zeros))
         if self._history is not None:
             self._history.publish(batch, sampling)
         tables = self._history.tables if self._history is not None else None

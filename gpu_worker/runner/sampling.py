@@ -6,12 +6,13 @@ first (logit_bias, the min_tokens mask, repetition_penalty, presence and frequen
 then temperature, min-p, top-k and top-p, then the draw; greedy rows (temperature 0) take the argmax of the
 controlled logits. Rows that need nothing but the argmax and its log-probability (`SamplingParams.is_plain`)
 cost no Python of their own, and a step without controls runs none of `apply_controls`. The controls run
-once per step over the rows that have them, as [rows, vocab] tensors (scatters for the bias and the mask,
-elementwise for the penalties), never per token. Log-probabilities are those of the model's raw
-distribution (log_softmax of the unmodified logits), for the chosen token and the top-n alternatives.
+once per step over the rows that have them, as tensors (scatters for the bias and the mask, a gather and a
+scatter at the tokens each row has seen for the penalties), never per token in Python. Log-probabilities
+are those of the model's raw distribution (log_softmax of the unmodified logits), for the chosen token and
+the top-n alternatives.
 
-The penalties and min_tokens read per-request state that outlives a step: each state slot's generated-token
-counts, its prompt's tokens and its number of generated tokens (`HistoryTables`, written by a
+The penalties and min_tokens read per-request state that outlives a step: each state slot's distinct seen
+tokens, their generated counts and its number of generated tokens (`HistoryTables`, written by a
 `HistoryWriter` from the engine's token lists: once when a request first samples in its slot, then the new
 tokens of each step).
 
@@ -189,52 +190,66 @@ class StepOutput:
 EMPTY_OUTPUT = StepOutput([], [], None)
 
 
-class HistoryTables:
-    """Per state slot, what the penalties and min_tokens read of the request in the slot: how often it
-    generated each token (`counts`), which tokens its prompt holds (`prompt`, for repetition_penalty), and
-    how many tokens it generated (`num_outputs`). Dense [slots, vocab] rows: a step gathers its rows' in one
-    index. Built over an `Allocator` (the worker's shared arena, attached in the same order by its model
-    processes; in process, torch.zeros): large zero allocations are mapped lazily, so only the rows of slots
-    that ever held a request with penalties take memory."""
+def history_capacity(vocab: int, num_pages: int, page_size: int) -> int:
+    """The most distinct tokens one request can have seen: the vocabulary, or the KV pool's tokens."""
+    return max(1, min(vocab, num_pages * page_size))
 
-    def __init__(self, num_slots: int, vocab: int, alloc: Allocator) -> None:
+
+class HistoryTables:
+    """Per state slot, what the penalties and min_tokens read of the request in the slot, sparse: the
+    distinct tokens it has seen (`ids`, the first `num_unique`: its generated tokens, and its prompt's
+    when it has a repetition_penalty), how often it generated each (`counts`), and how many tokens it
+    generated (`num_outputs`). A step's penalties gather and scatter the logits at those ids only: the
+    cost follows the tokens seen, not the vocabulary. `capacity` bounds the distinct tokens of one
+    request (the vocabulary, or the most tokens a request can hold, whichever is less). Built over an
+    `Allocator` (the worker's shared arena, attached in the same order by its model processes; in
+    process, torch.zeros): large zero allocations are mapped lazily, so only slots that held a request
+    with penalties take memory."""
+
+    def __init__(self, num_slots: int, capacity: int, alloc: Allocator) -> None:
         self.num_slots = num_slots
-        self.vocab = vocab
-        self.counts = alloc((num_slots, vocab), torch.int32)
-        self.prompt = alloc((num_slots, vocab), torch.uint8)
+        self.capacity = capacity
+        self.ids = alloc((num_slots, capacity), torch.int32)
+        self.counts = alloc((num_slots, capacity), torch.int32)
+        self.num_unique = alloc((num_slots,), torch.int64)
         self.num_outputs = alloc((num_slots,), torch.int64)
 
-    def rows(self, slots: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """(counts [k, vocab] float32, seen in prompt or output [k, vocab] bool, generated) of `slots`."""
+    def rows(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """(ids [k, u] int64, generated counts [k, u] float32, valid [k, u] bool, generated) of `slots`,
+        u the most distinct tokens among them."""
         index = torch.tensor(list(slots), dtype=torch.long)
-        counts = self.counts.index_select(0, index)
-        seen = self.prompt.index_select(0, index).bool() | (counts > 0)
-        num = self.num_outputs.index_select(0, index).tolist()
-        return counts.to(device=device, dtype=torch.float32), seen.to(device), num
+        unique = self.num_unique.index_select(0, index)
+        width = max(int(unique.max()), 1)
+        ids = self.ids[:, :width].index_select(0, index).long()
+        counts = self.counts[:, :width].index_select(0, index).float()
+        valid = torch.arange(width)[None, :] < unique[:, None]
+        return ids, counts, valid, self.num_outputs.index_select(0, index).tolist()
 
 
 class HistoryWriter:
     """The engine's side of `HistoryTables`: for each special row whose params need_history, writes the
     request's whole history when it first samples in its slot (its params or its prompt list are not the
-    ones the slot holds), then
-    only the tokens generated since (one a decode step). A request that comes back to a slot it held (after
-    a preemption) finds its rows as it left them, unless another request with penalties wrote there since,
-    in which case its whole history is written again."""
+    ones the slot holds), then only the tokens generated since (one a decode step: a dictionary look-up
+    and one count). A request that comes back to a slot it held (after a preemption) finds its rows as it
+    left them, unless another request with penalties wrote there since, in which case its whole history
+    is written again."""
 
     def __init__(self, tables: HistoryTables) -> None:
         self.tables = tables
+        self._ids: np.ndarray[Any, Any] = tables.ids.numpy()
         self._counts: np.ndarray[Any, Any] = tables.counts.numpy()
-        self._prompt: np.ndarray[Any, Any] = tables.prompt.numpy()
+        self._unique: np.ndarray[Any, Any] = tables.num_unique.numpy()
         self._num: np.ndarray[Any, Any] = tables.num_outputs.numpy()
         # whose history each slot holds: the request's params and prompt list (the engine's, one per request)
         self._of: list[tuple[SamplingParams, Sequence[int]] | None] = [None] * tables.num_slots
+        self._where: list[dict[int, int]] = [{} for _ in range(tables.num_slots)]  # token -> its column
         self._written = [0] * tables.num_slots  # generated tokens counted in the slot's row
-        self.tokens_written = 0  # token counts written, all steps (the diffs' size)
+        self.tokens_written = 0  # generated tokens written, all steps (the diffs' size)
 
     def publish(self, batch: Batch, sampling: StepSampling) -> None:
         if not sampling.histories:
             return
-        seqs, rows, vocab = batch.sequences, sampling.rows, self.tables.vocab
+        seqs, rows = batch.sequences, sampling.rows
         for j, params, history in zip(sampling.special, sampling.params, sampling.histories, strict=True):
             if history is None:
                 continue
@@ -242,21 +257,31 @@ class HistoryWriter:
             prompt, outputs = history
             held = self._of[slot]
             if held is None or held[0] is not params or held[1] is not prompt or len(outputs) < self._written[slot]:
-                # a request new to the slot (its params and its prompt list are not those held): all of it, once
-                _check_ids(prompt, vocab)
-                self._counts[slot] = 0
-                self._prompt[slot] = 0
-                if params.repetition_penalty != 1.0:
-                    self._prompt[slot, list(prompt)] = 1
-                self._of[slot], self._written[slot] = (params, prompt), 0
-            new = outputs[self._written[slot] :]
-            if len(new) == 1:  # a decode step's diff: the token it sampled last
-                self._counts[slot, new[0]] += 1
-            elif new:
-                np.add.at(self._counts[slot], _check_ids(list(new), vocab), 1)
-            self.tokens_written += len(new)
+                self._start(slot, params, prompt)
+            where, ids, counts = self._where[slot], self._ids[slot], self._counts[slot]
+            for token in outputs[self._written[slot] :]:  # a decode step's diff: the token it sampled last
+                column = where.get(token)
+                if column is None:
+                    column = where[token] = len(where)
+                    if column >= self.tables.capacity:
+                        raise InvalidArgumentError(f"sampling history: more than {self.tables.capacity} tokens")
+                    ids[column], counts[column] = token, 0
+                counts[column] += 1
+            self.tokens_written += len(outputs) - self._written[slot]
             self._written[slot] = len(outputs)
+            self._unique[slot] = len(where)
             self._num[slot] = len(outputs)
+
+    def _start(self, slot: int, params: SamplingParams, prompt: Sequence[int]) -> None:
+        """A request new to the slot: its prompt's distinct tokens (for repetition_penalty), counted 0."""
+        seen = np.unique(np.asarray(prompt, dtype=np.int64)) if params.repetition_penalty != 1.0 else np.empty(0)
+        if len(seen) > self.tables.capacity:
+            raise InvalidArgumentError(f"sampling history: more than {self.tables.capacity} tokens")
+        self._ids[slot, : len(seen)] = seen
+        self._counts[slot, : len(seen)] = 0
+        self._where[slot] = dict(zip(seen.tolist(), range(len(seen)), strict=True))
+        self._of[slot], self._written[slot] = (params, prompt), 0
+        self._unique[slot] = len(seen)
 
 
 def _check_ids(ids: Sequence[int], vocab: int) -> Sequence[int]:
@@ -275,8 +300,8 @@ def sample_step(
     last_logits: torch.Tensor, batch: Batch, sampling: StepSampling, history: HistoryTables | None = None
 ) -> StepOutput:
     """`sampling`'s tokens from `last_logits` [num_sequences, vocab]: the logits after each batch row's last
-    token (the runner's forward output). `history` holds the state of the rows whose params need_history
-    (written for this step already)."""
+    token (the runner's forward output; the controlled rows are overwritten: sample_rows). `history` holds
+    the state of the rows whose params need_history (written for this step already)."""
     if not sampling.rows:
         return EMPTY_OUTPUT
     rows = sampling.rows
@@ -287,45 +312,46 @@ def sample_step(
 
 
 def apply_controls(
-    logits: torch.Tensor, params: Sequence[SamplingParams], history: tuple[torch.Tensor, torch.Tensor, list[int]] | None
-) -> torch.Tensor:
-    """The per-request controls on rows [k, vocab] (a copy; `history` (HistoryTables.rows) one row per row of
-    `params` that needs_history, in order), vLLM's order: logit_bias (added to the raw logits), the
-    min_tokens mask (held ids at -inf), repetition_penalty (transformers': a seen token's logit divided by it
-    when positive, multiplied when not), frequency and presence penalties (OpenAI's: logit - frequency *
-    count - presence * (count > 0), over the generated tokens)."""
-    logits = logits.clone()
+    logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+    history: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None,
+) -> None:  # fmt: skip
+    """The per-request controls, in place, on `logits` [b, vocab] at `rows` (one per `params`; `history`
+    (HistoryTables.rows) one row per params that needs_history, in order), vLLM's order: logit_bias (added
+    to the raw logits), the min_tokens mask (held ids at -inf), repetition_penalty (transformers': a seen
+    token's logit divided by it when positive, multiplied when not), frequency and presence penalties
+    (OpenAI's: logit - frequency * count - presence * (count > 0), over the generated tokens). Every
+    control is a scatter or a gather-and-scatter at the ids concerned: nothing reads the whole vocabulary."""
     device = logits.device
-    bias = [(j, t, b) for j, p in enumerate(params) for t, b in p.logit_bias]
+    bias = [(rows[j], t, b) for j, p in enumerate(params) for t, b in p.logit_bias]
     if bias:
         r, t, b = zip(*bias, strict=True)
         index = (torch.tensor(r, device=device), torch.tensor(t, device=device))
         logits.index_put_(index, torch.tensor(b, device=device, dtype=logits.dtype), accumulate=True)
     with_history = [j for j, p in enumerate(params) if p.needs_history]
     if not with_history:
-        return logits
-    assert history is not None and len(history[2]) == len(with_history)
-    counts, seen, generated = history
+        return
+    assert history is not None and len(history[3]) == len(with_history)
+    ids, counts, valid, generated = history
     held = [
-        (j, t) for j, n in zip(with_history, generated, strict=True) if n < params[j].min_tokens
+        (rows[j], t) for j, n in zip(with_history, generated, strict=True) if n < params[j].min_tokens
         for t in params[j].held_token_ids
     ]  # fmt: skip
     if held:
         r, t = zip(*held, strict=True)
         logits[torch.tensor(r, device=device), torch.tensor(t, device=device)] = float("-inf")
     hp = [params[j] for j in with_history]
-    index = torch.tensor(with_history, device=device)
-    sub = logits.index_select(0, index)
+    if not any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in hp):
+        return
+    at = torch.tensor([rows[j] for j in with_history], device=device)[:, None].expand_as(ids)
+    values = logits[at, ids]  # [k, u]: the logits of the tokens each row has seen
     if any(p.repetition_penalty != 1.0 for p in hp):
-        rep = torch.tensor([p.repetition_penalty for p in hp], device=device, dtype=sub.dtype)[:, None]
-        penalty = torch.where(seen, rep, torch.ones_like(rep))
-        sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+        rep = torch.tensor([p.repetition_penalty for p in hp], device=device, dtype=values.dtype)[:, None]
+        values = torch.where(values > 0, values / rep, values * rep)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in hp):
-        freq = torch.tensor([p.frequency_penalty for p in hp], device=device, dtype=sub.dtype)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in hp], device=device, dtype=sub.dtype)[:, None]
-        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
-    logits[index] = sub
-    return logits
+        freq = torch.tensor([p.frequency_penalty for p in hp], device=device, dtype=values.dtype)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in hp], device=device, dtype=values.dtype)[:, None]
+        values = values - freq * counts - pres * (counts > 0).to(values.dtype)
+    logits[at[valid], ids[valid]] = values[valid]  # each (row, id) once: the ids of a row are distinct
 
 
 def _filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -370,6 +396,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
     return sample_rows(logits, rows, [params[i] for i in rows], [positions[i] for i in rows])
 
 
+@torch.inference_mode()  # the forward's logits are inference tensors, which the controls write into
 def sample_rows(
     logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams], positions: Sequence[int],
     slots: Sequence[int] = (), history: HistoryTables | None = None,
@@ -380,37 +407,29 @@ def sample_rows(
     (SamplingParams.is_plain).
 
     The rows in no list cost no Python: a batch of plain rows is one argmax, one log_softmax, one
-    gather and two tolists. Same tokens and log-probabilities as row by row."""
+    gather and two tolists. Same tokens and log-probabilities as row by row. The controls (apply_controls)
+    write into the controlled rows of `logits` (a float32 tensor is not copied): their log-probabilities
+    are taken before, of the raw logits."""
     if len(params) != len(rows) or len(positions) != len(rows):
         raise InvalidArgumentError(f"sample_rows: {len(rows)} rows, {len(params)} params, {len(positions)} positions")
     logits = logits.float()
-    chosen = logits.argmax(dim=-1)  # [b]; the first maximal logit
+    logp = logits.log_softmax(dim=-1)  # [b, vocab], of the raw logits: one fused pass (logsumexp is several)
     controlled = [j for j, p in enumerate(params) if p.has_controls]
-    adjusted: torch.Tensor | None = None  # the controlled rows' logits after apply_controls
-    at: dict[int, int] = {}  # batch row -> its row in `adjusted`
+    work = logits  # the logits the tokens are chosen from: the controls write into their rows, in place
     if controlled:
         with_history = [j for j in controlled if params[j].needs_history]
         state = None
         if with_history:
             if history is None or len(slots) != len(rows):
                 raise InvalidArgumentError("sample_rows: penalties or min_tokens without the rows' history")
-            state = history.rows([slots[j] for j in with_history], logits.device)
-        c_index = torch.tensor([rows[j] for j in controlled], device=logits.device)
-        adjusted = apply_controls(logits.index_select(0, c_index), [params[j] for j in controlled], state)
-        at = {rows[j]: n for n, j in enumerate(controlled)}
-        greedy = [n for n, j in enumerate(controlled) if params[j].temperature == 0.0]
-        if greedy:
-            g = torch.tensor(greedy, device=logits.device)
-            chosen[c_index[g]] = adjusted[g].argmax(dim=-1)
+            state = tuple(t.to(logits.device) if isinstance(t, torch.Tensor) else t
+                          for t in history.rows([slots[j] for j in with_history]))  # fmt: skip
+        apply_controls(work, [rows[j] for j in controlled], [params[j] for j in controlled], state)  # type: ignore[arg-type]
+    chosen = work.argmax(dim=-1)  # [b]; the first maximal logit
     random = [(i, p, pos) for i, p, pos in zip(rows, params, positions, strict=True) if p.temperature != 0.0]
     if random:
         index = torch.tensor([i for i, _, _ in random], device=logits.device)
-        base = logits[index]
-        if adjusted is not None:
-            mine = [(n, at[i]) for n, (i, _, _) in enumerate(random) if i in at]
-            if mine:
-                dst, src = zip(*mine, strict=True)
-                base[torch.tensor(dst, device=logits.device)] = adjusted[torch.tensor(src, device=logits.device)]
+        base = work[index]
         probs = _filter_logits(base, [p for _, p, _ in random]).softmax(dim=-1)
         noise = torch.empty_like(probs)
         if any(p.seed is None for _, p, _ in random):
@@ -420,7 +439,6 @@ def sample_rows(
                 noise[j].exponential_(generator=_STREAMS.at(logits.device, p.seed, pos))
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
         chosen[index] = (probs / noise).argmax(dim=-1)
-    logp = logits.log_softmax(dim=-1)  # [b, vocab]: one fused pass (logsumexp is several)
     chosen_lp = logp.gather(1, chosen[:, None]).view(-1)
     max_n = max([p.num_logprobs for p in params], default=0)
     top: list[TopLogprobs] | None = None
