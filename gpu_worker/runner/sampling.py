@@ -213,17 +213,19 @@ class HistoryTables:
         self.counts = alloc((num_slots, capacity), torch.int32)
         self.num_unique = alloc((num_slots,), torch.int64)
         self.num_outputs = alloc((num_slots,), torch.int64)
+        self._ids, self._counts = self.ids.numpy(), self.counts.numpy()
+        self._unique, self._num = self.num_unique.numpy(), self.num_outputs.numpy()
 
     def rows(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """(ids [k, u] int64, generated counts [k, u] float32, valid [k, u] bool, generated) of `slots`,
         u the most distinct tokens among them."""
-        index = torch.tensor(list(slots), dtype=torch.long)
-        unique = self.num_unique.index_select(0, index)
+        index = np.asarray(slots, dtype=np.int64)
+        unique = self._unique[index]
         width = max(int(unique.max()), 1)
-        ids = self.ids[:, :width].index_select(0, index).long()
-        counts = self.counts[:, :width].index_select(0, index).float()
-        valid = torch.arange(width)[None, :] < unique[:, None]
-        return ids, counts, valid, self.num_outputs.index_select(0, index).tolist()
+        ids = torch.from_numpy(self._ids[index, :width].astype(np.int64))
+        counts = torch.from_numpy(self._counts[index, :width].astype(np.float32))
+        valid = torch.from_numpy(np.arange(width)[None, :] < unique[:, None])
+        return ids, counts, valid, self._num[index].tolist()
 
 
 class HistoryWriter:

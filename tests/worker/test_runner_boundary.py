@@ -182,3 +182,26 @@ def test_rows_with_controls_sample_the_same_in_every_runner(runners: dict[str, R
         for together in (names, names[::-1], ["min-tokens", "plain"]):
             got = generate_controlled(runner, together)
             assert got == {n: expected[n] for n in together}, (label, together)
+
+
+def test_prompt_scores_are_the_same_in_every_runner(runners: dict[str, Runner]) -> None:
+    """A row that scores its prompt over two chunks, beside a plain row: the scores of each chunk (the
+    tokens after its first, then the next chunk's first token) come back from whichever process ran it."""
+    prompt = [(29 * i + 5) % VOCAB for i in range(40)]
+    got = {}
+    for label, runner in runners.items():
+        assert isinstance(runner, ModelRunner | ProcessRunner)
+        scored, other = Request(runner, prompt), Request(runner, prompt[:31])
+        try:
+            first = scored.chunk(24)._replace(score=True, next_token=prompt[24])
+            out1 = runner.execute(Batch((other.chunk(30), first)), StepSampling.of([0], [SamplingParams()]))
+            last = scored.chunk(16)._replace(score=True)
+            out2 = runner.execute(Batch((other.chunk(1), last)), StepSampling.of([0, 1], [SamplingParams()] * 2))
+        finally:
+            scored.release()
+            other.release()
+        assert [row for row, _ in out1.prompt_scores] == [1] and [row for row, _ in out2.prompt_scores] == [1]
+        got[label] = out1.prompt_scores[0][1] + out2.prompt_scores[0][1]
+        assert len(got[label]) == len(prompt) - 1
+    for label, scores in got.items():
+        assert scores == pytest.approx(got["here"], abs=1e-4), label
