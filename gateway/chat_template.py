@@ -56,12 +56,17 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"the chat template does not compile: {exc}") from exc
 
-    def render(self, messages: Sequence[Message]) -> str:
-        """The prompt for these messages, ending with the assistant's turn opened."""
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """The prompt for these messages, ending with the assistant's turn opened (unless
+        `add_generation_prompt` is false: /tokenize may ask for the conversation alone)."""
         data = [{"role": m.role, "content": m.content} for m in messages]
         try:
             return self.template.render(
-                messages=data, add_generation_prompt=True, tools=None, documents=None, **self.special_tokens
+                messages=data,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.special_tokens,
             )
         except jinja2.exceptions.TemplateError as exc:  # raise_exception() in the template: the messages' fault
             raise bad_request(f"the chat template refused these messages: {exc}", "messages") from exc

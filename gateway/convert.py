@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from gateway.openai_request import ApiRequest
 from gateway.sampling_fields import fill_sampling
+from gateway.structured import structured_output_pb
 from hybridserve.generation_config import GenerationDefaults
 from hybridserve.v1 import generation_pb2 as pb
 
@@ -31,6 +32,8 @@ def sampling_of(api: ApiRequest, choice_index: int, defaults: GenerationDefaults
         logprobs=api.top_logprobs,
     )
     fill_sampling(api.controls, sampling)
+    if api.structured is not None:
+        sampling.structured_output.CopyFrom(structured_output_pb(api.structured))
     if api.seed is not None:
         sampling.seed = (api.seed + choice_index) & SEED_MASK if choice_index else api.seed
     return sampling
@@ -45,7 +48,7 @@ def generate_requests(
     defaults = defaults if defaults is not None else GenerationDefaults()
     requests = []
     for i in range(api.n):
-        request = pb.GenerateRequest(sampling=sampling_of(api, i, defaults))
+        request = pb.GenerateRequest(sampling=sampling_of(api, i, defaults), cache_salt=api.cache_salt)
         if isinstance(prompt, str):
             request.prompt = prompt
             if api.kind == "chat":

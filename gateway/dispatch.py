@@ -99,8 +99,8 @@ class Dispatcher:
         infos = [w.info for w in self.pool.ready() if w.info is not None]
         return min((int(i.max_model_len) for i in infos if i.max_model_len > 0), default=0)
 
-    def prefix_hashes(self, prompt: Sequence[int] | str) -> tuple[int, ...]:
-        return prefix_block_hashes(prompt, self.block_size())
+    def prefix_hashes(self, prompt: Sequence[int] | str, salt: str = "") -> tuple[int, ...]:
+        return prefix_block_hashes(prompt, self.block_size(), salt=salt)
 
     def choose(self, prefix_hashes: tuple[int, ...], excluded: set[str]) -> WorkerState:
         workers = [w for w in self.pool.ready() if w.address not in excluded]

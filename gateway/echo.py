@@ -3,7 +3,7 @@ prompt, and with `logprobs` its `logprobs` lists start with the prompt's tokens,
 log-probability `null` (nothing comes before it) and the others' given the tokens before them, as the
 worker computes them (`SamplingParams.prompt_logprobs`, on its first message). With `max_tokens: 0` the
 prompt alone is scored: lm-eval's loglikelihood requests. Works streamed (the first chunk carries the
-prompt) and with `n` > 1 (each choice echoes it)."""
+prompt), with `n` > 1 (each choice echoes it) and with several prompts (each choice echoes its own)."""
 
 from __future__ import annotations
 
@@ -49,16 +49,18 @@ class Echo:
         return self.text, part
 
 
-def echo_of(api: ApiRequest, prompt: str | Sequence[int], tokenizer: GatewayTokenizer | None) -> Echo | None:
-    """The echo of a completions request (None without `echo`); `prompt` is what goes to the workers
-    (token ids when the gateway tokenized it)."""
+def echo_of(
+    api: ApiRequest, raw: str | Sequence[int], prompt: str | Sequence[int], tokenizer: GatewayTokenizer | None
+) -> Echo | None:
+    """The echo of one prompt of a completions request (None without `echo`): `raw` as the client sent it
+    (one of `api.all_prompts`), `prompt` what goes to the workers (token ids when the gateway tokenized it)."""
     if not api.echo:
         return None
     ids = () if isinstance(prompt, str) else tuple(prompt)
-    if isinstance(api.prompt, str):
-        text = api.prompt
+    if isinstance(raw, str):
+        text = raw
     elif tokenizer is not None:
-        text = tokenizer.decode(list(api.prompt))
+        text = tokenizer.decode(list(raw))
     else:
         raise bad_request(
             "'echo' of a token-id prompt needs the model's tokenizer at the gateway (start it with --model)", "echo"

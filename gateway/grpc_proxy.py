@@ -112,7 +112,7 @@ class GenerationProxy(pb_grpc.GenerationServicer):
             carrier: dict[str, str] = {}
             propagate.inject(carrier)
             prompt = await self._prompt(request, context)
-            prefix = self.dispatcher.prefix_hashes(prompt)
+            prefix = self.dispatcher.prefix_hashes(prompt, request.cache_salt)
             owner = self._owner(metadata)
             stream = self.dispatcher.generate(request, prefix, len(prompt), list(carrier.items()), timeout_s, owner)
             status = "OK"

@@ -31,7 +31,7 @@ from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
 from gateway.echo import echo_of
 from gateway.metrics import GatewayMetrics
 from gateway.openai_request import ApiRequest, TextLimits, check_text_size
-from gateway.openai_response import ChoiceState, ChunkFrame, envelope, final_body, new_id, total_usage
+from gateway.openai_response import ChoiceState, ChunkFrame, envelope, final_body, new_id, request_usage
 from gateway.tokens import GatewayTokenizer, token_id_text
 from hybridserve import telemetry
 from hybridserve.auth import is_authorized
@@ -58,6 +58,30 @@ class Gateway:
     generation_defaults: GenerationDefaults = GenerationDefaults()  # the model's generation_config.json
     text_work: Executor | None = None  # template rendering and tokenizing, off the event loop (None: inline)
     bodies: BodyParser = field(default_factory=BodyParser)
+    # where the tokenizer, template and defaults came from: "--model" (a folder here), "workers"
+    # (GetModelFiles, gateway/model_files.py), "" (neither: no --model and no worker has sent them yet)
+    files_source: str = "--model"
+
+    def missing_template_reason(self) -> str:
+        """Why there is no chat template: this gateway has no model files at all, or the model has none."""
+        if not self.files_source:
+            return (
+                "this gateway has no model folder (--model) and no worker has sent the model's files (GetModelFiles)"
+                " yet, so it has no chat template; retry shortly, or start it with --model DIR or --chat-template FILE"
+            )
+        where = "the files the workers sent" if self.files_source == "workers" else "the --model folder"
+        return (
+            f"this model has no chat template (neither chat_template.jinja nor tokenizer_config.json's 'chat_template'"
+            f" in {where}); use /v1/completions, or start the gateway with --chat-template FILE"
+        )
+
+    def missing_tokenizer_reason(self) -> str:
+        if not self.files_source:
+            return (
+                "this gateway has no model folder (--model) and no worker has sent the model's files (GetModelFiles)"
+                " yet, so it has no tokenizer; retry shortly, or start it with --model DIR|ORG/NAME"
+            )
+        return "this model has no tokenizer.json, so the gateway has no tokenizer; send token ids"
 
     def text_limits(self) -> TextLimits | None:
         """The served model's text limits; None without a tokenizer here or a ready worker's limit."""
@@ -137,27 +161,32 @@ class Generation:
         token_text = gateway.tokenizer.token_text if gateway.tokenizer is not None else token_id_text
         # completions: `logprobs: k` asks for k alternatives per token (0 too); chat: top_logprobs
         with_top = api.logprobs if api.kind == "completion" else api.top_logprobs > 0
-        self.choices = [ChoiceState(i, api.kind, api.logprobs, with_top, token_text) for i in range(api.n)]
+        num_choices = len(api.all_prompts) * api.n  # prompt i's choices are i*n .. i*n+n-1
+        self.choices = [ChoiceState(i, api.kind, api.logprobs, with_top, token_text) for i in range(num_choices)]
         self.first_token = False
+        self.prompt_tokens_of: dict[int, int] = {}  # choice index -> its prompt's tokens, once tokenized
         self.clock = gateway.metrics.clock(api.model, started_s)  # TTFT, ITL, E2E of this request
 
-    async def prompt_off_loop(self) -> str | tuple[int, ...] | list[int]:
-        """`prompt()` on the gateway's text executor: rendering and tokenizing never hold the event loop."""
+    async def prompts_off_loop(self) -> list[str | tuple[int, ...] | list[int]]:
+        """`prompts()` on the gateway's text executor: rendering and tokenizing never hold the event loop."""
         if self.gateway.text_work is None:
-            return self.prompt()
-        return await asyncio.get_running_loop().run_in_executor(self.gateway.text_work, self.prompt)
+            return self.prompts()
+        return await asyncio.get_running_loop().run_in_executor(self.gateway.text_work, self.prompts)
 
-    def prompt(self) -> str | tuple[int, ...] | list[int]:
+    def prompts(self) -> list[str | tuple[int, ...] | list[int]]:
+        """What each prompt of the request is sent as (a chat has one)."""
+        if self.api.kind == "chat":
+            return [self.prompt()]
+        return [self.prompt(p) for p in self.api.all_prompts]
+
+    def prompt(self, raw: str | tuple[int, ...] | None = None) -> str | tuple[int, ...] | list[int]:
+        """One prompt as sent to the workers: a chat rendered through the template; text tokenized here
+        when the gateway has the tokenizer (`raw`: a completions prompt, else the request's first)."""
         api, gateway = self.api, self.gateway
-        text = api.prompt
+        text = api.prompt if raw is None else raw
         if api.kind == "chat":
             if gateway.chat_template is None:
-                raise api_errors.bad_request(
-                    "this model has no chat template (tokenizer_config.json has no 'chat_template'); use"
-                    " /v1/completions, or start the gateway with --chat-template FILE",
-                    "messages",
-                    "no_chat_template",
-                )
+                raise api_errors.bad_request(gateway.missing_template_reason(), "messages", "no_chat_template")
             text = gateway.chat_template.render(api.messages)
             if (limits := gateway.text_limits()) is not None:  # the template adds text of its own
                 check_text_size([text], "messages", limits)
@@ -189,17 +218,22 @@ class Generation:
         """Lists of (choice index, worker message) pairs from all choices: each list what had
         arrived when the previous one was taken (one pair while the client keeps up); raises
         ApiError after the pairs that came before the failure."""
-        prompt = await self.prompt_off_loop()
-        for choice in self.choices:
-            choice.echo = echo_of(self.api, prompt, self.gateway.tokenizer)
-        prefix = self.gateway.dispatcher.prefix_hashes(prompt)
+        prompts = await self.prompts_off_loop()
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        tasks = [
-            asyncio.create_task(self.run_choice(r, prefix, len(prompt), queue, i, list(carrier.items())))
-            for i, r in enumerate(generate_requests(self.api, prompt, self.gateway.generation_defaults))
-        ]
+        tasks = []
+        raws = self.api.all_prompts if self.api.kind == "completion" else (self.api.prompt,)
+        for p, (prompt, raw) in enumerate(zip(prompts, raws, strict=True)):
+            prefix = self.gateway.dispatcher.prefix_hashes(prompt, self.api.cache_salt)
+            requests = generate_requests(self.api, prompt, self.gateway.generation_defaults)
+            for j, r in enumerate(requests):
+                index = p * self.api.n + j
+                self.prompt_tokens_of[index] = len(prompt)
+                self.choices[index].echo = echo_of(self.api, raw, prompt, self.gateway.tokenizer)
+                tasks.append(
+                    asyncio.create_task(self.run_choice(r, prefix, len(prompt), queue, index, list(carrier.items())))
+                )
         remaining = len(tasks)
         try:
             while remaining:
@@ -231,8 +265,12 @@ class Generation:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def sse_with_usage(self, frame: ChunkFrame, choice: ChoiceState, message: pb.GenerateResponse) -> bytes:
+        entry = choice.apply(message)
+        return frame.sse_with_usage(entry, self.prompt_tokens_of.get(choice.index, 0), choice.num_tokens)
+
     def record_usage(self) -> dict[str, Any]:
-        usage = total_usage([c.usage for c in self.choices if c.usage is not None])
+        usage = request_usage(self.choices, self.api.n)
         reason = next((c.finish_reason for c in self.choices if c.finish_reason), "")
         self.clock.finished(reason, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
         span = trace.get_current_span()
@@ -246,7 +284,7 @@ class Generation:
             async for batch in events:
                 for index, message in batch:
                     self.choices[index].apply(message)
-        body = final_body(self.api.kind, self.response_id, self.model, self.choices)
+        body = final_body(self.api.kind, self.response_id, self.model, self.choices, self.api.n)
         self.record_usage()
         return web.json_response(body)
 
@@ -258,7 +296,10 @@ class Generation:
         async with contextlib.aclosing(self.events()) as events:
             try:
                 async for batch in events:
-                    data = b"".join([frame.sse(choices[index].apply(message)) for index, message in batch])
+                    if self.api.continuous_usage:
+                        data = b"".join([self.sse_with_usage(frame, choices[i], m) for i, m in batch])
+                    else:
+                        data = b"".join([frame.sse(choices[index].apply(message)) for index, message in batch])
                     if response is None:  # errors before the first token still get their HTTP status
                         response = web.StreamResponse(
                             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -317,7 +358,9 @@ def generation_handler(kind: str) -> Callable[[web.Request], Awaitable[web.Strea
 async def list_models(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
     served = gateway.served_model()
-    models = [{"id": served, "object": "model", "created": 0, "owned_by": "hybridserve"}] if served else []
+    max_model_len = gateway.dispatcher.max_model_len()  # the ready workers' smallest (vLLM's field)
+    entry = {"id": served, "object": "model", "created": 0, "owned_by": "hybridserve", "max_model_len": max_model_len}
+    models = [entry] if served else []
     name = request.match_info.get("model")
     if name is not None:
         if name != served:

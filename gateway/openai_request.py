@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.api_errors import bad_request, unsupported
 from gateway.sampling_fields import CONTROL_FIELDS, SamplingControls, check_min_tokens, parse_controls
+from gateway.structured import FIELDS as STRUCTURED_FIELDS
+from gateway.structured import parse_structured
+from hybridserve.structured_output import StructuredSpec
 
-MAX_N = 16  # choices per request
+MAX_N = 16  # choices per prompt
+MAX_BATCH_CHOICES = 128  # prompts x n of one completions request: the worker calls it fans out to
 MAX_STOP = 4  # stop strings, as OpenAI
 MAX_TOP_LOGPROBS = 20  # the workers' limit
 OPENAI_COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+MAX_CACHE_SALT_CHARS = 256  # as the workers allow
 MAX_TOKEN_ID = 2**31  # token ids travel as int32; the worker checks them against its vocabulary
 
 _COMMON = (
@@ -37,6 +42,8 @@ _COMMON = (
             "logprobs",
             "top_k",
             "ignore_eos",
+            "cache_salt",
+            *STRUCTURED_FIELDS,
         }
     )
     | CONTROL_FIELDS
@@ -54,7 +61,6 @@ _NO_OP: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "store": (False,),
     "metadata": ({},),
     "modalities": (["text"],),
@@ -92,7 +98,7 @@ class ApiRequest:
 
     kind: str  # "completion" or "chat"
     model: str
-    prompt: str | tuple[int, ...]  # completions: text or token ids; chat: "" (rendered from messages)
+    prompt: str | tuple[int, ...]  # completions: (the first prompt's) text or token ids; chat: "" (from messages)
     messages: tuple[Message, ...]  # chat only
     max_tokens: int  # 0 = the worker's default
     # None = unset: the checkpoint's generation_config value, else OpenAI's default (gateway/convert.py)
@@ -109,6 +115,18 @@ class ApiRequest:
     ignore_eos: bool  # an extension: generate max_tokens even past EOS (benchmarks)
     controls: SamplingControls = SamplingControls()  # vLLM's sampling controls (gateway/sampling_fields.py)
     echo: bool = False  # completions: the prompt first in the text (and its log-probabilities first)
+    # stream_options.continuous_usage_stats (vLLM's extension, which GuideLLM sends): every chunk carries its
+    # choice's usage so far (prompt tokens, tokens generated up to and including the chunk)
+    continuous_usage: bool = False
+    # completions: every prompt of the request in order (a list of several); () = just `prompt`
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    cache_salt: str = ""  # vLLM's: requests of different salts share no prefix-cache block ("" = unsalted)
+    structured: StructuredSpec | None = None  # response_format / structured_outputs (gateway/structured.py)
+
+    @property
+    def all_prompts(self) -> tuple[str | tuple[int, ...], ...]:
+        """The prompts whose n choices each make up the response: prompt i's are choices i*n .. i*n+n-1."""
+        return self.prompts or (self.prompt,)
 
 
 def _text(value: str, name: str) -> str:
@@ -204,9 +222,31 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
     if not isinstance(options, dict):
         raise _fail_type("stream_options", "an object", options)
     check_fields(options, frozenset({"include_usage", "continuous_usage_stats"}))
-    if options.get("continuous_usage_stats"):
-        raise unsupported("stream_options.continuous_usage_stats")
+    _bool(options, "continuous_usage_stats", False)  # its type checked; read by _continuous_usage
     return _bool(options, "include_usage", False)
+
+
+def _continuous_usage(body: Mapping[str, Any]) -> bool:
+    """stream_options.continuous_usage_stats, as vLLM reads it: usage in every chunk, when include_usage is on
+    too (otherwise there is no usage to report). _include_usage has checked the object."""
+    options = body.get("stream_options")
+    return bool(options and options.get("include_usage") and options.get("continuous_usage_stats"))
+
+
+def _cache_salt(body: Mapping[str, Any]) -> str:
+    """A non-empty string of at most MAX_CACHE_SALT_CHARS characters, or absent (vLLM refuses "" too)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str):
+        raise _fail_type("cache_salt", "a string", salt)
+    if not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise bad_request(
+            f"'cache_salt' must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
+            "cache_salt",
+            "invalid_value",
+        )
+    return _text(salt, "cache_salt")
 
 
 def _common(
@@ -237,36 +277,62 @@ def _common(
         n=_int(body, "n", 1, 1, MAX_N) or 1,
         stream=stream,
         include_usage=_include_usage(body, stream),
+        continuous_usage=_continuous_usage(body),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),
         controls=controls,
         echo=kind == "completion" and _bool(body, "echo", False),
+        cache_salt=_cache_salt(body),
+        structured=parse_structured(body),
     )
 
 
-def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+def _is_token_ids(value: Any) -> bool:
+    if not isinstance(value, list) or not value:
+        return False
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _one_prompt(value: Any, name: str) -> str | tuple[int, ...]:
+    """One prompt: non-empty text, or a non-empty list of token ids (`name` says which in a batch)."""
+    if isinstance(value, str):
+        if not value:
+            raise bad_request(f"'{name}' is empty", "prompt", "invalid_value")
+        return _text(value, "prompt")
+    if _is_token_ids(value):
+        bad = next((t for t in value if not 0 <= t < MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise bad_request(f"'{name}' holds the token id {bad}, not a valid id", "prompt", "invalid_value")
+        return tuple(value)
+    raise bad_request(
+        f"'{name}' must be a string or a non-empty list of token ids, got {type(value).__name__} {value!r:.60}",
+        "prompt",
+        "invalid_type",
+    )
+
+
+def _prompts(body: Mapping[str, Any]) -> tuple[str | tuple[int, ...], ...]:
+    """OpenAI's four shapes of `prompt`: a string, a list of token ids (one prompt each), a list of
+    strings, a list of token-id lists (several prompts, one after the other in the choices)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required", "prompt", "missing_required")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("'prompt' is empty", "prompt", "invalid_value")
-        return _text(prompt, "prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = next((t for t in prompt if not 0 <= t < MAX_TOKEN_ID), None)
-        if bad is not None:
-            raise bad_request(f"'prompt' holds the token id {bad}, not a valid id", "prompt", "invalid_value")
-        return tuple(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise bad_request(
-            "a batch of several prompts is not supported; send one prompt per request"
-            " (use 'n' for several completions of one prompt)",
-            "prompt",
-        )
-    raise _fail_type("prompt", "a string or a non-empty list of token ids", prompt)
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return (_one_prompt(prompt, "prompt"),)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt))
+    ):
+        if len(prompt) > MAX_BATCH_CHOICES:
+            raise bad_request(
+                f"'prompt' holds {len(prompt)} prompts; this server takes at most {MAX_BATCH_CHOICES} in one"
+                " request: split the batch",
+                "prompt",
+            )
+        return tuple(_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt))
+    raise _fail_type("prompt", "a string, a list of token ids, a list of strings or a list of token-id lists", prompt)
 
 
 def parse_completion(body: Any) -> ApiRequest:
@@ -277,7 +343,15 @@ def parse_completion(body: Any) -> ApiRequest:
     logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     echo = _bool(body, "echo", False)  # with echo, max_tokens 0 scores the prompt alone (lm-eval)
     max_tokens = _int(body, "max_tokens", OPENAI_COMPLETION_DEFAULT_MAX_TOKENS, 0 if echo else 1, 1 << 30)
-    return _common(body, "completion", _prompt(body), (), max_tokens or 0, logprobs is not None, logprobs or 0)
+    prompts = _prompts(body)
+    api = _common(body, "completion", prompts[0], (), max_tokens or 0, logprobs is not None, logprobs or 0)
+    if len(prompts) * api.n > MAX_BATCH_CHOICES:
+        raise bad_request(
+            f"{len(prompts)} prompts x 'n' {api.n} make {len(prompts) * api.n} choices; this server makes at most"
+            f" {MAX_BATCH_CHOICES} in one request: lower 'n' or split the batch",
+            "n",
+        )
+    return replace(api, prompts=prompts) if len(prompts) > 1 else api
 
 
 def _content(value: Any, index: int) -> str:
@@ -342,18 +416,20 @@ def parse_chat(body: Any) -> ApiRequest:
 
 def check_prompt_size(api: ApiRequest, limits: TextLimits) -> None:
     """Refuses a prompt that cannot fit the model: token ids beyond max_model_len, or text (a chat's
-    contents together) beyond `limits.max_text_bytes`. The length in characters decides in O(1) when it
-    alone is over (a character is at least one byte)."""
-    if isinstance(api.prompt, tuple):
-        if len(api.prompt) > limits.max_model_len:
+    contents together) beyond `limits.max_text_bytes`; each prompt of a batch on its own. The length in
+    characters decides in O(1) when it alone is over (a character is at least one byte)."""
+    if api.kind == "chat":
+        check_text_size([m.content for m in api.messages], "messages", limits)
+        return
+    for prompt in api.all_prompts:
+        if isinstance(prompt, str):
+            check_text_size([prompt], "prompt", limits)
+        elif len(prompt) > limits.max_model_len:
             raise bad_request(
-                f"'prompt' holds {len(api.prompt)} token ids; this server takes at most {limits.max_model_len}",
+                f"'prompt' holds {len(prompt)} token ids; this server takes at most {limits.max_model_len}",
                 "prompt",
                 "context_length_exceeded",
             )
-        return
-    texts = [m.content for m in api.messages] if api.kind == "chat" else [api.prompt]
-    check_text_size(texts, "messages" if api.kind == "chat" else "prompt", limits)
 
 
 def check_text_size(texts: Sequence[str], name: str, limits: TextLimits) -> None:

@@ -58,6 +58,18 @@ def total_usage(usages: Sequence[UsageCount]) -> UsageCount:
     return UsageCount(usages[0].prompt_tokens, usages[0].cached_tokens, sum(u.completion_tokens for u in usages))
 
 
+def request_usage(choices: Sequence[ChoiceState], n: int) -> UsageCount:
+    """A request's usage: each prompt's n choices as `total_usage` counts them (prompt i's are choices
+    i*n .. i*n+n-1), the prompts of a batch summed, as vLLM sums them."""
+    groups: dict[int, list[UsageCount]] = {}
+    for choice in choices:
+        if choice.usage is not None:
+            groups.setdefault(choice.index // max(n, 1), []).append(choice.usage)
+    parts = [total_usage(usages) for usages in groups.values()]
+    prompt_tokens = sum(u.prompt_tokens for u in parts)
+    return UsageCount(prompt_tokens, sum(u.cached_tokens for u in parts), sum(u.completion_tokens for u in parts))
+
+
 def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
@@ -143,6 +155,7 @@ class ChoiceState:
     usage: UsageCount | None = None
     sent_role: bool = False
     echo: Echo | None = None  # completions with `echo` (gateway/echo.py)
+    num_tokens: int = 0  # tokens generated so far
 
     def apply(self, msg: pb.GenerateResponse) -> dict[str, Any]:
         """Takes one worker message; returns this choice's stream chunk entry for it."""
@@ -152,6 +165,7 @@ class ChoiceState:
             if echoed is not None:
                 self.completion_logprobs = echoed.joined(CompletionLogprobs())
         self.text.append(prefix + msg.text)
+        self.num_tokens += len(msg.token_ids)
         entry: dict[str, Any] = {"index": self.index}
         logprobs: Any = None
         if self.want_logprobs and self.kind == "chat":
@@ -223,9 +237,20 @@ class ChunkFrame:
     def sse(self, entry: dict[str, Any]) -> bytes:
         return self.head + json.dumps(entry, separators=(",", ":")).encode() + self.tail
 
+    def sse_with_usage(self, entry: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The chunk with its choice's usage so far (stream_options.continuous_usage_stats)."""
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        body = json.dumps(entry, separators=(",", ":")) + '],"usage":' + json.dumps(usage, separators=(",", ":"))
+        return self.head + body.encode() + b"}\n\n"
 
-def final_body(kind: str, response_id: str, model: str, choices: Sequence[ChoiceState]) -> dict[str, Any]:
+
+def final_body(kind: str, response_id: str, model: str, choices: Sequence[ChoiceState], n: int = 1) -> dict[str, Any]:
+    """The non-streaming body; `n` choices per prompt (request_usage)."""
     body = envelope(kind, response_id, model)
     body["choices"] = [c.final_json() for c in choices]
-    body["usage"] = total_usage([c.usage for c in choices if c.usage is not None]).to_json()
+    body["usage"] = request_usage(choices, n).to_json()
     return body

@@ -6,7 +6,9 @@ Kubernetes headless service) stands for one worker per address, re-resolved ever
 (grpc.health.v1, the empty service name) and its load (GetInfo: running + waiting). A worker that
 cannot be reached (UNAVAILABLE: dead, refused, reset) or says it is not serving is out of rotation at
 once; one that is only slow to answer (a busy worker answers late) is out after `max_slow_polls`
-polls in a row time out. Either is back when a poll succeeds again. Runs on the gateway's event loop only."""
+polls in a row time out. Either is back when a poll succeeds again. With `files_hash` set (a gateway
+without --model, gateway/model_files.py), a worker is in rotation only while its GetInfo reports that
+model_files_hash; "" holds every worker out until one is adopted. Runs on the gateway's event loop only."""
 
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class WorkerState:
     num_queued_prefill_tokens: int = 0  # estimated prompt tokens of those, not yet streaming
     num_other_active: int = 0  # running + waiting at the last poll, less the gateway's own then
     num_slow_polls: int = 0  # polls in a row that timed out
+    files_refusal: str = ""  # why its model files keep it out of rotation, as last logged ("" = they do not)
     info: pb.GetInfoResponse | None = None
 
     @property
@@ -89,6 +92,9 @@ class WorkerPool:
     metadata: tuple[tuple[str, str], ...] = ()  # sent on every call (a worker API key)
     on_down: Callable[[str], None] | None = None  # called when a worker leaves the rotation
     tls: TlsSettings | None = None  # how to dial the workers (plaintext unless tls.tls_ca is set)
+    # None: any worker serves (the gateway has --model); else only workers reporting this model_files_hash,
+    # and none while it is "" (not adopted yet)
+    files_hash: str | None = None
     workers: dict[str, WorkerState] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -110,6 +116,24 @@ class WorkerPool:
                 await self._task
         for worker in self.workers.values():
             await worker.channel.close(None)
+
+    def adopt_files_hash(self, files_hash: str) -> None:
+        """From now on, workers reporting `files_hash` go into rotation (at their next poll)."""
+        self.files_hash = files_hash
+        self._changed.set()
+
+    def _files_refusal(self, info: pb.GetInfoResponse) -> str:
+        """Why a worker's model files keep it out of rotation; "" when they do not."""
+        if self.files_hash is None or info.model_files_hash == self.files_hash:
+            return ""
+        if not self.files_hash:
+            return "waiting for the model files (this gateway has no --model)"
+        theirs = info.model_files_hash[:16] or "none"
+        return (
+            f"it serves model files {theirs}, not the {self.files_hash[:16]} this gateway adopted (another tokenizer,"
+            " chat template or generation defaults would serve prompts differently); restart the gateway to adopt"
+            " new files, or start it with --model"
+        )
 
     def ready(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.is_ready]
@@ -198,6 +222,15 @@ class WorkerPool:
         worker.num_slow_polls = 0
         worker.info = info
         worker.num_other_active = max(0, int(info.num_running + info.num_waiting) - worker.num_in_flight)
+        refusal = self._files_refusal(info)
+        if refusal:
+            if worker.is_ready:
+                self.mark_down(worker.address, refusal)
+            elif refusal != worker.files_refusal and self.files_hash:
+                log.error("worker %s out of rotation: %s", worker.address, refusal)
+            worker.files_refusal = refusal
+            return
+        worker.files_refusal = ""
         if not worker.is_ready:
             log.info("worker %s in rotation (model %s, block size %d)", worker.address, info.model, info.block_size)
             worker.is_ready = True

@@ -46,17 +46,18 @@ class RoutingPolicy:
 
 
 def prefix_block_hashes(
-    tokens: Sequence[int] | str, block_size: int, max_blocks: int = MAX_PREFIX_BLOCKS
+    tokens: Sequence[int] | str, block_size: int, max_blocks: int = MAX_PREFIX_BLOCKS, salt: str = ""
 ) -> tuple[int, ...]:
     """Chained hashes of the prompt's leading full blocks: hash i covers blocks [0, i], so two prompts
-    share hash i exactly when they share their first i + 1 blocks (as the workers' cache keys do).
+    share hash i exactly when they share their first i + 1 blocks (as the workers' cache keys do). A
+    cache salt roots the chain, as on the workers: prompts of different salts share no block.
 
     A text prompt (no tokenizer at the gateway) is cut into blocks of block_size characters: an
     approximation of the token grid, still the same for two prompts with the same leading text."""
     if block_size < 1:
         return ()
     hashes: list[int] = []
-    parent = 0
+    parent = hash(("cache_salt", salt)) if salt else 0
     num_blocks = min(len(tokens) // block_size, max_blocks)
     for i in range(num_blocks):
         chunk = tokens[i * block_size : (i + 1) * block_size]

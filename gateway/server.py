@@ -3,6 +3,9 @@
     hybridserve gateway --workers HOST:PORT[,HOST:PORT...] [--port 8000] [--grpc-port 50050]
                         [--model DIR|ORG/NAME [--revision R]] [--api-key-file FILE] [--routing prefix|round-robin]
 
+Without --model the tokenizer, chat template and generation defaults come from the workers
+(gateway/model_files.py); /ready stays 503 until they have.
+
 Prints `listening on HOST:PORT` (HTTP) first, then `grpc listening on HOST:PORT`. SIGTERM or Ctrl-C:
 readiness turns NOT_SERVING, calls in flight get --grace-s to finish, then the process exits 0."""
 
@@ -25,6 +28,7 @@ from gateway.dispatch import Dispatcher, RoutingSettings
 from gateway.grpc_proxy import GenerationProxy, create_grpc_server, watch_readiness
 from gateway.http_app import Gateway, build_app
 from gateway.metrics import GatewayMetrics
+from gateway.model_files import LoadedFiles, adopt_worker_files
 from gateway.pool import WorkerPool, split_host_port
 from gateway.tokens import GatewayTokenizer
 from hybridserve import telemetry
@@ -82,7 +86,7 @@ FLAGS = {
     "grpc_port": Flag("the proxied gRPC Generation API; 0 = a free port"),
     "model": Flag(
         "the workers' model, " + MODEL_HELP + ": its tokenizer (prefix routing, logprob tokens) and chat template"
-        " (of an id, only those files are downloaded)",
+        " (of an id, only those files are downloaded); without it they come from the workers (GetModelFiles)",
         metavar="DIR|ORG/NAME",
     ),
     "revision": Flag(REVISION_HELP),
@@ -176,8 +180,10 @@ def run(args: argparse.Namespace) -> int:
         template = load_chat_template(config.model_dir, config.chat_template)
     except (TemplateError, OSError) as exc:
         raise SystemExit(f"chat template: {exc}") from None
-    if template is None:
-        log.warning("no chat template (give --model DIR or --chat-template FILE): /v1/chat/completions answers 400")
+    if config.model_dir is None:
+        log.info("no --model: the tokenizer, chat template and generation defaults come from the workers")
+    elif template is None:
+        log.warning("the model has no chat template (give --chat-template FILE): /v1/chat/completions answers 400")
     try:
         tokenizer = GatewayTokenizer.from_model_dir(config.model_dir)
         defaults = read_generation_config(config.model_dir)
@@ -201,8 +207,9 @@ async def serve(
     table = PrefixTable()
     metadata = (("authorization", f"Bearer {config.worker_api_key}"),) if config.worker_api_key else ()
     pool = WorkerPool(
-        config.workers, poll_interval_s=config.poll_interval_s, metadata=metadata, on_down=table.forget, tls=config.tls
-    )
+        config.workers, poll_interval_s=config.poll_interval_s, metadata=metadata, on_down=table.forget, tls=config.tls,
+        files_hash=None if config.model_dir is not None else "",  # without --model: the workers' files, once adopted
+    )  # fmt: skip
     await pool.start()
     dispatcher = Dispatcher(pool, table, config.routing, metrics)
     text_work = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="text")
@@ -216,6 +223,7 @@ async def serve(
         config.request_timeout_s,
         defaults,
         text_work,
+        files_source="--model" if config.model_dir is not None else "",
     )
     runner = web.AppRunner(build_app(gateway, config.max_body_bytes), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -227,6 +235,16 @@ async def serve(
     grpc_server, grpc_port, health_servicer = create_grpc_server(proxy, config.host, config.grpc_port, config.tls)
     await grpc_server.start()
     announce(config.host, grpc_port, "grpc")
+
+    def on_loaded(loaded: LoadedFiles) -> None:
+        gateway.tokenizer = proxy.tokenizer = loaded.tokenizer
+        gateway.chat_template = loaded.template
+        gateway.generation_defaults = loaded.defaults
+        gateway.files_source = "workers"
+
+    adopting = None
+    if config.model_dir is None:
+        adopting = asyncio.create_task(adopt_worker_files(pool, on_loaded, config.chat_template))
     log.info("routing %s over %s", config.routing.mode, ", ".join(config.workers))
     readiness = asyncio.create_task(watch_readiness(dispatcher, health_servicer, config.poll_interval_s))
     await _until_signal()
@@ -234,6 +252,10 @@ async def serve(
     readiness.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await readiness
+    if adopting is not None:
+        adopting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await adopting
     await health_servicer.enter_graceful_shutdown()
     await grpc_server.stop(config.grace_s)
     await runner.cleanup()

@@ -39,6 +39,11 @@ class GatewayTokenizer:
         return str(self._tok.decode(token_ids, skip_special_tokens=True))
 
     @cached_property
+    def vocab_size(self) -> int:
+        """Ids below this name a token of the tokenizer (added tokens included)."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @cached_property
     def max_bytes_per_token(self) -> int:
         """An upper bound on the UTF-8 bytes of text one token stands for, as the worker bounds it: the
         longest vocabulary entry in characters, times UTF8_MAX_BYTES_PER_CHAR (an entry's characters are

@@ -4,7 +4,9 @@ that imports generated protobuf code."""
 from __future__ import annotations
 
 from gpu_worker.engine.admission import GenerationInput
+from hybridserve.errors import InvalidArgumentError
 from hybridserve.generation_config import effective_temperature
+from hybridserve.structured_output import StructuredSpec
 from hybridserve.v1 import generation_pb2 as pb
 
 
@@ -35,4 +37,20 @@ def generation_input_from_pb(msg: pb.GenerateRequest) -> GenerationInput:
         min_tokens=s.min_tokens,
         stop_token_ids=tuple(s.stop_token_ids),
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        cache_salt=msg.cache_salt,
+        structured=structured_spec_from_pb(s.structured_output) if s.HasField("structured_output") else None,
     )
+
+
+def structured_spec_from_pb(msg: pb.StructuredOutput) -> StructuredSpec:
+    """The spec of a StructuredOutput; one with no kind set is INVALID_ARGUMENT."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgumentError(
+            "sampling.structured_output sets no kind; set one of json_schema, json_object, regex, choice, grammar"
+        )
+    if kind == "json_object":
+        return StructuredSpec("json_object", "", msg.any_whitespace)
+    if kind == "choice":
+        return StructuredSpec.choices(tuple(msg.choice.values))
+    return StructuredSpec(kind, getattr(msg, kind), msg.any_whitespace)

@@ -30,6 +30,7 @@ from hybridserve import grpc_server
 from hybridserve.auth import load_keys, load_secret
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.metrics import METRICS_COMPAT_HELP
+from hybridserve.model_files import read_model_files
 from hybridserve.model_source import DOWNLOAD_DIR_HELP, MODEL_HELP, REVISION_HELP, resolve_model
 from hybridserve.service_telemetry import METRICS_PORT_HELP, start_service_telemetry
 from hybridserve.settings import (
@@ -341,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
         warm_up=warmup.hook,
     )  # fmt: skip
     freeze_startup_objects()  # full collections skip the model's and the libraries' objects
-    servicer = GenerationServicer(engine, model_name=source.served_name, warmup=warmup)
+    model_files = refuse_on_invalid(read_model_files, source.path)  # what a gateway without --model fetches
+    servicer = GenerationServicer(engine, model_name=source.served_name, warmup=warmup, model_files=model_files)
     server, port, health = grpc_server.create_server(
         [add_to_server(servicer)], host=server_settings.host, port=server_settings.port,
         max_workers=server_threads(engine), tls=tls, keys=keys,  # a stream holds a thread to its end

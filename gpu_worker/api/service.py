@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.request import RequestOutput
 from hybridserve import grpc_server
 from hybridserve.errors import NotFoundError, ResourceExhaustedError, UnavailableError
+from hybridserve.model_files import CHUNK_BYTES, ModelFiles
 from hybridserve.v1 import generation_pb2 as pb
 
 if TYPE_CHECKING:
@@ -55,9 +57,13 @@ class GenerationServicer:
     """Holds at most `max_streams(engine)` Generate calls; one more is refused with
     RESOURCE_EXHAUSTED at once, and every new one with UNAVAILABLE once `drain()` was called."""
 
-    def __init__(self, engine: Engine, model_name: str, warmup: Warmup | None = None) -> None:
+    def __init__(
+        self, engine: Engine, model_name: str, warmup: Warmup | None = None, model_files: ModelFiles | None = None
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
+        # the tokenizer, template and generation-config files GetModelFiles serves (None: none, hash "")
+        self.model_files = model_files
         self.warmup = warmup  # what GetInfo says of the start-up warm-up; None: the engine runs none
         self.max_streams = max_streams(engine)
         self._lock = threading.Lock()
@@ -88,7 +94,9 @@ class GenerationServicer:
         disconnect, even one before the callback was added; a client found gone; an error; the stream
         closed) aborts the request, by the request itself: never a later one that reused its id."""
         asked = generation_input_from_pb(request)
-        req = build_request(asked, self.engine.runner, self.engine.settings, context.time_remaining())
+        req = build_request(
+            asked, self.engine.runner, self.engine.settings, context.time_remaining(), self.engine.grammars
+        )
         self.engine.submit(req)
 
         def on_rpc_done() -> None:  # cancel / disconnect / the call ended
@@ -178,7 +186,35 @@ class GenerationServicer:
         )
         if self.warmup is not None:
             warmup_to_pb(self.warmup, info)
+        if self.model_files is not None:
+            info.model_files_hash = self.model_files.hash
         return info
+
+    def GetModelFiles(
+        self, request: pb.GetModelFilesRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ModelFileChunk]:
+        """The allow-listed model files (hybridserve/model_files.py), in chunks of at most CHUNK_BYTES."""
+        files = self.model_files
+        if files is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker serves no model files")
+            return
+        if request.model_files_hash and request.model_files_hash != files.hash:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker serves model files {files.hash}, not {request.model_files_hash}",
+            )
+            return
+        yield from model_file_chunks(files)
+
+
+def model_file_chunks(files: ModelFiles) -> Iterator[pb.ModelFileChunk]:
+    """Each file in name order, cut into chunks of at most CHUNK_BYTES (an empty file: one empty chunk)."""
+    for name, data in files.files.items():
+        digest = hashlib.sha256(data).hexdigest()
+        view = memoryview(data)
+        for offset in range(0, max(len(data), 1), CHUNK_BYTES):
+            chunk = bytes(view[offset : offset + CHUNK_BYTES])
+            yield pb.ModelFileChunk(name=name, offset=offset, data=chunk, total_size=len(data), sha256=digest)
 
 
 def warmup_to_pb(warmup: Warmup, info: pb.GetInfoResponse) -> None:

@@ -34,6 +34,7 @@ class CachedSequence(Protocol):
     page_ids: list[int]  # KV page table; attach puts the hit's pages here
     state_slot: int | None
     block_hashes: list[bytes]  # chained hashes of full blocks, grown lazily by the cache
+    cache_salt: str  # roots the hash chain: requests of different salts share no block ("" = unsalted)
     trace_context: object | None  # parents the shared tier calls made for this sequence
 
     @property

@@ -51,7 +51,7 @@ class PrefixCacheManager(PrefixCache):
         num_blocks = num_tokens // self.block_size
         if len(seq.block_hashes) < num_blocks:
             tokens = list(seq.tokens(0, num_blocks * self.block_size))
-            seq.block_hashes = chain_hashes(tokens, self.block_size, self.fingerprint, seq.block_hashes)
+            seq.block_hashes = chain_hashes(tokens, self.block_size, self.fingerprint, seq.block_hashes, seq.cache_salt)
         return seq.block_hashes[:num_blocks]
 
     def usable_hashes(self, seq: CachedSequence) -> list[bytes]:

@@ -10,18 +10,21 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from gpu_worker.engine.grammar import GrammarCompiler
 from gpu_worker.engine.request import GenerationParams, Request, StopChecker
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.model.loader import LoadedModel
 from gpu_worker.runner.protocol import MAX_LOGIT_BIAS_TOKENS, Runner, SamplingParams
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.generation_config import GenerationDefaults
+from hybridserve.structured_output import StructuredSpec
 
 # Documented limits of one request (README, "Limits of one request").
 MAX_TOP_LOGPROBS = 20  # sampling.logprobs: top alternatives per token
 MAX_STOP_STRINGS = 16  # sampling.stop: strings per request (each is searched for at every token)
 MAX_STOP_STRING_CHARS = 256  # characters in one stop string
 MAX_REQUEST_ID_CHARS = 256  # request_id
+MAX_CACHE_SALT_CHARS = 256  # cache_salt
 MAX_TEMPERATURE = 100.0  # sampling.temperature; beyond it sampling is uniform in all but name
 MAX_STOP_TOKEN_IDS = 64  # sampling.stop_token_ids
 GENERATION_API_SAMPLING = (0.0, 1.0, 0)  # (temperature, top_p, top_k) unset here and in the checkpoint: greedy
@@ -54,6 +57,8 @@ class GenerationInput:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # None = not asked; 0 = each prompt token's log-probability
+    cache_salt: str = ""  # requests of different salts share no prefix-cache block; "" = unsalted
+    structured: StructuredSpec | None = None  # the grammar the output must match (structured outputs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +111,24 @@ def max_model_len(runner: Runner, settings: EngineSettings) -> int:
 
 
 def build_request(
-    asked: GenerationInput, runner: Runner, settings: EngineSettings, time_remaining_s: float | None
+    asked: GenerationInput,
+    runner: Runner,
+    settings: EngineSettings,
+    time_remaining_s: float | None,
+    grammars: GrammarCompiler | None = None,
 ) -> Request:
+    """The engine request of `asked`; InvalidArgumentError for what can never be served. A structured
+    output is compiled here (`grammars`: the engine's compiler), so that a spec the engine cannot compile
+    fails the call at once."""
     loaded = runner.loaded
     limit = max_model_len(runner, settings)
     if len(asked.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgumentError(
             f"request_id has {len(asked.request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
+        )
+    if len(asked.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgumentError(
+            f"cache_salt has {len(asked.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed"
         )
     # cheap checks first: a bad request is refused before tokenising
     params = _params(asked, settings, loaded.generation_defaults, loaded.config.vocab_size, runner.eos_token_ids)
@@ -122,14 +138,21 @@ def build_request(
             f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds this worker's"
             f" limit of {limit} tokens; shorten the prompt or lower max_tokens"
         )
+    grammar = None
+    if asked.structured is not None:
+        if grammars is None:
+            raise InvalidArgumentError("structured_output is not served by this engine")
+        grammar = grammars.compile(asked.structured)
     now = time.monotonic()
     return Request(
+        grammar=grammar,
         request_id=asked.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
         params=params,
         arrival_time=now,
         deadline=None if time_remaining_s is None else now + time_remaining_s,
         stop_checker=StopChecker(loaded.tokenizer, params.stop),
+        cache_salt=asked.cache_salt,
     )
 
 

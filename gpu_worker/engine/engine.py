@@ -27,11 +27,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import cached_property
 
 from gpu_worker.cache.interface import NoPrefixCache, PrefixCache
 from gpu_worker.engine import failures
 from gpu_worker.engine.allocator import Allocator
 from gpu_worker.engine.door import Door
+from gpu_worker.engine.grammar import GrammarCompiler, StepMasks
 from gpu_worker.engine.observer import EngineObserver, finished_record, queued_record, served_slices
 from gpu_worker.engine.output import Ending, OutputProcessor
 from gpu_worker.engine.planning import PlanFn, Planned, Planning, ShareAccountant
@@ -86,6 +88,13 @@ class Engine:
         self._most_pages_per_step = -(-config.max_num_batched_tokens // config.kv_page_size) + config.max_num_seqs
 
     # ---- called from any thread ----------------------------------------------------------------
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler: specs compiled at admission (on the RPC threads), one matcher per
+        request. Made at the first constrained request (two made at once would be equal: one is kept)."""
+        loaded = self.runner.loaded
+        return GrammarCompiler(loaded.tokenizer, self.runner.config.vocab_size, self.runner.eos_token_ids)
+
     def start(self) -> None:
         self.observer.occupancy_changed(self._occupancy())
         self._thread.start()
@@ -294,17 +303,26 @@ class Engine:
         return output
 
     def _sampling(self, prepared: PreparedStep) -> StepSampling:
-        """What the step samples: every yielding row, and the params of those that need more than the argmax."""
+        """What the step samples: every yielding row, the params of those that need more than the argmax,
+        and the token masks of those a grammar constrains (built by the runner's call while the forward runs)."""
         rows = prepared.yielding_rows
-        if not rows or not self.table.num_running_sampled:  # every row a plain argmax: no Python per row
+        table = self.table
+        if not rows or not (table.num_running_sampled or table.num_running_constrained):  # no Python per row
             return StepSampling(rows)
         requests = prepared.yielding
         special = [i for i, r in enumerate(requests) if not r.params.sampling.is_plain]
         params = [requests[i].params.sampling for i in special]
-        if not any(p.needs_history for p in params):
-            return StepSampling(rows, special, params)
-        histories = [requests[i].history if p.needs_history else None for i, p in zip(special, params, strict=True)]
-        return StepSampling(rows, special, params, histories)
+        histories: list[tuple[list[int], list[int]] | None] = []
+        if any(p.needs_history for p in params):
+            histories = [requests[i].history if p.needs_history else None for i, p in zip(special, params, strict=True)]
+        if not table.num_running_constrained:
+            return StepSampling(rows, special, params, histories=histories)
+        masked = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not masked:
+            return StepSampling(rows, special, params, histories=histories)
+        constraints = [g for i in masked if (g := requests[i].grammar) is not None]
+        masks = StepMasks(constraints, [requests[i].output_token_ids for i in masked], self.grammars.words)
+        return StepSampling(rows, special, params, masked, masks, histories)
 
     def _apply(self, prepared: PreparedStep, sampled: StepOutput | None) -> list[Ending]:
         """Each sampled token to its request; returns the requests that ended (already freed)."""

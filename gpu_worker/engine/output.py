@@ -69,6 +69,10 @@ class OutputProcessor:
                 endings.append(Ending(request, FinishReason.LENGTH, last))
                 continue
             outputs.append(token_id)
+            if request.grammar is not None and request.grammar.advance(token_id):  # the grammar is complete
+                text = checker.push([])[0] if token_id in eos_ids else checker.push_one(token_id)
+                endings.append(_ending(request, token_id, logprob, top, None, text, scores, complete=True))
+                continue
             if token_id in eos_ids and not params.ignore_eos:
                 endings.append(_ending(request, token_id, logprob, top, FinishReason.EOS, checker.push([])[0], scores))
                 continue
@@ -103,13 +107,13 @@ class OutputProcessor:
 
 def _ending(
     request: Request, token_id: int, logprob: float, top: TopLogprobs, by: FinishReason | None, text: str,
-    prompt_logprobs: tuple[float, ...] = (),
+    prompt_logprobs: tuple[float, ...] = (), complete: bool = False,
 ) -> Ending:  # fmt: skip
     """The ending of a request whose token (already appended, its text `text`) is its last: `by` EOS or a
-    stop token id (STOP), else a stop string or the length limit."""
+    stop token id (STOP), else a stop string, a completed grammar (`complete`: STOP) or the length limit."""
     hit_stop = request.stop_checker.stopped
-    if hit_stop or by is None:
-        reason = finish_reason(False, hit_stop, len(request.output_token_ids) >= request.params.max_tokens)
+    if hit_stop or complete or by is None:
+        reason = finish_reason(False, hit_stop or complete, len(request.output_token_ids) >= request.params.max_tokens)
     else:
         reason = by
     assert reason is not None
@@ -121,7 +125,8 @@ def _ending(
 
 def finish_reason(is_eos: bool, hit_stop: bool, reached_max_tokens: bool) -> FinishReason | None:
     """Why the request ends after this token, if it does. A stop string wins (its text is cut
-    there), then EOS, then the length limit: the token that hits the limit may also be EOS."""
+    there; a completed grammar counts as one), then EOS, then the length limit: the token that hits the
+    limit may also be EOS."""
     if hit_stop:
         return FinishReason.STOP
     if is_eos:

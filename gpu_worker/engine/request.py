@@ -16,19 +16,22 @@ import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from gpu_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from gpu_worker.runner.protocol import SamplingParams
 from hybridserve.errors import HybridServeError
 from scheduler_svc.core import RequestState
 
+if TYPE_CHECKING:
+    from gpu_worker.engine.grammar import Constraint
+
 
 class FinishReason(StrEnum):
     """The value is the name metrics labels and span attributes carry."""
 
     LENGTH = "length"  # max_tokens generated
-    STOP = "stop"  # a stop string appeared in the text
+    STOP = "stop"  # a stop string appeared in the text, or the output's grammar is complete
     EOS = "eos"  # the model emitted an end-of-sequence token (and ignore_eos was off)
     ABORT = "abort"  # the client aborted or cancelled
     ERROR = "error"  # the request failed; its stream raises the error
@@ -149,12 +152,14 @@ class Request:
     sched_prompt_len: int = 0  # the prompt as the scheduler sees it (grows on preemption)
     sched_output_base: int = 0  # outputs folded into sched_prompt_len
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
+    cache_salt: str = ""  # roots block_hashes' chain (gpu_worker/cache/blocks.py); "" = unsalted
     first_token_time: float | None = None
     trace_context: object | None = None  # the request span's tracing context, from the observer
     # prompt log-probabilities (GenerationParams.prompt_logprobs): scored until the first token, index k
     # holding the prompt token at position k + 1's
     scoring: bool = False
     prompt_logprobs: list[float] = field(default_factory=list)
+    grammar: Constraint | None = None  # the structured output's matcher (gpu_worker.engine.grammar), if any
     events: queue.SimpleQueue[RequestOutput] = field(default_factory=queue.SimpleQueue)
     # page_ids as a tuple (the batch row's page table), rebuilt only when page_ids grew or was replaced:
     # a long request's table is hundreds of pages, and a decode step rebuilds every row.

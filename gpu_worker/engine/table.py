@@ -29,6 +29,7 @@ class RequestTable:
         # Running requests whose sampling is more than a plain argmax (SamplingParams.is_plain): while
         # there is none, a step samples its rows without looking at each one.
         self.num_running_sampled = 0
+        self.num_running_constrained = 0  # ... and those a grammar constrains (structured outputs)
         # (deadline, order, request) of live requests that have one, a heap: a step looks at the
         # passed ones only, not at every live request. Entries of ended requests wait to be popped.
         self._deadlines: list[tuple[float, int, Request]] = []
@@ -85,6 +86,7 @@ class RequestTable:
     def add_running(self, request: Request) -> None:
         self.running[request.request_id] = request
         self.num_running_sampled += not request.params.sampling.is_plain
+        self.num_running_constrained += request.grammar is not None
 
     def get_running(self, request_id: str) -> Request | None:
         return self.running.get(request_id)
@@ -93,6 +95,7 @@ class RequestTable:
         request = self.running.pop(request_id, None)
         if request is not None:
             self.num_running_sampled -= not request.params.sampling.is_plain
+            self.num_running_constrained -= request.grammar is not None
         return request
 
     def pop_live(self, request_id: str) -> Request | None:

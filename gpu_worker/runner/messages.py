@@ -8,19 +8,25 @@ by state slot: the worker writes what changed since it last wrote (a page table 
 `kv_page_size` tokens; a request's parameters and its history are written once, when it first samples in
 its slot, then its history gains the token each step sampled), so any model process can compute any row,
 whatever process computed it the step before (`Split` moves rows between processes). A `Step` then
-carries, per row, nine integers and its chunk's tokens; a `StepDone` the sampled token ids, their
+carries, per row, ten integers and its chunk's tokens; a `StepDone` the sampled token ids, their
 log-probabilities, the top alternatives only for rows that asked, and the prompt log-probabilities of rows
 that score their prompt (SequenceChunk.score). Logits come back only when a caller asks for them
 (`Step.want_logits`: tests and tools).
+
+Rows a grammar constrains (structured outputs) are marked in `Step.rows` (MASKED). Their token masks are
+built by the worker while the step's forward runs, written into `StepTables.masks` at the rows' slots
+(vocab/32 int32 words each), and announced by a `MasksReady` sent after the `Step`: a model process whose
+part has masked rows reads it once its forward is done, then samples with the masks applied.
 
 Every message is a frozen dataclass, pickled; `Ready` carries `PROTOCOL_VERSION`, and the worker refuses a
 model process that speaks another."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,15 +44,20 @@ from gpu_worker.runner.sampling import (
     StepSampling,
     TopLogprobs,
     history_capacity,
+    mask_vocab_size,
+    mask_words,
 )
 from gpu_worker.runner.shared_memory import Allocator
 from gpu_worker.runner.warmup import WarmupTimes
 from hybridserve.errors import InvalidArgumentError
 
-PROTOCOL_VERSION = 2  # 2: the sampling controls' parameters and history, prompt scores
+if TYPE_CHECKING:
+    from gpu_worker.model.loader import LoadedModel
+
+PROTOCOL_VERSION = 3  # 2: the sampling controls' parameters and history, prompt scores (or the masks); 3: both
 # Step.rows' columns
-SLOT, START, NUM_TOKENS, NUM_PAGES, SAVE_CHECKPOINT, YIELDS, SPECIAL, SCORE, NEXT_TOKEN = range(9)
-ROW_FIELDS = 9
+SLOT, START, NUM_TOKENS, NUM_PAGES, SAVE_CHECKPOINT, YIELDS, SPECIAL, MASKED, SCORE, NEXT_TOKEN = range(10)
+ROW_FIELDS = 10
 _NO_CHECKPOINT = -1
 
 
@@ -94,6 +105,12 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class MasksReady:
+    """The masks of the last `Step`'s masked rows are in `StepTables.masks` (sent only to a process whose
+    part has masked rows, after its `Step`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepDone:
     """A step's part done: one sampled token per yielding row of the part, in row order."""
 
@@ -113,11 +130,14 @@ class StepTables:
     """Per state slot: the page table (int32, up to `max_pages`), the sampling parameters of the request in
     the slot (`floats`: temperature, top-p, presence, frequency, repetition, min-p; `ints`: top-k,
     alternatives, seed, has-seed, min_tokens, logit_bias entries, held ids; logit_bias's ids and values and
-    the held ids in tables of their own; a version bumped on each write) and its history (`history`, for
-    the penalties). Built over an `Allocator`: the worker's shared arena, or the same tensors attached in a
-    model process (in the same order)."""
+    the held ids in tables of their own; a version bumped on each write), its history (`history`, for
+    the penalties) and the token mask of a constrained row (`masks`: `mask_words` int32 words, written each
+    step it samples). Built over an `Allocator`: the worker's shared arena, or the same tensors attached in
+    a model process (in the same order)."""
 
-    def __init__(self, num_slots: int, max_pages: int, vocab: int, page_size: int, alloc: Allocator) -> None:
+    def __init__(
+        self, num_slots: int, max_pages: int, vocab: int, page_size: int, alloc: Allocator, mask_words: int = 1
+    ) -> None:
         self.num_slots = num_slots
         self.max_pages = max_pages
         self.pages = alloc((num_slots, max_pages), torch.int32).numpy()
@@ -128,6 +148,7 @@ class StepTables:
         self.held = alloc((num_slots, MAX_HELD_TOKENS), torch.int32).numpy()
         self.versions = alloc((num_slots,), torch.int64).numpy()
         self.history = HistoryTables(num_slots, history_capacity(vocab, max_pages, page_size), alloc)
+        self.masks = alloc((num_slots, mask_words), torch.int32).numpy()
 
     def write_params(self, slot: int, p: SamplingParams) -> None:
         self.floats[slot] = (p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
@@ -188,17 +209,34 @@ class TableWriter:
         self.history.publish(batch, sampling)
 
 
+def table_mask_words(loaded: LoadedModel) -> int:
+    """The int32 words of a row's token mask in the tables, for this model (both sides compute it)."""
+    tokenizer_vocab = loaded.tokenizer.vocab_size if loaded.tokenizer is not None else 0
+    return mask_words(mask_vocab_size(loaded.config.vocab_size, tokenizer_vocab))
+
+
+def masked_slots(batch: Batch, sampling: StepSampling) -> list[int]:
+    """The state slots of the masked rows, in `sampling.masked` order (where their masks go in the tables)."""
+    seqs, rows = batch.sequences, sampling.rows
+    return [seqs[rows[j]].state_slot for j in sampling.masked]
+
+
+def has_masked_rows(step: Step) -> bool:
+    return bool(step.rows[:, MASKED].any())
+
+
 def encode_step(batch: Batch, part: list[int] | None, sampling: StepSampling, want_logits: bool) -> Step:
     """`Step` of the batch rows `part` (ascending; None: every row), after `TableWriter.publish`."""
     seqs = batch.sequences if part is None else [batch.sequences[i] for i in part]
     yielding = set(sampling.rows)
     special = {sampling.rows[j] for j in sampling.special}
+    masked = {sampling.rows[j] for j in sampling.masked}
     indices = range(len(seqs)) if part is None else part
     rows = np.array(
         [
             (s.state_slot, s.start_pos, len(s.token_ids), len(s.page_ids),
              _NO_CHECKPOINT if s.save_checkpoint_id is None else s.save_checkpoint_id, i in yielding, i in special,
-             s.score, s.next_token)
+             i in masked, s.score, s.next_token)
             for s, i in zip(seqs, indices, strict=True)
         ],
         dtype=np.int64,
@@ -208,6 +246,18 @@ def encode_step(batch: Batch, part: list[int] | None, sampling: StepSampling, wa
     return Step(rows, tokens, boundaries, want_logits, batch.return_all_logits)
 
 
+class _TablesMasks:
+    """The TokenMasks of a decoded step: its masks are in the tables (TableReader.masks_of), not built here."""
+
+    words = 0
+
+    def fill(self, bitmask: np.ndarray[Any, Any], indices: Sequence[int]) -> None:
+        raise NotImplementedError("a model process reads its masks from the step tables")
+
+
+_READ_FROM_TABLES = _TablesMasks()
+
+
 class TableReader:
     """A model process's side: the batch and the sampling of a `Step`, from the message and the tables."""
 
@@ -215,7 +265,9 @@ class TableReader:
         self.tables = tables
         self._params: dict[int, tuple[int, SamplingParams]] = {}  # slot -> (version, params)
 
-    def decode(self, step: Step) -> tuple[Batch, StepSampling]:
+    def decode(self, step: Step) -> tuple[Batch, StepSampling, list[int]]:
+        """The batch, its sampling (masked rows without their masks: `masks_of` reads them once they are
+        ready), and the masked rows' slots."""
         pages = self.tables.pages
         tokens = step.tokens.tolist()
         inner: dict[int, list[tuple[int, int]]] = {}
@@ -225,8 +277,10 @@ class TableReader:
         yielding: list[int] = []
         special: list[int] = []
         params: list[SamplingParams] = []
+        masked: list[int] = []
+        slots: list[int] = []
         offset = 0
-        for r, (slot, start, n, num_pages, save, yields, is_special, score, next_token) in enumerate(
+        for r, (slot, start, n, num_pages, save, yields, is_special, is_masked, score, next_token) in enumerate(
             step.rows.tolist()
         ):
             if not 0 <= slot < self.tables.num_slots or not 0 <= num_pages <= self.tables.max_pages:
@@ -240,9 +294,18 @@ class TableReader:
                 if is_special:
                     special.append(len(yielding))
                     params.append(self._params_of(slot))
+                if is_masked:
+                    masked.append(len(yielding))
+                    slots.append(slot)
                 yielding.append(r)
         batch = Batch(tuple(chunks), return_all_logits=step.all_logits)
-        return batch, StepSampling(tuple(yielding), tuple(special), tuple(params))
+        sampling = StepSampling(tuple(yielding), tuple(special), tuple(params), tuple(masked),
+                                _READ_FROM_TABLES if masked else None)  # fmt: skip
+        return batch, sampling, slots
+
+    def masks_of(self, slots: list[int]) -> torch.Tensor:
+        """The masks at `slots`, copied out (the worker writes the next step's there)."""
+        return torch.from_numpy(self.tables.masks[slots])
 
     def _params_of(self, slot: int) -> SamplingParams:
         version = int(self.tables.versions[slot])

@@ -26,6 +26,7 @@ from gpu_worker.runner.batch import Batch
 from gpu_worker.runner.messages import (
     PROTOCOL_VERSION,
     Failed,
+    MasksReady,
     Ready,
     Step,
     StepDone,
@@ -34,6 +35,8 @@ from gpu_worker.runner.messages import (
     TableReader,
     Warm,
     WarmUp,
+    has_masked_rows,
+    table_mask_words,
 )
 from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.sampling import sample_step
@@ -66,7 +69,7 @@ def serve(
         busy = pool.zeros((count,), torch.int32).numpy()  # the worker's order: pools, busy flags, step tables
         reader = TableReader(StepTables(
             runner.state_pool.num_slots, runner.kv_pool.num_pages, runner.config.vocab_size,
-            runner.kv_pool.page_size_tokens, pool.zeros,
+            runner.kv_pool.page_size_tokens, pool.zeros, table_mask_words(loaded),
         ))  # fmt: skip
         if not pool.complete:
             raise ValueError("the worker shared more tensors than this process built")
@@ -92,7 +95,7 @@ def serve(
         if isinstance(message, WarmUp):
             reply: Any = _warm_up(runner, message.steps)
         elif isinstance(message, Step):
-            reply = _step(runner, reader, message)
+            reply = _step(runner, reader, message, conn)
             busy[index] = 0  # before the reply: the worker marks the next step's processes before sending
         else:
             reply = Failed(f"unknown message {type(message).__name__}")
@@ -122,13 +125,21 @@ def _warm_up(runner: ModelRunner, steps: tuple[Batch, ...]) -> Warm | Failed:
         return Failed(f"{type(exc).__name__}: {exc}")
 
 
-def _step(runner: ModelRunner, reader: TableReader, step: Step) -> StepDone | Failed:
-    """The forward of the step's rows, and the sampling of those that yield, here where the logits are."""
+def _step(runner: ModelRunner, reader: TableReader, step: Step, conn: Connection) -> StepDone | Failed:
+    """The forward of the step's rows, and the sampling of those that yield, here where the logits are.
+    A step with masked rows reads the worker's `MasksReady` once its forward is done (whether or not it
+    succeeded: the pipe stays in step), then samples with the masks."""
     started = time.perf_counter()
+    masked = has_masked_rows(step)
     try:
-        batch, sampling = reader.decode(step)
-        out = runner.forward(batch)
-        sampled = sample_step(out.logits, batch, sampling, reader.tables.history)
+        try:
+            batch, sampling, slots = reader.decode(step)
+            out = runner.forward(batch)
+        finally:
+            if masked and not isinstance(ready := pickle.loads(conn.recv_bytes()), MasksReady):
+                raise RuntimeError(f"expected the step's masks, got {type(ready).__name__}")
+        bitmask = reader.masks_of(slots) if masked else None
+        sampled = sample_step(out.logits, batch, sampling, reader.tables.history, bitmask)
     except InvalidArgumentError as exc:
         return Failed(str(exc), invalid=True)
     except Exception as exc:

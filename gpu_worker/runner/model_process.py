@@ -66,7 +66,9 @@ from gpu_worker.runner.batch import Batch, ForwardOutput
 from gpu_worker.runner.messages import (
     PROTOCOL_VERSION,
     Failed,
+    MasksReady,
     Ready,
+    Step,
     StepDone,
     StepTables,
     Stop,
@@ -74,10 +76,13 @@ from gpu_worker.runner.messages import (
     Warm,
     WarmUp,
     encode_step,
+    has_masked_rows,
     joined_logits,
     joined_output,
+    masked_slots,
     step_logits,
     step_output,
+    table_mask_words,
 )
 from gpu_worker.runner.runner import ModelRunner, PoolPlan, RunnerFacts
 from gpu_worker.runner.sampling import EMPTY_OUTPUT, StepOutput, StepSampling
@@ -148,7 +153,7 @@ class ProcessRunner(RunnerFacts):
         self._busy = self._arena.zeros((count,), torch.int32).numpy()
         self._tables = TableWriter(StepTables(
             self.state_pool.num_slots, self.kv_pool.num_pages, loaded.config.vocab_size,
-            self.kv_pool.page_size_tokens, self._arena.zeros,
+            self.kv_pool.page_size_tokens, self._arena.zeros, table_mask_words(loaded),
         ))  # fmt: skip
         self._weights = SharedArena("hybridserve-weights")
         self._weight_names = share_weights(loaded.model, self._weights)  # one copy, whatever the processes
@@ -326,6 +331,7 @@ class ProcessRunner(RunnerFacts):
             try:
                 for child, step in zip(self._children, steps, strict=False):
                     child.send(step)
+                mask_error = self._send_masks(batch, sampling, steps)
                 if while_waiting is not None:
                     while_waiting()
                 replies = [child.receive(None) for child, _ in zip(self._children, steps, strict=False)]
@@ -338,6 +344,8 @@ class ProcessRunner(RunnerFacts):
                     f"the model process is gone (exit codes {codes}); this step's requests are lost, and the"
                     " process is being replaced"
                 ) from exc
+        if mask_error is not None:  # the processes sampled with every token allowed: the step's tokens are lost
+            raise RuntimeError(f"building the token masks failed: {mask_error}") from mask_error
         done: list[StepDone] = []
         for reply in replies:
             if isinstance(reply, Failed) and reply.invalid:
@@ -353,6 +361,24 @@ class ProcessRunner(RunnerFacts):
         self.steps_shared += 1
         self._split.learn(batch, parts, [r.seconds for r in done])
         return joined_output(parts, done, sampling), joined_logits(parts, done) if want_logits else None
+
+    def _send_masks(self, batch: Batch, sampling: StepSampling, steps: list[Step]) -> Exception | None:
+        """While the model processes compute: the constrained rows' masks into the tables, then `MasksReady`
+        to each process whose part has masked rows. A failure to build them is returned (the processes
+        still get their `MasksReady`, over masks that allow every token, so that the step ends in order)."""
+        if sampling.masks is None:
+            return None
+        masks, error = self._tables.tables.masks, None
+        slots = masked_slots(batch, sampling)
+        try:
+            sampling.masks.fill(masks, slots)
+        except Exception as exc:
+            masks[slots] = -1
+            error = exc
+        for child, step in zip(self._children, steps, strict=False):
+            if has_masked_rows(step):
+                child.send(MasksReady())
+        return error
 
     def warm_up(self) -> WarmupTimes:
         """ModelRunner.warm_up in every model process, one after the other on the same scratch pages and

@@ -30,10 +30,13 @@ processes beside the worker). `LogitsRunner` turns a forward that returns logits
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from gpu_worker.runner.batch import Batch, ForwardOutput, SequenceChunk
@@ -46,8 +49,11 @@ from gpu_worker.runner.sampling import (
     SamplingParams,
     StepOutput,
     StepSampling,
+    TokenMasks,
     TopLogprobs,
     history_capacity,
+    mask_vocab_size,
+    mask_words,
     sample_step,
 )
 from gpu_worker.runner.state_pool import MambaStatePool
@@ -63,7 +69,7 @@ __all__ = [
     "DECODE_ROW_TOKENS", "FORWARD_FIXED_TOKENS", "MAX_LOGIT_BIAS_TOKENS", "Batch", "BlockCheckpoint",
     "CheckpointLayout", "KVPagePool", "LogitsRunner", "MambaStatePool", "PoolSet", "Pools", "Runner",
     "SamplingParams", "SequenceChunk",
-    "StepOutput", "StepSampling", "TopLogprobs",
+    "StepOutput", "StepSampling", "TokenMasks", "TopLogprobs", "mask_vocab_size", "mask_words",
 ]  # fmt: skip
 
 
@@ -153,6 +159,18 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype)
 
 
+_MASKS: list[ThreadPoolExecutor] = []
+_MASKS_LOCK = threading.Lock()
+
+
+def _mask_thread() -> ThreadPoolExecutor:
+    """The thread that builds a step's token masks beside an in-process forward (started at first use)."""
+    with _MASKS_LOCK:
+        if not _MASKS:
+            _MASKS.append(ThreadPoolExecutor(1, thread_name_prefix="token-masks"))
+        return _MASKS[0]
+
+
 class LogitsRunner:
     """`execute` over a `forward(batch, while_waiting) -> ForwardOutput` that computes logits in this
     process: the rows are sampled where the logits are (on the runner's device). The in-process
@@ -166,7 +184,20 @@ class LogitsRunner:
     def execute(
         self, batch: Batch, sampling: StepSampling, while_waiting: Callable[[], None] | None = None
     ) -> StepOutput:
-        out = self.forward(batch, while_waiting)
+        bitmask = None
+        if sampling.masks is None:
+            out = self.forward(batch, while_waiting)
+        else:
+            # The constrained rows' masks are built on the mask thread while the forward runs (the matchers
+            # release the GIL), and waited for before sampling.
+            words = np.zeros((len(sampling.masked), sampling.masks.words), dtype=np.int32)
+            building = _mask_thread().submit(sampling.masks.fill, words, range(len(sampling.masked)))
+            try:
+                out = self.forward(batch, while_waiting)
+            finally:
+                wait([building])  # the caller may touch the matchers once execute returns
+            building.result()
+            bitmask = torch.from_numpy(words)
         if sampling.histories and self._history is None:
             pools = self.pools  # type: ignore[attr-defined]
             kv = pools.kv_pool
@@ -175,7 +206,7 @@ class LogitsRunner:
         if self._history is not None:
             self._history.publish(batch, sampling)
         tables = self._history.tables if self._history is not None else None
-        sampled = sample_step(out.logits, batch, sampling, tables)
+        sampled = sample_step(out.logits, batch, sampling, tables, bitmask)
         return replace(sampled, prompt_scores=out.prompt_scores) if out.prompt_scores else sampled
 
     def runs_elsewhere(self, batch: Batch) -> bool:

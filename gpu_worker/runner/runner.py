@@ -116,7 +116,7 @@ def prompt_scores(
 ) -> tuple[tuple[int, list[float]], ...]:
     """The scoring rows' prompt log-probabilities (SequenceChunk.score): the logits at every position of
     those rows only (the others computed their last position alone), log-softmaxed, at the next token."""
-    out = []
+    out: list[tuple[int, list[float]]] = []
     for i, (start, seq) in enumerate(zip(token_start, batch.sequences, strict=True)):
         if not seq.score:
             continue

@@ -1,15 +1,15 @@
 """Token sampling, where the logits are: in the process (or on the device) that ran the forward.
 
-A step's sampling is `sample_step(logits, batch, sampling, history)`: one token for each row that yields
-(`StepSampling.rows`), as a logits-processor pipeline (`PIPELINE`, vLLM's order): the per-request controls
-first (logit_bias, the min_tokens mask, repetition_penalty, presence and frequency penalties: `apply_controls`),
-then temperature, min-p, top-k and top-p, then the draw; greedy rows (temperature 0) take the argmax of the
-controlled logits. Rows that need nothing but the argmax and its log-probability (`SamplingParams.is_plain`)
-cost no Python of their own, and a step without controls runs none of `apply_controls`. The controls run
-once per step over the rows that have them, as tensors (scatters for the bias and the mask, a gather and a
-scatter at the tokens each row has seen for the penalties), never per token in Python. Log-probabilities
-are those of the model's raw distribution (log_softmax of the unmodified logits), for the chosen token and
-the top-n alternatives.
+A step's sampling is `sample_step(logits, batch, sampling, history, bitmask)`: one token for each row that
+yields (`StepSampling.rows`), as a logits-processor pipeline (`PIPELINE`, vLLM's order): a grammar's token
+mask first (below), then the per-request controls (logit_bias, the min_tokens mask, repetition_penalty,
+presence and frequency penalties: `apply_controls`), then temperature, min-p, top-k and top-p, then the
+draw; greedy rows (temperature 0) take the argmax of the masked and controlled logits. Rows that need
+nothing but the argmax and its log-probability (`SamplingParams.is_plain`) cost no Python of their own,
+and a step without controls runs none of `apply_controls`. The controls run once per step over the rows
+that have them, as tensors (scatters for the bias and the mask, a gather and a scatter at the tokens each
+row has seen for the penalties), never per token in Python. Log-probabilities are those of the model's
+raw distribution (log_softmax of the unmodified logits), for the chosen token and the top-n alternatives.
 
 The penalties and min_tokens read per-request state that outlives a step: each state slot's distinct seen
 tokens, their generated counts and its number of generated tokens (`HistoryTables`, written by a
@@ -19,14 +19,20 @@ tokens of each step).
 The random stream is counter-based: a seeded request's draw for the token at position p (the number of
 tokens before it, prompt included) uses a generator seeded with `stream_key(seed, p)`, so a request
 samples the same tokens whatever process, batch or step it lands in, and after a preemption. Unseeded
-requests draw from the process's global generator."""
+requests draw from the process's global generator.
+
+Structured outputs add one step before the pipeline: a row a grammar constrains comes with its token mask
+(one bit per token id, vocab/32 int32 words, built by the engine's matcher while the forward ran:
+`TokenMasks`), and `apply_token_masks` puts the tokens it disallows at -inf before the argmax and the
+filters, for greedy and sampled rows alike. Log-probabilities stay those of the raw distribution. A step
+without constrained rows pays nothing for it."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -143,17 +149,42 @@ _STREAMS = _Streams()
 TokenHistory = tuple[Sequence[int], Sequence[int]]
 
 
+def mask_vocab_size(logits_vocab: int, tokenizer_vocab: int) -> int:
+    """The token ids a mask covers: the logits' width, or the tokenizer's where that is larger."""
+    return max(logits_vocab, tokenizer_vocab)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's token mask (bit t % 32 of word t // 32: token t allowed)."""
+    return (vocab_size + 31) // 32
+
+
+class TokenMasks(Protocol):
+    """The token masks of a step's constrained rows (StepSampling.masked), built by whoever owns the
+    matchers (the engine: gpu_worker.engine.grammar.StepMasks). The runner calls `fill` once, while the
+    forward runs, and waits for it before sampling."""
+
+    words: int  # int32 words per row
+
+    def fill(self, bitmask: np.ndarray[Any, Any], indices: Sequence[int]) -> None:
+        """Writes constrained row j's mask into row `indices[j]` of `bitmask` (int32 [n, words])."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class StepSampling:
     """What a step samples: one token for each of `rows` (batch rows, ascending: the rows whose chunk
     reaches the end of their request's known tokens). `special` (ascending indices into `rows`) are the
     rows that need more than the argmax, with their `params`, one each; every other row is plain greedy.
     `histories`, when not empty, has one entry per special row: the request's tokens for those whose params
-    need_history (None for the others); only the process that writes the HistoryTables reads it."""
+    need_history (None for the others); only the process that writes the HistoryTables reads it.
+    `masked` (ascending indices into `rows`) are the rows a grammar constrains, whose masks `masks` fills."""
 
     rows: Sequence[int] = ()
     special: Sequence[int] = ()
     params: Sequence[SamplingParams] = ()
+    masked: Sequence[int] = ()
+    masks: TokenMasks | None = None
     histories: Sequence[TokenHistory | None] = ()
 
     def __post_init__(self) -> None:
@@ -161,6 +192,8 @@ class StepSampling:
             raise InvalidArgumentError(f"sampling: {len(self.special)} special rows, {len(self.params)} params")
         if self.histories and len(self.histories) != len(self.special):
             raise InvalidArgumentError(f"sampling: {len(self.special)} special rows, {len(self.histories)} histories")
+        if bool(self.masked) != (self.masks is not None):
+            raise InvalidArgumentError(f"sampling: {len(self.masked)} masked rows, masks {self.masks!r}")
 
     @classmethod
     def of(
@@ -170,7 +203,7 @@ class StepSampling:
         `histories`: every row's tokens, when some row's params need them."""
         special = [j for j, p in enumerate(params) if not p.is_plain]
         hist = tuple(histories[j] if params[j].needs_history else None for j in special) if histories else ()
-        return cls(tuple(rows), tuple(special), tuple(params[j] for j in special), hist)
+        return cls(tuple(rows), tuple(special), tuple(params[j] for j in special), histories=hist)
 
 
 # (batch row, log-probabilities): a scored row's prompt tokens after its chunk's first (SequenceChunk.score)
@@ -276,7 +309,9 @@ class HistoryWriter:
 
     def _start(self, slot: int, params: SamplingParams, prompt: Sequence[int]) -> None:
         """A request new to the slot: its prompt's distinct tokens (for repetition_penalty), counted 0."""
-        seen = np.unique(np.asarray(prompt, dtype=np.int64)) if params.repetition_penalty != 1.0 else np.empty(0)
+        seen: np.ndarray[Any, Any] = (
+            np.unique(np.asarray(prompt, dtype=np.int64)) if params.repetition_penalty != 1.0 else np.empty(0, np.int64)
+        )
         if len(seen) > self.tables.capacity:
             raise InvalidArgumentError(f"sampling history: more than {self.tables.capacity} tokens")
         self._ids[slot, : len(seen)] = seen
@@ -299,18 +334,52 @@ def sample_positions(batch: Batch, sampling: StepSampling) -> list[int]:
 
 
 def sample_step(
-    last_logits: torch.Tensor, batch: Batch, sampling: StepSampling, history: HistoryTables | None = None
+    last_logits: torch.Tensor,
+    batch: Batch,
+    sampling: StepSampling,
+    history: HistoryTables | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> StepOutput:
     """`sampling`'s tokens from `last_logits` [num_sequences, vocab]: the logits after each batch row's last
     token (the runner's forward output; the controlled rows are overwritten: sample_rows). `history` holds
-    the state of the rows whose params need_history (written for this step already)."""
+    the state of the rows whose params need_history (written for this step already). `bitmask`
+    [len(sampling.masked), words] int32: the masked rows' token masks, filled (required when
+    `sampling.masked` is not empty)."""
     if not sampling.rows:
         return EMPTY_OUTPUT
     rows = sampling.rows
     logits = last_logits if len(rows) == last_logits.shape[0] else last_logits[list(rows)]  # all rows: no copy
+    if sampling.masked and bitmask is None:
+        raise InvalidArgumentError(f"sample_step: {len(sampling.masked)} masked rows and no bitmask")
     seqs = batch.sequences
     slots = [seqs[rows[j]].state_slot for j in sampling.special]
-    return sample_rows(logits, sampling.special, sampling.params, sample_positions(batch, sampling), slots, history)
+    positions = sample_positions(batch, sampling)
+    return sample_rows(
+        logits, sampling.special, sampling.params, positions, sampling.masked, bitmask, slots=slots, history=history
+    )
+
+
+# Byte -> its 8 bits, least significant first (a mask's byte b holds tokens 8b..8b+7, on a little-endian host).
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).bool()
+
+
+def apply_token_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """The mask step, before every other: `logits` [b, vocab] with the tokens that row `rows[j]`'s mask
+    (`bitmask[j]`, int32 words, bit t % 32 of word t // 32 set = token t allowed) disallows at -inf.
+    A new tensor: the raw logits stay for the log-probabilities. Token ids past the mask are disallowed."""
+    vocab = logits.shape[-1]
+    table = _BYTE_BITS if _BYTE_BITS.device == logits.device else _BYTE_BITS.to(logits.device)
+    as_bytes = bitmask.to(logits.device, torch.int32).contiguous().view(torch.uint8).long()  # [m, words * 4]
+    allowed = table[as_bytes].view(len(rows), -1)  # [m, words * 32]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    allowed = allowed[:, :vocab]
+    if len(rows) == logits.shape[0]:  # every row constrained (rows ascending: in order)
+        return logits.masked_fill(~allowed, float("-inf"))
+    masked = logits.clone()
+    index = torch.tensor(list(rows), device=logits.device)
+    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return masked
 
 
 def apply_controls(
@@ -382,10 +451,10 @@ def _filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-# the order apply_controls, _filter_logits and sample_rows apply them
+# the order apply_token_masks, apply_controls, _filter_logits and sample_rows apply them
 PIPELINE = (
-    "logit_bias", "min_tokens", "repetition_penalty", "presence_frequency_penalty", "temperature", "min_p", "top_k",
-    "top_p", "draw",
+    "grammar_mask", "logit_bias", "min_tokens", "repetition_penalty", "presence_frequency_penalty", "temperature",
+    "min_p", "top_k", "top_p", "draw",
 )  # fmt: skip
 
 
@@ -400,13 +469,21 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
 
 @torch.inference_mode()  # the forward's logits are inference tensors, which the controls write into
 def sample_rows(
-    logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams], positions: Sequence[int],
-    slots: Sequence[int] = (), history: HistoryTables | None = None,
-) -> StepOutput:  # fmt: skip
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    masked_rows: Sequence[int] = (),
+    bitmask: torch.Tensor | None = None,
+    *,
+    slots: Sequence[int] = (),
+    history: HistoryTables | None = None,
+) -> StepOutput:
     """`sample` where only `rows` (ascending) need more than the argmax: `params`/`positions` are theirs,
     one each (a position keys a seeded row's random stream; `slots`, their state slots, key `history` for
     the rows whose params need_history); every other row is greedy without alternatives
-    (SamplingParams.is_plain).
+    (SamplingParams.is_plain). `masked_rows` (ascending) are constrained by `bitmask`'s rows, one each
+    (apply_token_masks), whatever else they need.
 
     The rows in no list cost no Python: a batch of plain rows is one argmax, one log_softmax, one
     gather and two tolists. Same tokens and log-probabilities as row by row. The controls (apply_controls)
@@ -416,9 +493,12 @@ def sample_rows(
         raise InvalidArgumentError(f"sample_rows: {len(rows)} rows, {len(params)} params, {len(positions)} positions")
     logits = logits.float()
     logp = logits.log_softmax(dim=-1)  # [b, vocab], of the raw logits: one fused pass (logsumexp is several)
+    work = logits  # the logits the tokens are chosen from
+    if masked_rows:  # the mask step: first, before every control, filter and the argmax
+        assert bitmask is not None and bitmask.shape[0] == len(masked_rows)
+        work = apply_token_masks(logits, masked_rows, bitmask)  # a new tensor
     controlled = [j for j, p in enumerate(params) if p.has_controls]
-    work = logits  # the logits the tokens are chosen from: the controls write into their rows, in place
-    if controlled:
+    if controlled:  # the controls write into their rows of `work`, in place
         with_history = [j for j in controlled if params[j].needs_history]
         state = None
         if with_history:
@@ -431,8 +511,7 @@ def sample_rows(
     random = [(i, p, pos) for i, p, pos in zip(rows, params, positions, strict=True) if p.temperature != 0.0]
     if random:
         index = torch.tensor([i for i, _, _ in random], device=logits.device)
-        base = work[index]
-        probs = _filter_logits(base, [p for _, p, _ in random]).softmax(dim=-1)
+        probs = _filter_logits(work[index], [p for _, p, _ in random]).softmax(dim=-1)
         noise = torch.empty_like(probs)
         if any(p.seed is None for _, p, _ in random):
             noise.exponential_()  # the unseeded rows' draws, from this process's generator, in one call

@@ -22,6 +22,26 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
+class GetModelFilesRequest(_message.Message):
+    __slots__ = ("model_files_hash",)
+    MODEL_FILES_HASH_FIELD_NUMBER: _ClassVar[int]
+    model_files_hash: str
+    def __init__(self, model_files_hash: _Optional[str] = ...) -> None: ...
+
+class ModelFileChunk(_message.Message):
+    __slots__ = ("name", "offset", "data", "total_size", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    data: bytes
+    total_size: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens", "stop_token_ids", "prompt_logprobs", "structured_output")
     class LogitBiasEntry(_message.Message):
@@ -166,7 +186,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "device", "dtype", "max_model_len", "vocab_size", "kv_page_size", "block_size", "num_kv_pages_total", "num_kv_pages_free", "num_state_slots_total", "num_state_slots_free", "kv_bytes_per_token", "state_bytes_per_request", "num_running", "num_waiting", "max_queue_len", "num_steps", "step_wall_seconds", "scheduler_wait_seconds", "num_preemptions", "num_stalled_steps", "async_scheduling", "num_generated_tokens", "architecture", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_declined_tokens", "prefix_cache_miss_reasons", "memory_budget_bytes", "kv_pool_bytes", "state_pool_bytes", "checkpoint_pool_bytes", "num_checkpoint_slots", "weights_bytes", "activation_budget_bytes", "memory_source", "device_memory_bytes", "max_model_len_source", "warmup_state", "warmup_seconds", "warmup_compile_seconds", "warmup_kernels_seconds", "warmup_graphs_seconds", "warmup_steps_seconds", "warmup_done_unix_seconds", "decode_compile", "activation_budget_source", "attention_workspace_bytes", "attention_key_tile_tokens", "activation_context_tokens")
+    __slots__ = ("model", "model_fingerprint", "device", "dtype", "max_model_len", "vocab_size", "kv_page_size", "block_size", "num_kv_pages_total", "num_kv_pages_free", "num_state_slots_total", "num_state_slots_free", "kv_bytes_per_token", "state_bytes_per_request", "num_running", "num_waiting", "max_queue_len", "num_steps", "step_wall_seconds", "scheduler_wait_seconds", "num_preemptions", "num_stalled_steps", "async_scheduling", "num_generated_tokens", "architecture", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_declined_tokens", "prefix_cache_miss_reasons", "memory_budget_bytes", "kv_pool_bytes", "state_pool_bytes", "checkpoint_pool_bytes", "num_checkpoint_slots", "weights_bytes", "activation_budget_bytes", "memory_source", "device_memory_bytes", "max_model_len_source", "warmup_state", "warmup_seconds", "warmup_compile_seconds", "warmup_kernels_seconds", "warmup_graphs_seconds", "warmup_steps_seconds", "warmup_done_unix_seconds", "decode_compile", "activation_budget_source", "attention_workspace_bytes", "attention_key_tile_tokens", "activation_context_tokens", "model_files_hash")
     class PrefixCacheMissReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +245,7 @@ class GetInfoResponse(_message.Message):
     ATTENTION_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_KEY_TILE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FILES_HASH_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     device: str
@@ -276,4 +297,5 @@ class GetInfoResponse(_message.Message):
     attention_workspace_bytes: int
     attention_key_tile_tokens: int
     activation_context_tokens: int
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_pages_total: _Optional[int] = ..., num_kv_pages_free: _Optional[int] = ..., num_state_slots_total: _Optional[int] = ..., num_state_slots_free: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., state_bytes_per_request: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_wall_seconds: _Optional[float] = ..., scheduler_wait_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_stalled_steps: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., num_generated_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_declined_tokens: _Optional[int] = ..., prefix_cache_miss_reasons: _Optional[_Mapping[str, int]] = ..., memory_budget_bytes: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., checkpoint_pool_bytes: _Optional[int] = ..., num_checkpoint_slots: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_budget_bytes: _Optional[int] = ..., memory_source: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., max_model_len_source: _Optional[str] = ..., warmup_state: _Optional[str] = ..., warmup_seconds: _Optional[float] = ..., warmup_compile_seconds: _Optional[float] = ..., warmup_kernels_seconds: _Optional[float] = ..., warmup_graphs_seconds: _Optional[float] = ..., warmup_steps_seconds: _Optional[float] = ..., warmup_done_unix_seconds: _Optional[float] = ..., decode_compile: _Optional[str] = ..., activation_budget_source: _Optional[str] = ..., attention_workspace_bytes: _Optional[int] = ..., attention_key_tile_tokens: _Optional[int] = ..., activation_context_tokens: _Optional[int] = ...) -> None: ...
+    model_files_hash: str
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_pages_total: _Optional[int] = ..., num_kv_pages_free: _Optional[int] = ..., num_state_slots_total: _Optional[int] = ..., num_state_slots_free: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., state_bytes_per_request: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_wall_seconds: _Optional[float] = ..., scheduler_wait_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_stalled_steps: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., num_generated_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_declined_tokens: _Optional[int] = ..., prefix_cache_miss_reasons: _Optional[_Mapping[str, int]] = ..., memory_budget_bytes: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., checkpoint_pool_bytes: _Optional[int] = ..., num_checkpoint_slots: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_budget_bytes: _Optional[int] = ..., memory_source: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., max_model_len_source: _Optional[str] = ..., warmup_state: _Optional[str] = ..., warmup_seconds: _Optional[float] = ..., warmup_compile_seconds: _Optional[float] = ..., warmup_kernels_seconds: _Optional[float] = ..., warmup_graphs_seconds: _Optional[float] = ..., warmup_steps_seconds: _Optional[float] = ..., warmup_done_unix_seconds: _Optional[float] = ..., decode_compile: _Optional[str] = ..., activation_budget_source: _Optional[str] = ..., attention_workspace_bytes: _Optional[int] = ..., attention_key_tile_tokens: _Optional[int] = ..., activation_context_tokens: _Optional[int] = ..., model_files_hash: _Optional[str] = ...) -> None: ...

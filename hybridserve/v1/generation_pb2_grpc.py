@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=hybridserve_dot_v1_dot_generation__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=hybridserve_dot_v1_dot_generation__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.GetModelFiles = channel.unary_stream(
+                '/hybridserve.v1.Generation/GetModelFiles',
+                request_serializer=hybridserve_dot_v1_dot_generation__pb2.GetModelFilesRequest.SerializeToString,
+                response_deserializer=hybridserve_dot_v1_dot_generation__pb2.ModelFileChunk.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -78,6 +83,18 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelFiles(self, request, context):
+        """Streams the served model's tokenizer, chat template and generation-config files (a fixed list:
+        config.json, generation_config.json, tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+        chat_template.jinja; those the model has), so a gateway without the model folder tokenizes and renders
+        as the worker does. Files come one after the other in name order, each in chunks of at most 1 MiB (a
+        large vocabulary's tokenizer.json is beyond gRPC's default message size). GetInfo.model_files_hash is
+        their hash. FAILED_PRECONDITION when GetModelFilesRequest.model_files_hash names other files.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +112,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=hybridserve_dot_v1_dot_generation__pb2.GetInfoRequest.FromString,
                     response_serializer=hybridserve_dot_v1_dot_generation__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'GetModelFiles': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetModelFiles,
+                    request_deserializer=hybridserve_dot_v1_dot_generation__pb2.GetModelFilesRequest.FromString,
+                    response_serializer=hybridserve_dot_v1_dot_generation__pb2.ModelFileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +200,33 @@ class Generation:
             '/hybridserve.v1.Generation/GetInfo',
             hybridserve_dot_v1_dot_generation__pb2.GetInfoRequest.SerializeToString,
             hybridserve_dot_v1_dot_generation__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hybridserve.v1.Generation/GetModelFiles',
+            hybridserve_dot_v1_dot_generation__pb2.GetModelFilesRequest.SerializeToString,
+            hybridserve_dot_v1_dot_generation__pb2.ModelFileChunk.FromString,
             options,
             channel_credentials,
             insecure,

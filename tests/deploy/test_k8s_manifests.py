@@ -127,8 +127,8 @@ def test_the_model_comes_from_one_config_map_and_an_init_container_downloads_it(
         env = {e["name"]: e for e in containers(objects)["worker"]["env"]}
         assert env["HYBRIDSERVE_WORKER_MODEL"]["valueFrom"]["configMapKeyRef"]["key"] == "MODEL"
         assert env["HF_HUB_OFFLINE"]["value"] == "1" and env["HF_HUB_CACHE"]["value"] == "/models/hub"
-        gateway_env = {e["name"]: e for e in containers(objects)["gateway"]["env"]}
-        assert gateway_env["HYBRIDSERVE_GATEWAY_MODEL"]["valueFrom"]["configMapKeyRef"]["key"] == "MODEL"
+        gateway = containers(objects)["gateway"]  # no model: the workers send its files (GetModelFiles)
+        assert not gateway.get("env") and not gateway.get("volumeMounts") and "--model" not in gateway["args"]
 
 
 def test_gpu_workers_size_their_pools_from_the_device() -> None:

@@ -33,3 +33,12 @@ def test_frame_bytes_equal_the_whole_chunk(kind: str, include_usage: bool, model
         assert data == whole_chunk(kind, model, include_usage, entry)
         parsed = json.loads(data.removeprefix(b"data: "))
         assert parsed["choices"] == [entry] and parsed["model"] == model
+
+
+def test_frame_with_usage_carries_the_choice_usage_so_far() -> None:
+    frame = ChunkFrame.of("completion", "cmpl-1f", "m", 1700000000, True)
+    entry = {"index": 0, "text": "ab", "logprobs": None, "finish_reason": None}
+    chunk = envelope("completion", "cmpl-1f", "m", 1700000000, chunk=True)
+    chunk["choices"] = [entry]
+    chunk["usage"] = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert frame.sse_with_usage(entry, 5, 2) == b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"

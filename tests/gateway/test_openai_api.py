@@ -109,6 +109,35 @@ def test_streaming_chat_with_usage(client):
     assert text == full.choices[0].message.content
 
 
+def test_continuous_usage_stats_put_usage_in_every_chunk(stack):
+    """The body GuideLLM 0.8 sends for /v1/completions: stream_options.continuous_usage_stats and stop null."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "abcd",
+        "max_tokens": 4,
+        "stop": None,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    request = urllib.request.Request(
+        f"http://{stack.gateway.address}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        events = [line for line in response.read().decode().split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    *token_chunks, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+    prompt_tokens = last["usage"]["prompt_tokens"]
+    counts = [c["usage"]["completion_tokens"] for c in token_chunks]
+    assert counts == sorted(counts) and counts[-1] == 4 and counts[0] >= 1
+    assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in token_chunks)
+    assert all(c["usage"]["total_tokens"] == prompt_tokens + n for c, n in zip(token_chunks, counts, strict=True))
+
+
 def test_streaming_completion_ends_with_done(stack):
     body = json.dumps({"model": MODEL_NAME, "prompt": "abc", "max_tokens": 3, "stream": True}).encode()
     request = urllib.request.Request(
@@ -217,10 +246,12 @@ def test_bad_requests_get_openai_errors(stack, body, status, param):
 
 
 def test_chat_errors_name_the_field(stack):
-    for field, value in (("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"})):
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}
+    for field, value, param in (("tools", [{"type": "function"}], "tools"),
+                                ("response_format", bad_schema, "response_format.json_schema.schema")):  # fmt: skip
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], field: value}
         status, got = post(stack, "/v1/chat/completions", json.dumps(body).encode())
-        assert status == 400 and _error(got)["param"] == field and field in got["error"]["message"]
+        assert status == 400 and _error(got)["param"] == param and param in got["error"]["message"], got
     status, got = post(stack, "/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": "hi"}).encode())
     assert status == 400 and _error(got)["param"] == "messages"
 
@@ -296,6 +327,12 @@ def test_echo_with_logprobs_and_no_new_tokens_scores_the_prompt(client, stack):
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     two = client.completions.create(**{**body, "n": 2})
     assert [c.text for c in two.choices] == [whole.choices[0].text] * 2
+    # several prompts: each choice echoes its own (prompt i's choices are i*n .. i*n+n-1)
+    other = client.completions.create(**{**body, "prompt": "Abc"})
+    batch = client.completions.create(**{**body, "prompt": ["Hello w", "Abc"], "n": 2})
+    texts = [c.text for c in sorted(batch.choices, key=lambda c: c.index)]
+    assert texts == [whole.choices[0].text] * 2 + [other.choices[0].text] * 2
+    assert other.choices[0].text.startswith("Abc")
 
 
 def test_sampling_controls_reach_the_worker(client, stack):

@@ -11,13 +11,15 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from gpu_worker.runner.batch import Batch
 from gpu_worker.runner.model_process import ProcessRunner, build_runner
 from gpu_worker.runner.protocol import Pools, Runner
 from gpu_worker.runner.runner import ModelRunner
-from gpu_worker.runner.sampling import SamplingParams, StepSampling
+from gpu_worker.runner.sampling import SamplingParams, StepSampling, mask_words, sample_rows
 from gpu_worker.runner.settings import RunnerConfig
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 from tests.model.model_helpers import Request
@@ -150,9 +152,10 @@ CONTROLLED = {  # sampled, seeded rows with every control, and a greedy one with
 }
 
 
-def generate_controlled(runner: Runner, names: list[str], steps: int = 6) -> dict[str, list[int]]:
+def generate_controlled(runner: Runner, names: list[str], steps: int = 6, masked: bool = False) -> dict[str, list[int]]:
     """`generate` for CONTROLLED, each row's history (prompt, generated) handed to the runner as the engine
-    hands it: the lists themselves, grown each step."""
+    hands it: the lists themselves, grown each step; `masked`: every row constrained by FixedMasks too
+    (asserts each chosen token was allowed)."""
     assert isinstance(runner, ModelRunner | ProcessRunner)
     prompts = {n: [(13 * i + 7 * len(n)) % VOCAB for i in range(18 + 7 * len(n))] for n in names}
     requests = {n: Request(runner, prompts[n]) for n in names}
@@ -163,8 +166,12 @@ def generate_controlled(runner: Runner, names: list[str], steps: int = 6) -> dic
             sampling = StepSampling.of(
                 range(len(names)), [CONTROLLED[n] for n in names], [(prompts[n], outputs[n]) for n in names]
             )
+            masks = FixedMasks(names, step) if masked else None
+            if masks is not None:
+                sampling = replace(sampling, masked=tuple(range(len(names))), masks=masks)
             sampled = runner.execute(Batch(tuple(chunks)), sampling)
-            for n, token in zip(names, sampled.token_ids, strict=True):
+            for j, (n, token) in enumerate(zip(names, sampled.token_ids, strict=True)):
+                assert masks is None or masks.bits[j][token], (n, step, token)
                 requests[n].token_ids.append(token)
                 outputs[n].append(token)
     finally:
@@ -181,6 +188,19 @@ def test_rows_with_controls_sample_the_same_in_every_runner(runners: dict[str, R
     for label, runner in runners.items():
         for together in (names, names[::-1], ["min-tokens", "plain"]):
             got = generate_controlled(runner, together)
+            assert got == {n: expected[n] for n in together}, (label, together)
+
+
+def test_masked_rows_with_controls_sample_the_same_in_every_runner(runners: dict[str, Runner]) -> None:
+    """The grammar mask first, then the controls: every row both constrained and controlled (penalties'
+    history in the tables, logit_bias, min_tokens) takes only allowed tokens, the same in every runner."""
+    names = list(CONTROLLED)
+    expected = generate_controlled(runners["here"], names, steps=4, masked=True)
+    assert expected["greedy-penalised"] != generate_controlled(runners["here"], names, steps=4)["greedy-penalised"]
+    assert 9 not in expected["penalised"] and not {5, 6} & set(expected["min-tokens"][:4])
+    for label, runner in runners.items():
+        for together in (names, names[::-1]):
+            got = generate_controlled(runner, together, steps=4, masked=True)
             assert got == {n: expected[n] for n in together}, (label, together)
 
 
@@ -205,3 +225,81 @@ def test_prompt_scores_are_the_same_in_every_runner(runners: dict[str, Runner]) 
         assert len(got[label]) == len(prompt) - 1
     for label, scores in got.items():
         assert scores == pytest.approx(got["here"], abs=1e-4), label
+
+
+class FixedMasks:
+    """Token masks as the engine's matchers would give them (gpu_worker.runner.protocol.TokenMasks): here a
+    few hundred allowed tokens per (request, step), fixed by a seed, and recorded so that the test can check
+    each chosen token against its mask."""
+
+    words = mask_words(VOCAB)
+
+    def __init__(self, names: list[str], step: int) -> None:
+        self.bits: list[np.ndarray] = []
+        for n in names:
+            rng = np.random.default_rng([step, *n.encode()])
+            allowed = np.zeros(self.words * 32, dtype=bool)
+            allowed[rng.choice(VOCAB, size=300, replace=False)] = True
+            self.bits.append(allowed)
+
+    def fill(self, bitmask: np.ndarray, indices) -> None:
+        for allowed, index in zip(self.bits, indices, strict=True):
+            bitmask[index] = np.packbits(allowed, bitorder="little").view(np.int32)
+
+
+def generate_masked(runner: Runner, names: list[str], steps: int = 4) -> dict[str, list[int]]:
+    """As `generate`, with every row constrained by FixedMasks; asserts each chosen token was allowed."""
+    assert isinstance(runner, ModelRunner | ProcessRunner)
+    requests = {n: Request(runner, [(17 * i + 31 * len(n)) % VOCAB for i in range(20 + 9 * len(n))]) for n in names}
+    out: dict[str, list[int]] = {n: [] for n in names}
+    try:
+        for step in range(steps + 1):
+            chunks = [r.chunk(len(r.token_ids) - r.num_computed) for r in requests.values()]
+            masks = FixedMasks(names, step)
+            plain = StepSampling.of(range(len(names)), [PARAMS[n] for n in names])
+            sampling = StepSampling(plain.rows, plain.special, plain.params, tuple(range(len(names))), masks)
+            sampled = runner.execute(Batch(tuple(chunks)), sampling)
+            for n, token, allowed in zip(names, sampled.token_ids, masks.bits, strict=True):
+                assert allowed[token], (n, step, token)
+                requests[n].token_ids.append(token)
+                out[n].append(token)
+    finally:
+        for r in requests.values():
+            r.release()
+    return out
+
+
+def test_constrained_rows_take_only_allowed_tokens_and_agree_across_runners(runners: dict[str, Runner]) -> None:
+    names = ["greedy", "seeded", "seeded-top-k"]
+    expected = generate_masked(runners["here"], names)
+    unmasked = generate(runners["here"], ["greedy"], steps=4)["greedy"][0]
+    assert expected["greedy"] != unmasked, "the masks were meant to change the greedy choice"
+    for label, runner in runners.items():
+        for together in (names, names[::-1]):
+            got = generate_masked(runner, together)
+            assert got == {n: expected[n] for n in together}, label
+
+
+def test_the_mask_step_keeps_every_chosen_token_inside_its_mask() -> None:
+    """apply_token_masks through sample_rows: greedy rows take the best allowed token; sampled rows (any
+    temperature, top-k, top-p) only allowed ones; unconstrained rows and the log-probabilities are as
+    without masks."""
+    torch.manual_seed(0)
+    vocab, rows = 1000, 6
+    logits = torch.randn(rows, vocab) * 3
+    allowed = torch.rand(rows, mask_words(vocab) * 32) < 0.05
+    bitmask = torch.from_numpy(np.packbits(allowed.numpy(), axis=1, bitorder="little").view(np.int32).copy())
+    masked_rows = [0, 1, 3, 4]
+    params = [SamplingParams(), SamplingParams(temperature=1.5, seed=1), SamplingParams(temperature=0.7, top_k=5,
+              seed=2), SamplingParams(temperature=1.0, top_p=0.5, seed=3)]  # fmt: skip
+    special = [1, 3, 4, 5]
+    free = sample_rows(logits, special, params, [10] * 4)
+    for trial in range(20):
+        positions = [trial] * 4
+        got = sample_rows(logits, special, params, positions, masked_rows, bitmask[masked_rows])
+        for row in masked_rows:
+            assert allowed[row, got.token_ids[row]], (trial, row)
+        best = logits[0].masked_fill(~allowed[0, :vocab], float("-inf")).argmax().item()
+        assert got.token_ids[0] == best
+        assert got.token_ids[2] == free.token_ids[2]  # plain and unconstrained
+        assert got.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[best].item(), abs=1e-5)
