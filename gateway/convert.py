@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.openai_request import ApiRequest
+from gateway.sampling_fields import fill_sampling
 from gateway.structured import structured_output_pb
 from hybridserve.generation_config import GenerationDefaults
 from hybridserve.v1 import generation_pb2 as pb
@@ -23,11 +24,14 @@ def sampling_of(api: ApiRequest, choice_index: int, defaults: GenerationDefaults
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        max_tokens=api.max_tokens,
+        # 0 is the worker's default (unset), except with echo, where it asks for the prompt alone
+        max_tokens=api.max_tokens if api.max_tokens or api.echo else None,
+        prompt_logprobs=0 if api.echo and api.logprobs else None,
         stop=list(api.stop),
         ignore_eos=api.ignore_eos,
         logprobs=api.top_logprobs,
     )
+    fill_sampling(api.controls, sampling)
     if api.structured is not None:
         sampling.structured_output.CopyFrom(structured_output_pb(api.structured))
     if api.seed is not None:

@@ -29,6 +29,7 @@ from gateway.chat_output import OutputParser
 from gateway.chat_template import ChatPrompt, ChatTemplate
 from gateway.convert import generate_requests
 from gateway.dispatch import Dispatcher, NoWorkerError, UpstreamError
+from gateway.echo import echo_of
 from gateway.metrics import GatewayMetrics
 from gateway.openai_request import ApiRequest, Message, TextLimits, check_text_size
 from gateway.openai_response import ChoiceState, ChunkFrame, envelope, final_body, new_id, request_usage
@@ -282,11 +283,13 @@ class Generation:
         propagate.inject(carrier)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks = []
-        for p, prompt in enumerate(prompts):
+        raws = self.api.all_prompts if self.api.kind == "completion" else (self.api.prompt,)
+        for p, (prompt, raw) in enumerate(zip(prompts, raws, strict=True)):
             prefix = self.gateway.dispatcher.prefix_hashes(prompt, self.api.cache_salt)
             for j, r in enumerate(self.requests(prompt)):
                 index = p * self.api.n + j
                 self.prompt_tokens_of[index] = len(prompt)
+                self.choices[index].echo = echo_of(self.api, raw, prompt, self.gateway.tokenizer)
                 tasks.append(
                     asyncio.create_task(self.run_choice(r, prefix, len(prompt), queue, index, list(carrier.items())))
                 )

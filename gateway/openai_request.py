@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.api_errors import bad_request, unsupported
+from gateway.sampling_fields import CONTROL_FIELDS, SamplingControls, check_min_tokens, parse_controls
 from gateway.structured import FIELDS as STRUCTURED_FIELDS
 from gateway.structured import parse_structured
 from gateway.tool_calls import ToolCall, ToolRequest, parse_message_tool_calls, parse_tool_call_id, parse_tool_request
@@ -26,35 +27,34 @@ OPENAI_COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 MAX_CACHE_SALT_CHARS = 256  # as the workers allow
 MAX_TOKEN_ID = 2**31  # token ids travel as int32; the worker checks them against its vocabulary
 
-_COMMON = frozenset(
-    {
-        "model",
-        "stream",
-        "stream_options",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "n",
-        "stop",
-        "seed",
-        "user",
-        "logprobs",
-        "top_k",
-        "ignore_eos",
-        "cache_salt",
-        *STRUCTURED_FIELDS,
-    }
+_COMMON = (
+    frozenset(
+        {
+            "model",
+            "stream",
+            "stream_options",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "n",
+            "stop",
+            "seed",
+            "user",
+            "logprobs",
+            "top_k",
+            "ignore_eos",
+            "cache_salt",
+            *STRUCTURED_FIELDS,
+        }
+    )
+    | CONTROL_FIELDS
 )
-_COMPLETION = _COMMON | {"prompt"}
+_COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 
 # field -> values that mean "off" (accepted and ignored, since they change nothing)
 _NO_OP: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},),
-    "echo": (False,),
+    "echo": (False,),  # chat: the completions endpoint serves it (gateway/echo.py)
     "suffix": ("",),
     "best_of": (1,),
     "tools": ([],),
@@ -70,7 +70,6 @@ _NO_OP: dict[str, tuple[Any, ...]] = {
     "prediction": (),
     "reasoning_effort": (),
     "web_search_options": (),
-    "min_p": (0, 0.0),
 }
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -119,6 +118,8 @@ class ApiRequest:
     logprobs: bool  # return the chosen tokens' log-probabilities
     top_logprobs: int  # alternatives per token, 0..MAX_TOP_LOGPROBS
     ignore_eos: bool  # an extension: generate max_tokens even past EOS (benchmarks)
+    controls: SamplingControls = SamplingControls()  # vLLM's sampling controls (gateway/sampling_fields.py)
+    echo: bool = False  # completions: the prompt first in the text (and its log-probabilities first)
     # stream_options.continuous_usage_stats (vLLM's extension, which GuideLLM sends): every chunk carries its
     # choice's usage so far (prompt tokens, tokens generated up to and including the chunk)
     continuous_usage: bool = False
@@ -266,6 +267,8 @@ def _common(
     stream = _bool(body, "stream", False)
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
     top_k = _int(body, "top_k", None, -1, 1 << 20)
+    controls = parse_controls(body)
+    check_min_tokens(controls, max_tokens)
     return ApiRequest(
         kind=kind,
         model=_model(body),
@@ -284,6 +287,8 @@ def _common(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),
+        controls=controls,
+        echo=kind == "completion" and _bool(body, "echo", False),
         cache_salt=_cache_salt(body),
         structured=parse_structured(body),
     )
@@ -342,7 +347,8 @@ def parse_completion(body: Any) -> ApiRequest:
         raise bad_request("the request body must be a JSON object")
     check_fields(body, _COMPLETION)
     logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    max_tokens = _int(body, "max_tokens", OPENAI_COMPLETION_DEFAULT_MAX_TOKENS, 1, 1 << 30)
+    echo = _bool(body, "echo", False)  # with echo, max_tokens 0 scores the prompt alone (lm-eval)
+    max_tokens = _int(body, "max_tokens", OPENAI_COMPLETION_DEFAULT_MAX_TOKENS, 0 if echo else 1, 1 << 30)
     prompts = _prompts(body)
     api = _common(body, "completion", prompts[0], (), max_tokens or 0, logprobs is not None, logprobs or 0)
     if len(prompts) * api.n > MAX_BATCH_CHOICES:

@@ -11,10 +11,13 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.chat_output import OutputParser, chat_deltas, chat_message
 from hybridserve.v1 import generation_pb2 as pb
+
+if TYPE_CHECKING:
+    from gateway.echo import Echo
 
 TokenText = Callable[[int], str]  # token id -> its text (as decoded alone)
 
@@ -95,8 +98,8 @@ class CompletionLogprobs:
     """OpenAI completions `logprobs` (parallel lists); text_offset counts characters of token texts."""
 
     tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
     offset: int = 0  # characters of the completion so far
 
@@ -119,6 +122,14 @@ class CompletionLogprobs:
         self.text_offset += part.text_offset
         self.offset = part.offset
         return part
+
+    def joined(self, later: CompletionLogprobs) -> CompletionLogprobs:
+        """These entries, then `later`'s (a new object; the offset is `later`'s, or this one's when it is empty)."""
+        return CompletionLogprobs(
+            self.tokens + later.tokens, self.token_logprobs + later.token_logprobs,
+            self.top_logprobs + later.top_logprobs, self.text_offset + later.text_offset,
+            later.offset if later.tokens else self.offset,
+        )  # fmt: skip
 
     def to_json(self, with_top: bool) -> dict[str, Any]:
         return {
@@ -144,6 +155,7 @@ class ChoiceState:
     finish_reason: str | None = None
     usage: UsageCount | None = None
     sent_role: bool = False
+    echo: Echo | None = None  # completions with `echo` (gateway/echo.py)
     num_tokens: int = 0  # tokens generated so far
     output: OutputParser | None = None  # chat: reasoning and tool calls parsed out of the text (chat_output.py)
     more_deltas: list[dict[str, Any]] = field(default_factory=list)  # with `output`: the last message's others
@@ -171,7 +183,12 @@ class ChoiceState:
     def apply(self, msg: pb.GenerateResponse) -> dict[str, Any]:
         """Takes one worker message; returns this choice's stream chunk entry for it (with `output`, the
         first of `entries`)."""
-        self.text.append(msg.text)
+        prefix, echoed = "", None
+        if self.echo is not None:
+            prefix, echoed = self.echo.first(msg, self.token_text, self.with_top, self.want_logprobs)
+            if echoed is not None:
+                self.completion_logprobs = echoed.joined(CompletionLogprobs())
+        self.text.append(prefix + msg.text)
         self.num_tokens += len(msg.token_ids)
         entry: dict[str, Any] = {"index": self.index}
         logprobs: Any = None
@@ -180,7 +197,8 @@ class ChoiceState:
             self.chat_logprobs += content
             logprobs = {"content": content, "refusal": None}
         elif self.want_logprobs:
-            logprobs = self.completion_logprobs.add(msg, self.token_text, self.with_top).to_json(self.with_top)
+            part = self.completion_logprobs.add(msg, self.token_text, self.with_top)
+            logprobs = (part if echoed is None else echoed.joined(part)).to_json(self.with_top)
         if msg.finish_reason:
             self.finish_reason = openai_finish_reason(msg.finish_reason)
             u = msg.usage
@@ -198,7 +216,7 @@ class ChoiceState:
                 self.sent_role = True
             entry["delta"] = delta
         else:
-            entry["text"] = msg.text
+            entry["text"] = prefix + msg.text
         entry["logprobs"] = logprobs
         entry["finish_reason"] = self.finish_reason
         return entry

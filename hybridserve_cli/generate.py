@@ -78,7 +78,7 @@ def request_from_args(args: argparse.Namespace) -> generation_pb2.GenerateReques
         raise ValueError('give a prompt, e.g. hybridserve generate "Hello", or --token-ids 1,2,3')
     return build_request(
         args.token_ids if args.token_ids is not None else args.prompt,
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens or None, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
         request_id=args.request_id,
     )  # fmt: skip

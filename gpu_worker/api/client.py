@@ -5,7 +5,7 @@ error into a sentence a person can act on."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,6 +35,7 @@ class Completion:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[float] = field(default_factory=list)  # when asked: each prompt token's after the first
     start_s: float = 0.0  # the call was made
     first_token_s: float | None = None  # the first message with tokens arrived
     last_token_s: float | None = None  # the last message with tokens arrived
@@ -69,7 +70,7 @@ def generation_stub(channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub
 def build_request(
     prompt: str | Sequence[int],
     *,
-    max_tokens: int = 0,
+    max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -78,12 +79,24 @@ def build_request(
     ignore_eos: bool = False,
     logprobs: int = 0,
     request_id: str = "",
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    min_p: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    prompt_logprobs: int | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest for a text prompt or a token-id prompt; sampling left None is left unset (the
-    checkpoint's generation_config defaults, else greedy)."""
+    checkpoint's generation_config defaults, else greedy). `max_tokens` None: the worker's default; 0: no
+    new tokens (with `prompt_logprobs=0`, a prompt's score)."""
     sampling = generation_pb2.SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-        stop=list(stop), ignore_eos=ignore_eos, logprobs=logprobs,
+        stop=list(stop), ignore_eos=ignore_eos, logprobs=logprobs, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, min_p=min_p,
+        logit_bias=dict(logit_bias or {}), min_tokens=min_tokens, stop_token_ids=list(stop_token_ids),
+        prompt_logprobs=prompt_logprobs,
     )  # fmt: skip
     if seed is not None:
         sampling.seed = seed
@@ -124,6 +137,7 @@ def _absorb(out: Completion, message: generation_pb2.GenerateResponse) -> None:
     out.text += message.text
     out.token_ids.extend(message.token_ids)
     out.logprobs.extend(message.logprobs)
+    out.prompt_logprobs.extend(message.prompt_logprobs)
     for top in message.top_logprobs:
         out.top_logprobs.append(dict(zip(top.token_ids, top.logprobs, strict=False)))
     if message.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:

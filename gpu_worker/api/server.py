@@ -82,7 +82,7 @@ FLAGS = {
     "cache_address": Flag("cache service host:port", name="--cache"),
     "async_scheduling": Flag("plan step N+1 while step N runs"),
     "max_queue_len": Flag("waiting requests at most; more get RESOURCE_EXHAUSTED"),
-    "default_max_tokens": Flag("max_tokens of a request that leaves it at 0"),
+    "default_max_tokens": Flag("max_tokens of a request that leaves it unset"),
     "max_model_len": Flag(
         "prompt + max_tokens limit; 0 = the checkpoint's max_position_embeddings, capped by what the KV pool holds"
         " (a value above what the pool holds is refused at start-up)"

@@ -257,6 +257,8 @@ def merge_events(first: RequestOutput, later: list[RequestOutput]) -> RequestOut
         last.prompt_tokens,
         last.cached_tokens,
         last.completion_tokens,
+        None,
+        tuple([lp for e in events for lp in e.prompt_logprobs]),
     )
 
 
@@ -273,6 +275,8 @@ def output_to_pb(request_id: str, event: RequestOutput) -> pb.GenerateResponse:
             text=event.text,
             finish_reason=finish_reason_to_pb(event.finish_reason),
         )
+    if event.prompt_logprobs:
+        msg.prompt_logprobs.extend(event.prompt_logprobs)
     for top in event.top_logprobs:
         if top:
             msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])

@@ -14,7 +14,7 @@ from gpu_worker.engine.grammar import GrammarCompiler
 from gpu_worker.engine.request import GenerationParams, Request, StopChecker
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.model.loader import LoadedModel
-from gpu_worker.runner.protocol import Runner, SamplingParams
+from gpu_worker.runner.protocol import MAX_LOGIT_BIAS_TOKENS, Runner, SamplingParams
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.generation_config import GenerationDefaults
 from hybridserve.structured_output import StructuredSpec
@@ -26,6 +26,7 @@ MAX_STOP_STRING_CHARS = 256  # characters in one stop string
 MAX_REQUEST_ID_CHARS = 256  # request_id
 MAX_CACHE_SALT_CHARS = 256  # cache_salt
 MAX_TEMPERATURE = 100.0  # sampling.temperature; beyond it sampling is uniform in all but name
+MAX_STOP_TOKEN_IDS = 64  # sampling.stop_token_ids
 GENERATION_API_SAMPLING = (0.0, 1.0, 0)  # (temperature, top_p, top_k) unset here and in the checkpoint: greedy
 
 
@@ -36,7 +37,7 @@ class GenerationInput:
     request_id: str  # "" = the worker picks one
     prompt: str | None  # text, or None when prompt_token_ids is given
     prompt_token_ids: tuple[int, ...] | None  # None when prompt is given; both None = neither was set
-    max_tokens: int  # 0 = the worker's default
+    max_tokens: int | None  # None = the worker's default; 0 = no new tokens (the prompt is read)
     # None = unset: the checkpoint's generation_config value, else greedy / off (hybridserve.generation_config)
     temperature: float | None = None
     top_k: int | None = None
@@ -47,6 +48,15 @@ class GenerationInput:
     ignore_eos: bool = False
     priority: int = 0
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens (false: it holds them)
+    # the sampling controls (gpu_worker.runner.sampling.SamplingParams); unset = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # None = 1 (off)
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None  # None = not asked; 0 = each prompt token's log-probability
     cache_salt: str = ""  # requests of different salts share no prefix-cache block; "" = unsalted
     structured: StructuredSpec | None = None  # the grammar the output must match (structured outputs)
 
@@ -121,7 +131,7 @@ def build_request(
             f"cache_salt has {len(asked.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed"
         )
     # cheap checks first: a bad request is refused before tokenising
-    params = _params(asked, settings, loaded.generation_defaults)
+    params = _params(asked, settings, loaded.generation_defaults, loaded.config.vocab_size, runner.eos_token_ids)
     prompt = _prompt_ids(asked, loaded, limit)
     if len(prompt) + params.max_tokens > limit:
         raise InvalidArgumentError(
@@ -188,9 +198,13 @@ def _prompt_ids(asked: GenerationInput, loaded: LoadedModel, limit_tokens: int) 
     return ids
 
 
-def _params(s: GenerationInput, settings: EngineSettings, defaults: GenerationDefaults) -> GenerationParams:
-    if s.max_tokens < 0:
-        raise InvalidArgumentError(f"sampling.max_tokens must be >= 0 (0 = default), got {s.max_tokens}")
+def _params(
+    s: GenerationInput, settings: EngineSettings, defaults: GenerationDefaults, vocab: int, eos: tuple[int, ...]
+) -> GenerationParams:
+    if s.max_tokens is not None and s.max_tokens < 0:
+        raise InvalidArgumentError(
+            f"sampling.max_tokens must be >= 0 (0 = no new tokens; unset = the default), got {s.max_tokens}"
+        )
     if not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgumentError(f"sampling.logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.logprobs}")
     _check_stop(s.stop)
@@ -200,7 +214,11 @@ def _params(s: GenerationInput, settings: EngineSettings, defaults: GenerationDe
         )
     if s.top_p is not None and not (math.isfinite(s.top_p) and 0.0 <= s.top_p <= 1.0):
         raise InvalidArgumentError(f"sampling.top_p must be a number in [0, 1] (0 or 1 = off), got {s.top_p}")
+    max_tokens = settings.default_max_tokens if s.max_tokens is None else s.max_tokens
+    _check_controls(s, vocab, max_tokens)
     temperature, top_p, top_k = defaults.sampling(s.temperature, s.top_p, s.top_k, fallback=GENERATION_API_SAMPLING)
+    stop_ids = tuple(dict.fromkeys(s.stop_token_ids))
+    held = tuple(dict.fromkeys(stop_ids + eos)) if s.min_tokens else ()
     try:
         sampling = SamplingParams(
             temperature=temperature,
@@ -208,16 +226,61 @@ def _params(s: GenerationInput, settings: EngineSettings, defaults: GenerationDe
             top_p=1.0 if top_p == 0 else top_p,
             seed=s.seed,
             num_logprobs=s.logprobs,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
+            min_p=s.min_p,
+            logit_bias=tuple(sorted(s.logit_bias)),
+            min_tokens=s.min_tokens,
+            held_token_ids=held,
         )
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"sampling.{exc}") from None
     return GenerationParams(
         sampling=sampling,
-        max_tokens=s.max_tokens or settings.default_max_tokens,
+        max_tokens=max_tokens,
         stop=s.stop,
         ignore_eos=s.ignore_eos,
         priority=s.priority,
+        stop_token_ids=frozenset(stop_ids),
+        prompt_logprobs=s.prompt_logprobs is not None,
     )
+
+
+def _check_controls(s: GenerationInput, vocab: int, max_tokens: int) -> None:
+    """The sampling controls' ranges and ids (SamplingParams checks its own ranges again, for its other
+    callers); each error names the field."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise InvalidArgumentError(f"sampling.{name} must be in [-2, 2] (0 = off), got {value}")
+    if s.repetition_penalty is not None and not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
+        raise InvalidArgumentError(f"sampling.repetition_penalty must be > 0 (1 = off), got {s.repetition_penalty}")
+    if not (math.isfinite(s.min_p) and 0.0 <= s.min_p <= 1.0):
+        raise InvalidArgumentError(f"sampling.min_p must be in [0, 1] (0 = off), got {s.min_p}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidArgumentError(
+            f"sampling.logit_bias holds {len(s.logit_bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are allowed"
+        )
+    for token, bias in s.logit_bias:
+        if not 0 <= token < vocab:
+            raise InvalidArgumentError(f"sampling.logit_bias names token {token}, outside the vocabulary [0, {vocab})")
+        if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+            raise InvalidArgumentError(f"sampling.logit_bias of token {token} must be in [-100, 100], got {bias}")
+    if not 0 <= s.min_tokens <= max_tokens:
+        raise InvalidArgumentError(f"sampling.min_tokens must be in [0, max_tokens ({max_tokens})], got {s.min_tokens}")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgumentError(
+            f"sampling.stop_token_ids holds {len(s.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"
+        )
+    bad = next((t for t in s.stop_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"sampling.stop_token_ids holds {bad}, outside the vocabulary [0, {vocab})")
+    if s.prompt_logprobs is not None and s.prompt_logprobs != 0:
+        raise InvalidArgumentError(
+            f"sampling.prompt_logprobs must be 0 (each prompt token's log-probability), got {s.prompt_logprobs}:"
+            " top alternatives of prompt tokens are not supported yet"
+        )
 
 
 def _check_stop(stop: tuple[str, ...]) -> None:

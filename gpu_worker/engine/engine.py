@@ -312,18 +312,27 @@ class Engine:
         requests = prepared.yielding
         special = [i for i, r in enumerate(requests) if not r.params.sampling.is_plain]
         params = [requests[i].params.sampling for i in special]
+        histories: list[tuple[list[int], list[int]] | None] = []
+        if any(p.needs_history for p in params):
+            histories = [requests[i].history if p.needs_history else None for i, p in zip(special, params, strict=True)]
         if not table.num_running_constrained:
-            return StepSampling(rows, special, params)
+            return StepSampling(rows, special, params, histories=histories)
         masked = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not masked:
-            return StepSampling(rows, special, params)
+            return StepSampling(rows, special, params, histories=histories)
         constraints = [g for i in masked if (g := requests[i].grammar) is not None]
         masks = StepMasks(constraints, [requests[i].output_token_ids for i in masked], self.grammars.words)
-        return StepSampling(rows, special, params, masked, masks)
+        return StepSampling(rows, special, params, masked, masks, histories)
 
     def _apply(self, prepared: PreparedStep, sampled: StepOutput | None) -> list[Ending]:
         """Each sampled token to its request; returns the requests that ended (already freed)."""
-        if sampled is None or not prepared.yielding:
+        if sampled is None:
+            return []
+        for row, values in sampled.prompt_scores:  # before the tokens: a first token's event carries them
+            request = prepared.rows[row].request
+            del request.prompt_logprobs[prepared.rows[row].chunk.start_pos :]  # a recompute scores again
+            request.prompt_logprobs.extend(values)
+        if not prepared.yielding:
             return []
         now = time.monotonic()
         endings, firsts = self.outputs.append_step(
@@ -363,7 +372,9 @@ class Engine:
         new, aborts = self.door.take()
         for request in new:
             self.table.watch_deadline(request)
-            fetch = failures.guarded("shared-tier fetch", self.prefix.start_fetch, request)  # a failed fetch is a miss
+            fetch = (  # a failed fetch is a miss; a request that scores its prompt computes all of it
+                None if request.scoring else failures.guarded("shared-tier fetch", self.prefix.start_fetch, request)
+            )
             if fetch is None:
                 self._enqueue(request)
             else:
@@ -398,7 +409,7 @@ class Engine:
     # ---- request lifecycle -----------------------------------------------------------------------
     def _enqueue(self, request: Request) -> None:
         """Into the waiting queue, holding the pages of its cached prefix if there is one."""
-        lookup = self.allocator.attach_prefix(request)
+        lookup = None if request.scoring else self.allocator.attach_prefix(request)  # scoring: the whole prompt
         if lookup is not None:
             self.observer.cache_lookup(lookup)
         self.table.add_waiting(request)

@@ -56,25 +56,39 @@ class OutputProcessor:
         put, eos_ids = self.outbox.append, self._eos_ids
         tops = top_logprobs or repeat((), len(requests))
         for request, token_id, logprob, top in zip(requests, token_ids, logprobs, tops, strict=True):
+            scores: tuple[float, ...] = ()
             if request.first_token_time is None:
                 request.first_token_time = now
                 firsts.append(request)
+                if request.scoring:  # the prompt log-probabilities ride on the first event
+                    request.scoring = False
+                    scores = tuple(request.prompt_logprobs)
             outputs, params, checker = request.output_token_ids, request.params, request.stop_checker
+            if not params.max_tokens:  # no new tokens: the prompt was read (and scored); the sample is dropped
+                last = request.last_output(FinishReason.LENGTH, RequestOutput(prompt_logprobs=scores))
+                endings.append(Ending(request, FinishReason.LENGTH, last))
+                continue
             outputs.append(token_id)
             if request.grammar is not None and request.grammar.advance(token_id):  # the grammar is complete
                 text = checker.push([])[0] if token_id in eos_ids else checker.push_one(token_id)
-                endings.append(_ending(request, token_id, logprob, top, False, text, complete=True))
+                endings.append(_ending(request, token_id, logprob, top, None, text, scores, complete=True))
                 continue
             if token_id in eos_ids and not params.ignore_eos:
-                endings.append(_ending(request, token_id, logprob, top, True, checker.push([])[0]))
+                endings.append(_ending(request, token_id, logprob, top, FinishReason.EOS, checker.push([])[0], scores))
                 continue
-            text = checker.push_one(token_id)
+            text = checker.push_one(token_id)  # a special token's text is "" (the detokenizer skips them)
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                endings.append(_ending(request, token_id, logprob, top, FinishReason.STOP, text, scores))
+                continue
             if checker.stopped or len(outputs) >= params.max_tokens:
-                endings.append(_ending(request, token_id, logprob, top, False, text))
+                endings.append(_ending(request, token_id, logprob, top, None, text, scores))
+                continue
+            if scores:
+                put((request.events, RequestOutput((token_id,), (logprob,), (top,), text, prompt_logprobs=scores)))
                 continue
             # the common case, it goes on: RequestOutput((token_id,), (logprob,), (top,), text) without
             # its Python constructor
-            put((request.events, _new(RequestOutput, ((token_id,), (logprob,), (top,), text, None, 0, 0, 0, None))))
+            put((request.events, _new(RequestOutput, ((token_id,), (logprob,), (top,), text, None, 0, 0, 0, None, ()))))
         return endings, firsts
 
     @staticmethod
@@ -92,16 +106,20 @@ class OutputProcessor:
 
 
 def _ending(
-    request: Request, token_id: int, logprob: float, top: TopLogprobs, is_eos: bool, text: str, complete: bool = False
-) -> Ending:
-    """The ending of a request whose token (already appended, its text `text`) is its last; `complete`: the
-    token completed the request's grammar."""
+    request: Request, token_id: int, logprob: float, top: TopLogprobs, by: FinishReason | None, text: str,
+    prompt_logprobs: tuple[float, ...] = (), complete: bool = False,
+) -> Ending:  # fmt: skip
+    """The ending of a request whose token (already appended, its text `text`) is its last: `by` EOS or a
+    stop token id (STOP), else a stop string, a completed grammar (`complete`: STOP) or the length limit."""
     hit_stop = request.stop_checker.stopped
-    reason = finish_reason(is_eos, hit_stop or complete, len(request.output_token_ids) >= request.params.max_tokens)
+    if hit_stop or complete or by is None:
+        reason = finish_reason(False, hit_stop or complete, len(request.output_token_ids) >= request.params.max_tokens)
+    else:
+        reason = by
     assert reason is not None
     if not hit_stop:
         text += request.stop_checker.flush()
-    event = RequestOutput((token_id,), (logprob,), (top,), text)
+    event = RequestOutput((token_id,), (logprob,), (top,), text, prompt_logprobs=prompt_logprobs)
     return Ending(request, reason, request.last_output(reason, event))
 
 

@@ -78,6 +78,12 @@ def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoi
     if checkpoints:
         at_end = next((c.checkpoint_id for c in checkpoints if c.position == end), None)
         inside = tuple((c.position, c.checkpoint_id) for c in checkpoints if c.position != end)
+    # A request that scores its prompt does it in every chunk until its first token: the chunk's tokens
+    # after its first, and the prompt token after it when there is one.
+    score, next_token = False, -1
+    if request.scoring:
+        prompt = request.prompt_token_ids
+        score, next_token = start < len(prompt), prompt[end] if end < len(prompt) else -1
     # tuple.__new__(cls, fields) is cls(*fields) without the NamedTuple's Python constructor.
     chunk = _new(SequenceChunk, (
         request.tokens(start, end),
@@ -86,6 +92,8 @@ def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoi
         slot if slot is not None else -1,
         at_end,
         inside,
+        score,
+        next_token,
     ))  # fmt: skip
     return _new(Row, (request, planned, chunk, yields, tuple(checkpoints) if checkpoints else ()))
 

@@ -101,10 +101,18 @@ class GenerationParams:
     """What the client asked for, validated at admission."""
 
     sampling: SamplingParams
-    max_tokens: int  # generated tokens at most
+    max_tokens: int  # generated tokens at most; 0: none (the prompt is read, and scored if asked)
     stop: tuple[str, ...] = ()  # generation ends before any of these strings
     ignore_eos: bool = False
     priority: int = 0  # smaller is served first
+    stop_token_ids: frozenset[int] = frozenset()  # generation ends after any of these (FinishReason.STOP)
+    prompt_logprobs: bool = False  # the first event carries the prompt tokens' log-probabilities
+    # what the scheduler is told: a request of no new tokens still runs its prompt, whose last chunk samples
+    # one token (dropped)
+    sched_max_tokens: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sched_max_tokens", max(self.max_tokens, 1))
 
 
 class RequestOutput(NamedTuple):
@@ -123,6 +131,7 @@ class RequestOutput(NamedTuple):
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: HybridServeError | None = None  # the request failed; no event follows
+    prompt_logprobs: tuple[float, ...] = ()  # on the first event, when asked: each prompt token's after the first
 
 
 @dataclass(eq=False)
@@ -146,6 +155,10 @@ class Request:
     cache_salt: str = ""  # roots block_hashes' chain (gpu_worker/cache/blocks.py); "" = unsalted
     first_token_time: float | None = None
     trace_context: object | None = None  # the request span's tracing context, from the observer
+    # prompt log-probabilities (GenerationParams.prompt_logprobs): scored until the first token, index k
+    # holding the prompt token at position k + 1's
+    scoring: bool = False
+    prompt_logprobs: list[float] = field(default_factory=list)
     grammar: Constraint | None = None  # the structured output's matcher (gpu_worker.engine.grammar), if any
     events: queue.SimpleQueue[RequestOutput] = field(default_factory=queue.SimpleQueue)
     # page_ids as a tuple (the batch row's page table), rebuilt only when page_ids grew or was replaced:
@@ -155,6 +168,12 @@ class Request:
 
     def __post_init__(self) -> None:
         self.sched_prompt_len = self.sched_prompt_len or len(self.prompt_token_ids)
+        self.scoring = self.params.prompt_logprobs
+
+    @property
+    def history(self) -> tuple[list[int], list[int]]:
+        """The prompt and the generated tokens, as held (what the penalties' tables are written from)."""
+        return self.prompt_token_ids, self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -188,7 +207,7 @@ class Request:
             self.sched_prompt_len,
             self.num_computed_tokens,
             len(self.output_token_ids) + num_new_outputs - base,
-            params.max_tokens - base,
+            params.sched_max_tokens - base,
             params.priority,
             self.arrival_time,
         ))  # fmt: skip
@@ -211,4 +230,5 @@ class Request:
             prompt_tokens=len(self.prompt_token_ids),
             cached_tokens=self.num_cached_tokens,
             completion_tokens=len(self.output_token_ids),
+            prompt_logprobs=event.prompt_logprobs,
         )

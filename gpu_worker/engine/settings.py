@@ -17,7 +17,7 @@ class EngineSettings:
     cache_address: str | None = None  # cache_svc host:port, or None
     async_scheduling: bool = True  # plan step N+1 while step N runs
     max_queue_len: int = 1024  # waiting requests at most; more get RESOURCE_EXHAUSTED
-    default_max_tokens: int = 256  # when a request leaves max_tokens at 0
+    default_max_tokens: int = 256  # when a request leaves max_tokens unset
     # prompt + max_tokens at most; 0 = the checkpoint's max_position_embeddings capped by the KV pool
     # (gpu_worker.engine.admission.model_len_limit)
     max_model_len: int = 0

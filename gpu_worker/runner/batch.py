@@ -31,6 +31,10 @@ class SequenceChunk(NamedTuple):
     # (position, checkpoint id): keep the state after token `position` (start_pos < position <
     # start_pos + len, a block boundary inside the chunk) in that checkpoint slot
     boundary_checkpoints: tuple[tuple[int, int], ...] = ()
+    # prompt log-probabilities: score the chunk's tokens after its first, given those before, and
+    # `next_token` (the prompt token after the chunk; -1 = none) at its last position
+    score: bool = False
+    next_token: int = -1
 
 
 _TOKEN_IDS = attrgetter("token_ids")
@@ -60,3 +64,10 @@ class ForwardOutput:
 
     logits: torch.Tensor  # [num_sequences, vocab] float32: logits after each sequence's last token
     all_logits: tuple[torch.Tensor, ...] | None = None  # per sequence [len, vocab] float32, if asked
+    # (batch row, log-probabilities) of each row that scores (SequenceChunk.score), in batch order
+    prompt_scores: tuple[tuple[int, list[float]], ...] = ()
+
+
+def score_targets(seq: SequenceChunk) -> list[int]:
+    """The tokens a scoring chunk's positions predict: its own after the first, then `next_token`."""
+    return list(seq.token_ids[1:]) + ([seq.next_token] if seq.next_token >= 0 else [])

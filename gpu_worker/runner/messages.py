@@ -1,13 +1,16 @@
 """What the worker and its model processes say to each other (gpu_worker.runner.model_process): typed,
 versioned messages over a pipe, and the tables both sides read in shared memory.
 
-A step travels small. The rows' page tables and the special rows' sampling parameters live in
-`StepTables`, in memory every model process maps, indexed by state slot: the worker writes what changed
-since it last wrote (a page table grows by a page every `kv_page_size` tokens; a request's parameters
-are written once, when it first samples in its slot), so any model process can compute any row, whatever
-process computed it the step before (`Split` moves rows between processes). A `Step` then carries, per
-row, seven integers and its chunk's tokens; a `StepDone` the sampled token ids, their log-probabilities,
-and the top alternatives only for rows that asked. Logits come back only when a caller asks for them
+A step travels small. The rows' page tables, the special rows' sampling parameters (logit_bias and the ids
+min_tokens holds off included) and the penalties' per-request state (`HistoryTables`: generated-token
+counts, prompt tokens, generated count) live in `StepTables`, in memory every model process maps, indexed
+by state slot: the worker writes what changed since it last wrote (a page table grows by a page every
+`kv_page_size` tokens; a request's parameters and its history are written once, when it first samples in
+its slot, then its history gains the token each step sampled), so any model process can compute any row,
+whatever process computed it the step before (`Split` moves rows between processes). A `Step` then
+carries, per row, ten integers and its chunk's tokens; a `StepDone` the sampled token ids, their
+log-probabilities, the top alternatives only for rows that asked, and the prompt log-probabilities of rows
+that score their prompt (SequenceChunk.score). Logits come back only when a caller asks for them
 (`Step.want_logits`: tests and tools).
 
 Rows a grammar constrains (structured outputs) are marked in `Step.rows` (MASKED). Their token masks are
@@ -31,10 +34,16 @@ import torch
 from gpu_worker.runner.batch import Batch, ForwardOutput, SequenceChunk
 from gpu_worker.runner.sampling import (
     EMPTY_OUTPUT,
+    MAX_HELD_TOKENS,
+    MAX_LOGIT_BIAS_TOKENS,
+    HistoryTables,
+    HistoryWriter,
+    PromptScores,
     SamplingParams,
     StepOutput,
     StepSampling,
     TopLogprobs,
+    history_capacity,
     mask_vocab_size,
     mask_words,
 )
@@ -45,10 +54,10 @@ from hybridserve.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from gpu_worker.model.loader import LoadedModel
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 2: the sampling controls' parameters and history, prompt scores (or the masks); 3: both
 # Step.rows' columns
-SLOT, START, NUM_TOKENS, NUM_PAGES, SAVE_CHECKPOINT, YIELDS, SPECIAL, MASKED = range(8)
-ROW_FIELDS = 8
+SLOT, START, NUM_TOKENS, NUM_PAGES, SAVE_CHECKPOINT, YIELDS, SPECIAL, MASKED, SCORE, NEXT_TOKEN = range(10)
+ROW_FIELDS = 10
 _NO_CHECKPOINT = -1
 
 
@@ -113,29 +122,55 @@ class StepDone:
     compile_status: str
     logits: np.ndarray[Any, Any] | None = None  # [n, vocab] float32 when asked
     all_logits: list[np.ndarray[Any, Any]] | None = None
+    prompt_scores: PromptScores = ()  # (row of the part, log-probabilities) of the rows that score
 
 
 # ---- the shared tables ---------------------------------------------------------------------------------
 class StepTables:
-    """Per state slot: the page table (int32, up to `max_pages`) and the sampling parameters of the request
-    in the slot (temperature, top-p; top-k, alternatives, seed, has-seed; a version bumped on each
-    write), and the token mask of a constrained row (`mask_words` int32 words, written each step it
-    samples). Built over an `Allocator`: the worker's shared arena, or the same tensors attached in a
-    model process (in the same order)."""
+    """Per state slot: the page table (int32, up to `max_pages`), the sampling parameters of the request in
+    the slot (`floats`: temperature, top-p, presence, frequency, repetition, min-p; `ints`: top-k,
+    alternatives, seed, has-seed, min_tokens, logit_bias entries, held ids; logit_bias's ids and values and
+    the held ids in tables of their own; a version bumped on each write), its history (`history`, for
+    the penalties) and the token mask of a constrained row (`masks`: `mask_words` int32 words, written each
+    step it samples). Built over an `Allocator`: the worker's shared arena, or the same tensors attached in
+    a model process (in the same order)."""
 
-    def __init__(self, num_slots: int, max_pages: int, alloc: Allocator, mask_words: int = 1) -> None:
+    def __init__(
+        self, num_slots: int, max_pages: int, vocab: int, page_size: int, alloc: Allocator, mask_words: int = 1
+    ) -> None:
         self.num_slots = num_slots
         self.max_pages = max_pages
         self.pages = alloc((num_slots, max_pages), torch.int32).numpy()
-        self.floats = alloc((num_slots, 2), torch.float64).numpy()
-        self.ints = alloc((num_slots, 4), torch.int64).numpy()
+        self.floats = alloc((num_slots, 6), torch.float64).numpy()
+        self.ints = alloc((num_slots, 7), torch.int64).numpy()
+        self.bias_ids = alloc((num_slots, MAX_LOGIT_BIAS_TOKENS), torch.int32).numpy()
+        self.bias_values = alloc((num_slots, MAX_LOGIT_BIAS_TOKENS), torch.float32).numpy()
+        self.held = alloc((num_slots, MAX_HELD_TOKENS), torch.int32).numpy()
         self.versions = alloc((num_slots,), torch.int64).numpy()
+        self.history = HistoryTables(num_slots, history_capacity(vocab, max_pages, page_size), alloc)
         self.masks = alloc((num_slots, mask_words), torch.int32).numpy()
 
+    def write_params(self, slot: int, p: SamplingParams) -> None:
+        self.floats[slot] = (p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                             p.min_p)  # fmt: skip
+        seed = p.seed if p.seed is not None else 0
+        nb, nh = len(p.logit_bias), len(p.held_token_ids)
+        self.ints[slot] = (p.top_k, p.num_logprobs, seed, p.seed is not None, p.min_tokens, nb, nh)
+        if nb:
+            self.bias_ids[slot, :nb] = [t for t, _ in p.logit_bias]
+            self.bias_values[slot, :nb] = [b for _, b in p.logit_bias]
+        if nh:
+            self.held[slot, :nh] = p.held_token_ids
+        self.versions[slot] += 1
+
     def read_params(self, slot: int) -> SamplingParams:
-        temperature, top_p = self.floats[slot].tolist()
-        top_k, num_logprobs, seed, has_seed = self.ints[slot].tolist()
-        return SamplingParams(temperature, int(top_k), top_p, int(seed) if has_seed else None, int(num_logprobs))
+        temperature, top_p, presence, frequency, repetition, min_p = self.floats[slot].tolist()
+        top_k, num_logprobs, seed, has_seed, min_tokens, nb, nh = self.ints[slot].tolist()
+        bias = tuple(zip(self.bias_ids[slot, :nb].tolist(), self.bias_values[slot, :nb].tolist(), strict=True))
+        return SamplingParams(
+            temperature, int(top_k), top_p, int(seed) if has_seed else None, int(num_logprobs), presence, frequency,
+            repetition, min_p, bias, int(min_tokens), tuple(self.held[slot, :nh].tolist()),
+        )  # fmt: skip
 
 
 class TableWriter:
@@ -145,6 +180,7 @@ class TableWriter:
         self.tables = tables
         self._pages: list[tuple[int, ...]] = [()] * tables.num_slots  # what each slot's row holds
         self._params: list[SamplingParams | None] = [None] * tables.num_slots
+        self.history = HistoryWriter(tables.history)
         self.pages_written = 0  # page ids written, all steps (the diffs' size)
 
     def publish(self, batch: Batch, sampling: StepSampling) -> None:
@@ -168,11 +204,9 @@ class TableWriter:
             slot = seqs[rows[j]].state_slot
             if self._params[slot] is params:
                 continue
-            t.floats[slot] = (params.temperature, params.top_p)
-            seed = params.seed if params.seed is not None else 0
-            t.ints[slot] = (params.top_k, params.num_logprobs, seed, params.seed is not None)
-            t.versions[slot] += 1
+            t.write_params(slot, params)
             self._params[slot] = params
+        self.history.publish(batch, sampling)
 
 
 def table_mask_words(loaded: LoadedModel) -> int:
@@ -202,7 +236,7 @@ def encode_step(batch: Batch, part: list[int] | None, sampling: StepSampling, wa
         [
             (s.state_slot, s.start_pos, len(s.token_ids), len(s.page_ids),
              _NO_CHECKPOINT if s.save_checkpoint_id is None else s.save_checkpoint_id, i in yielding, i in special,
-             i in masked)
+             i in masked, s.score, s.next_token)
             for s, i in zip(seqs, indices, strict=True)
         ],
         dtype=np.int64,
@@ -246,12 +280,14 @@ class TableReader:
         masked: list[int] = []
         slots: list[int] = []
         offset = 0
-        for r, (slot, start, n, num_pages, save, yields, is_special, is_masked) in enumerate(step.rows.tolist()):
+        for r, (slot, start, n, num_pages, save, yields, is_special, is_masked, score, next_token) in enumerate(
+            step.rows.tolist()
+        ):
             if not 0 <= slot < self.tables.num_slots or not 0 <= num_pages <= self.tables.max_pages:
                 raise InvalidArgumentError(f"step: state slot {slot} with {num_pages} pages is outside the tables")
             chunks.append(SequenceChunk(
                 tuple(tokens[offset : offset + n]), start, tuple(pages[slot, :num_pages].tolist()), slot,
-                None if save == _NO_CHECKPOINT else save, tuple(inner.get(r, ())),
+                None if save == _NO_CHECKPOINT else save, tuple(inner.get(r, ())), bool(score), next_token,
             ))  # fmt: skip
             offset += n
             if yields:
@@ -281,7 +317,7 @@ class TableReader:
 
 # ---- replies into the runner's output --------------------------------------------------------------
 def step_output(done: StepDone) -> StepOutput:
-    return StepOutput(done.token_ids, done.logprobs, done.top_logprobs)
+    return StepOutput(done.token_ids, done.logprobs, done.top_logprobs, done.prompt_scores)
 
 
 def step_logits(done: StepDone) -> ForwardOutput:
@@ -292,8 +328,9 @@ def step_logits(done: StepDone) -> ForwardOutput:
 
 def joined_output(parts: list[list[int]], done: list[StepDone], sampling: StepSampling) -> StepOutput:
     """The parts' tokens in `sampling.rows` order (each part's are its yielding rows, ascending)."""
+    scores = tuple(sorted((part[r], v) for part, d in zip(parts, done, strict=True) for r, v in d.prompt_scores))
     if not sampling.rows:
-        return EMPTY_OUTPUT
+        return StepOutput([], [], None, scores) if scores else EMPTY_OUTPUT
     yielding = set(sampling.rows)
     where: dict[int, tuple[StepDone, int]] = {}
     for part, d in zip(parts, done, strict=True):
@@ -302,7 +339,7 @@ def joined_output(parts: list[list[int]], done: list[StepDone], sampling: StepSa
     picked = [where[row] for row in sampling.rows]
     asked = any(d.top_logprobs is not None for d in done)
     top = [d.top_logprobs[j] if d.top_logprobs is not None else () for d, j in picked] if asked else None
-    return StepOutput([d.token_ids[j] for d, j in picked], [d.logprobs[j] for d, j in picked], top)
+    return StepOutput([d.token_ids[j] for d, j in picked], [d.logprobs[j] for d, j in picked], top, scores)
 
 
 def joined_logits(parts: list[list[int]], done: list[StepDone]) -> ForwardOutput:

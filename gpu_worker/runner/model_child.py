@@ -67,8 +67,10 @@ def serve(
         pool = AttachedArena(fds, shapes)
         runner = ModelRunner(loaded, replace(config, device="cpu"), alloc=pool.zeros)
         busy = pool.zeros((count,), torch.int32).numpy()  # the worker's order: pools, busy flags, step tables
-        words = table_mask_words(loaded)
-        reader = TableReader(StepTables(runner.state_pool.num_slots, runner.kv_pool.num_pages, pool.zeros, words))
+        reader = TableReader(StepTables(
+            runner.state_pool.num_slots, runner.kv_pool.num_pages, runner.config.vocab_size,
+            runner.kv_pool.page_size_tokens, pool.zeros, table_mask_words(loaded),
+        ))  # fmt: skip
         if not pool.complete:
             raise ValueError("the worker shared more tensors than this process built")
     except Exception as exc:  # reported to the worker, which fails its start-up with it
@@ -136,7 +138,8 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step, conn: Connection
         finally:
             if masked and not isinstance(ready := pickle.loads(conn.recv_bytes()), MasksReady):
                 raise RuntimeError(f"expected the step's masks, got {type(ready).__name__}")
-        sampled = sample_step(out.logits, batch, sampling, reader.masks_of(slots) if masked else None)
+        bitmask = reader.masks_of(slots) if masked else None
+        sampled = sample_step(out.logits, batch, sampling, reader.tables.history, bitmask)
     except InvalidArgumentError as exc:
         return Failed(str(exc), invalid=True)
     except Exception as exc:
@@ -148,7 +151,7 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step, conn: Connection
     all_logits = [_array(a) for a in out.all_logits] if step.want_logits and out.all_logits is not None else None
     return StepDone(
         sampled.token_ids, sampled.logprobs, sampled.top_logprobs, time.perf_counter() - started, widened, status,
-        logits, all_logits,
+        logits, all_logits, out.prompt_scores,
     )  # fmt: skip
 
 

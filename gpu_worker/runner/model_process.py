@@ -152,7 +152,8 @@ class ProcessRunner(RunnerFacts):
         # the process when done (the others may then take its cores: StepThreads.widen)
         self._busy = self._arena.zeros((count,), torch.int32).numpy()
         self._tables = TableWriter(StepTables(
-            self.state_pool.num_slots, self.kv_pool.num_pages, self._arena.zeros, table_mask_words(loaded)
+            self.state_pool.num_slots, self.kv_pool.num_pages, loaded.config.vocab_size,
+            self.kv_pool.page_size_tokens, self._arena.zeros, table_mask_words(loaded),
         ))  # fmt: skip
         self._weights = SharedArena("hybridserve-weights")
         self._weight_names = share_weights(loaded.model, self._weights)  # one copy, whatever the processes

@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -42,11 +43,15 @@ from gpu_worker.runner.batch import Batch, ForwardOutput, SequenceChunk
 from gpu_worker.runner.checkpoint_io import BlockCheckpoint, CheckpointLayout, export_block, import_block
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.sampling import (
+    MAX_LOGIT_BIAS_TOKENS,
+    HistoryTables,
+    HistoryWriter,
     SamplingParams,
     StepOutput,
     StepSampling,
     TokenMasks,
     TopLogprobs,
+    history_capacity,
     mask_vocab_size,
     mask_words,
     sample_step,
@@ -61,8 +66,9 @@ if TYPE_CHECKING:
     from gpu_worker.runner.warmup import WarmupTimes
 
 __all__ = [
-    "DECODE_ROW_TOKENS", "FORWARD_FIXED_TOKENS", "Batch", "BlockCheckpoint", "CheckpointLayout", "KVPagePool",
-    "LogitsRunner", "MambaStatePool", "PoolSet", "Pools", "Runner", "SamplingParams", "SequenceChunk",
+    "DECODE_ROW_TOKENS", "FORWARD_FIXED_TOKENS", "MAX_LOGIT_BIAS_TOKENS", "Batch", "BlockCheckpoint",
+    "CheckpointLayout", "KVPagePool", "LogitsRunner", "MambaStatePool", "PoolSet", "Pools", "Runner",
+    "SamplingParams", "SequenceChunk",
     "StepOutput", "StepSampling", "TokenMasks", "TopLogprobs", "mask_vocab_size", "mask_words",
 ]  # fmt: skip
 
@@ -149,6 +155,10 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype)
+
+
 _MASKS: list[ThreadPoolExecutor] = []
 _MASKS_LOCK = threading.Lock()
 
@@ -166,24 +176,38 @@ class LogitsRunner:
     process: the rows are sampled where the logits are (on the runner's device). The in-process
     runner is one; so are the engine tests' fakes."""
 
+    _history: HistoryWriter | None = None  # the penalties' state, from the first step that needs it
+
     def forward(self, batch: Batch, while_waiting: Callable[[], None] | None = None) -> ForwardOutput:
         raise NotImplementedError
 
     def execute(
         self, batch: Batch, sampling: StepSampling, while_waiting: Callable[[], None] | None = None
     ) -> StepOutput:
+        bitmask = None
         if sampling.masks is None:
-            return sample_step(self.forward(batch, while_waiting).logits, batch, sampling)
-        # The constrained rows' masks are built on the mask thread while the forward runs (the matchers
-        # release the GIL), and waited for before sampling.
-        bitmask = np.zeros((len(sampling.masked), sampling.masks.words), dtype=np.int32)
-        building = _mask_thread().submit(sampling.masks.fill, bitmask, range(len(sampling.masked)))
-        try:
-            logits = self.forward(batch, while_waiting).logits
-        finally:
-            wait([building])  # the caller may touch the matchers once execute returns
-        building.result()
-        return sample_step(logits, batch, sampling, torch.from_numpy(bitmask))
+            out = self.forward(batch, while_waiting)
+        else:
+            # The constrained rows' masks are built on the mask thread while the forward runs (the matchers
+            # release the GIL), and waited for before sampling.
+            words = np.zeros((len(sampling.masked), sampling.masks.words), dtype=np.int32)
+            building = _mask_thread().submit(sampling.masks.fill, words, range(len(sampling.masked)))
+            try:
+                out = self.forward(batch, while_waiting)
+            finally:
+                wait([building])  # the caller may touch the matchers once execute returns
+            building.result()
+            bitmask = torch.from_numpy(words)
+        if sampling.histories and self._history is None:
+            pools = self.pools  # type: ignore[attr-defined]
+            kv = pools.kv_pool
+            capacity = history_capacity(out.logits.shape[-1], kv.num_pages, kv.page_size_tokens)
+            self._history = HistoryWriter(HistoryTables(pools.state_pool.num_slots, capacity, _zeros))
+        if self._history is not None:
+            self._history.publish(batch, sampling)
+        tables = self._history.tables if self._history is not None else None
+        sampled = sample_step(out.logits, batch, sampling, tables, bitmask)
+        return replace(sampled, prompt_scores=out.prompt_scores) if out.prompt_scores else sampled
 
     def runs_elsewhere(self, batch: Batch) -> bool:
         return False

@@ -27,7 +27,7 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
-from gpu_worker.runner.batch import Batch, ForwardOutput
+from gpu_worker.runner.batch import Batch, ForwardOutput, score_targets
 from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from gpu_worker.runner.input_builder import build_inputs
 from gpu_worker.runner.kv_pool import KVPagePool
@@ -109,6 +109,25 @@ class PoolPlan:
             loaded.device, alloc,
         )  # fmt: skip
         return kv_pool, state_pool
+
+
+def prompt_scores(
+    hidden: torch.Tensor, token_start: tuple[int, ...], batch: Batch, logits_of: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[tuple[int, list[float]], ...]:
+    """The scoring rows' prompt log-probabilities (SequenceChunk.score): the logits at every position of
+    those rows only (the others computed their last position alone), log-softmaxed, at the next token."""
+    out: list[tuple[int, list[float]]] = []
+    for i, (start, seq) in enumerate(zip(token_start, batch.sequences, strict=True)):
+        if not seq.score:
+            continue
+        targets = score_targets(seq)
+        if not targets:
+            out.append((i, []))
+            continue
+        logp = logits_of(hidden[start : start + len(targets)]).float().log_softmax(dim=-1)
+        index = torch.tensor(targets, device=logp.device)[:, None]
+        out.append((i, logp.gather(1, index).view(-1).tolist()))
+    return tuple(out)
 
 
 class RunnerFacts:
@@ -284,7 +303,8 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         here, first."""
         if while_waiting is not None:
             while_waiting()
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+        scoring = any(seq.score for seq in batch.sequences)
+        if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(batch):
             return self._forward_graphed(batch)
         if self.decode_compiler is not None:  # between steps: switch to the compiled decode once built
             self.decode_compiler.attach_if_ready()
@@ -299,14 +319,17 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]
         logits_of = self.model.compute_logits
         self._save_checkpoints(batch)
+        scores = prompt_scores(hidden, packed.token_start, batch, logits_of) if scoring else ()
         if not batch.return_all_logits:
-            return ForwardOutput(logits=logits_of(hidden.index_select(0, packed.last_index)))
+            return ForwardOutput(logits=logits_of(hidden.index_select(0, packed.last_index)), prompt_scores=scores)
         all_logits = logits_of(hidden)  # [T, vocab] float32
         per_seq = tuple(
             all_logits[start : start + len(seq.token_ids)]
             for start, seq in zip(packed.token_start, batch.sequences, strict=True)
         )
-        return ForwardOutput(logits=all_logits.index_select(0, packed.last_index), all_logits=per_seq)
+        return ForwardOutput(
+            logits=all_logits.index_select(0, packed.last_index), all_logits=per_seq, prompt_scores=scores
+        )
 
     def _forward_graphed(self, batch: Batch) -> ForwardOutput:
         """A decode-only step replayed from its bucket's CUDA graph; inputs are packed on the host and

@@ -1,11 +1,20 @@
 """Token sampling, where the logits are: in the process (or on the device) that ran the forward.
 
-A step's sampling is `sample_step(logits, batch, sampling)`: one token for each row that yields
-(`StepSampling.rows`), as a logits-processor pipeline (`PIPELINE`): temperature, then top-k, then top-p,
-then the draw; greedy rows (temperature 0) take the argmax. Rows that need nothing but the argmax and its
-log-probability (`SamplingParams.is_plain`) cost no Python of their own. Log-probabilities are those of the
-model's raw distribution (log_softmax of the unmodified logits), for the chosen token and the top-n
-alternatives.
+A step's sampling is `sample_step(logits, batch, sampling, history, bitmask)`: one token for each row that
+yields (`StepSampling.rows`), as a logits-processor pipeline (`PIPELINE`, vLLM's order): a grammar's token
+mask first (below), then the per-request controls (logit_bias, the min_tokens mask, repetition_penalty,
+presence and frequency penalties: `apply_controls`), then temperature, min-p, top-k and top-p, then the
+draw; greedy rows (temperature 0) take the argmax of the masked and controlled logits. Rows that need
+nothing but the argmax and its log-probability (`SamplingParams.is_plain`) cost no Python of their own,
+and a step without controls runs none of `apply_controls`. The controls run once per step over the rows
+that have them, as tensors (scatters for the bias and the mask, a gather and a scatter at the tokens each
+row has seen for the penalties), never per token in Python. Log-probabilities are those of the model's
+raw distribution (log_softmax of the unmodified logits), for the chosen token and the top-n alternatives.
+
+The penalties and min_tokens read per-request state that outlives a step: each state slot's distinct seen
+tokens, their generated counts and its number of generated tokens (`HistoryTables`, written by a
+`HistoryWriter` from the engine's token lists: once when a request first samples in its slot, then the new
+tokens of each step).
 
 The random stream is counter-based: a seeded request's draw for the token at position p (the number of
 tokens before it, prompt included) uses a generator seeded with `stream_key(seed, p)`, so a request
@@ -20,6 +29,7 @@ without constrained rows pays nothing for it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,9 +38,12 @@ import numpy as np
 import torch
 
 from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.shared_memory import Allocator
 from hybridserve.errors import InvalidArgumentError
 
 _MASK64 = (1 << 64) - 1
+MAX_LOGIT_BIAS_TOKENS = 1024  # logit_bias entries one request may have (the step tables' width)
+MAX_HELD_TOKENS = 80  # held_token_ids: stop_token_ids (at most 64, admission) and the EOS ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +55,20 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     seed: int | None = None  # per-request generator seed; None = global RNG
     num_logprobs: int = 0  # top-n alternatives to return per token (0 = none)
+    # Per-request controls (vLLM's names and semantics); the defaults are off.
+    presence_penalty: float = 0.0  # subtracted once from a token generated before (OpenAI's)
+    frequency_penalty: float = 0.0  # subtracted per time a token was generated before (OpenAI's)
+    repetition_penalty: float = 1.0  # transformers': over prompt and generated tokens; 1 = off
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the best (after temperature)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the raw logits
+    min_tokens: int = 0  # held_token_ids are masked until this many tokens were generated
+    held_token_ids: tuple[int, ...] = ()  # what min_tokens holds off: EOS and stop_token_ids
     # Greedy without alternatives: the batch's argmax and log-normaliser serve the row, no Python of its own.
     is_plain: bool = field(init=False, repr=False, compare=False)
+    # Any control above is on: the row goes through apply_controls.
+    has_controls: bool = field(init=False, repr=False, compare=False)
+    # The controls read the request's token history (HistoryTables): penalties or min_tokens.
+    needs_history: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -54,7 +79,33 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.num_logprobs < 0:
             raise InvalidArgumentError(f"logprobs must be >= 0, got {self.num_logprobs}")
-        object.__setattr__(self, "is_plain", self.temperature == 0.0 and self.num_logprobs == 0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidArgumentError(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise InvalidArgumentError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p}")
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidArgumentError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+        if self.min_tokens < 0:
+            raise InvalidArgumentError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidArgumentError(
+                f"logit_bias holds {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS}"
+            )
+        if len(self.held_token_ids) > MAX_HELD_TOKENS:
+            raise InvalidArgumentError(f"{len(self.held_token_ids)} stop token ids; at most {MAX_HELD_TOKENS}")
+        history = (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+            or (self.min_tokens > 0 and bool(self.held_token_ids))
+        )  # fmt: skip
+        controls = history or bool(self.logit_bias) or self.min_p > 0.0
+        object.__setattr__(self, "needs_history", history)
+        object.__setattr__(self, "has_controls", controls)
+        object.__setattr__(self, "is_plain", self.temperature == 0.0 and self.num_logprobs == 0 and not controls)
 
     @property
     def is_greedy(self) -> bool:
@@ -93,6 +144,11 @@ class _Streams:
 _STREAMS = _Streams()
 
 
+# A request's tokens as the engine holds them (prompt, generated), shared, not copied: what a HistoryWriter
+# reads of each row that needs_history.
+TokenHistory = tuple[Sequence[int], Sequence[int]]
+
+
 def mask_vocab_size(logits_vocab: int, tokenizer_vocab: int) -> int:
     """The token ids a mask covers: the logits' width, or the tokenizer's where that is larger."""
     return max(logits_vocab, tokenizer_vocab)
@@ -120,6 +176,8 @@ class StepSampling:
     """What a step samples: one token for each of `rows` (batch rows, ascending: the rows whose chunk
     reaches the end of their request's known tokens). `special` (ascending indices into `rows`) are the
     rows that need more than the argmax, with their `params`, one each; every other row is plain greedy.
+    `histories`, when not empty, has one entry per special row: the request's tokens for those whose params
+    need_history (None for the others); only the process that writes the HistoryTables reads it.
     `masked` (ascending indices into `rows`) are the rows a grammar constrains, whose masks `masks` fills."""
 
     rows: Sequence[int] = ()
@@ -127,18 +185,29 @@ class StepSampling:
     params: Sequence[SamplingParams] = ()
     masked: Sequence[int] = ()
     masks: TokenMasks | None = None
+    histories: Sequence[TokenHistory | None] = ()
 
     def __post_init__(self) -> None:
         if len(self.special) != len(self.params):
             raise InvalidArgumentError(f"sampling: {len(self.special)} special rows, {len(self.params)} params")
+        if self.histories and len(self.histories) != len(self.special):
+            raise InvalidArgumentError(f"sampling: {len(self.special)} special rows, {len(self.histories)} histories")
         if bool(self.masked) != (self.masks is not None):
             raise InvalidArgumentError(f"sampling: {len(self.masked)} masked rows, masks {self.masks!r}")
 
     @classmethod
-    def of(cls, rows: Sequence[int], params: Sequence[SamplingParams]) -> StepSampling:
-        """From every row's params (tests and tools; the engine builds it without looking at plain rows)."""
+    def of(
+        cls, rows: Sequence[int], params: Sequence[SamplingParams], histories: Sequence[TokenHistory] | None = None
+    ) -> StepSampling:
+        """From every row's params (tests and tools; the engine builds it without looking at plain rows);
+        `histories`: every row's tokens, when some row's params need them."""
         special = [j for j, p in enumerate(params) if not p.is_plain]
-        return cls(tuple(rows), tuple(special), tuple(params[j] for j in special))
+        hist = tuple(histories[j] if params[j].needs_history else None for j in special) if histories else ()
+        return cls(tuple(rows), tuple(special), tuple(params[j] for j in special), histories=hist)
+
+
+# (batch row, log-probabilities): a scored row's prompt tokens after its chunk's first (SequenceChunk.score)
+PromptScores = tuple[tuple[int, list[float]], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +217,114 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each chosen token
     top_logprobs: list[TopLogprobs] | None  # per row: num_logprobs alternatives; None when no row asks
+    prompt_scores: PromptScores = ()  # the scored rows' prompt log-probabilities (ForwardOutput.prompt_scores)
 
 
 EMPTY_OUTPUT = StepOutput([], [], None)
+
+
+def history_capacity(vocab: int, num_pages: int, page_size: int) -> int:
+    """The most distinct tokens one request can have seen: the vocabulary, or the KV pool's tokens."""
+    return max(1, min(vocab, num_pages * page_size))
+
+
+class HistoryTables:
+    """Per state slot, what the penalties and min_tokens read of the request in the slot, sparse: the
+    distinct tokens it has seen (`ids`, the first `num_unique`: its generated tokens, and its prompt's
+    when it has a repetition_penalty), how often it generated each (`counts`), and how many tokens it
+    generated (`num_outputs`). A step's penalties gather and scatter the logits at those ids only: the
+    cost follows the tokens seen, not the vocabulary. `capacity` bounds the distinct tokens of one
+    request (the vocabulary, or the most tokens a request can hold, whichever is less). Built over an
+    `Allocator` (the worker's shared arena, attached in the same order by its model processes; in
+    process, torch.zeros): large zero allocations are mapped lazily, so only slots that held a request
+    with penalties take memory."""
+
+    def __init__(self, num_slots: int, capacity: int, alloc: Allocator) -> None:
+        self.num_slots = num_slots
+        self.capacity = capacity
+        self.ids = alloc((num_slots, capacity), torch.int32)
+        self.counts = alloc((num_slots, capacity), torch.int32)
+        self.num_unique = alloc((num_slots,), torch.int64)
+        self.num_outputs = alloc((num_slots,), torch.int64)
+        self._ids, self._counts = self.ids.numpy(), self.counts.numpy()
+        self._unique, self._num = self.num_unique.numpy(), self.num_outputs.numpy()
+
+    def rows(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """(ids [k, u] int64, generated counts [k, u] float32, valid [k, u] bool, generated) of `slots`,
+        u the most distinct tokens among them."""
+        index = np.asarray(slots, dtype=np.int64)
+        unique = self._unique[index]
+        width = max(int(unique.max()), 1)
+        ids = torch.from_numpy(self._ids[index, :width].astype(np.int64))
+        counts = torch.from_numpy(self._counts[index, :width].astype(np.float32))
+        valid = torch.from_numpy(np.arange(width)[None, :] < unique[:, None])
+        return ids, counts, valid, self._num[index].tolist()
+
+
+class HistoryWriter:
+    """The engine's side of `HistoryTables`: for each special row whose params need_history, writes the
+    request's whole history when it first samples in its slot (its params or its prompt list are not the
+    ones the slot holds), then only the tokens generated since (one a decode step: a dictionary look-up
+    and one count). A request that comes back to a slot it held (after a preemption) finds its rows as it
+    left them, unless another request with penalties wrote there since, in which case its whole history
+    is written again."""
+
+    def __init__(self, tables: HistoryTables) -> None:
+        self.tables = tables
+        self._ids: np.ndarray[Any, Any] = tables.ids.numpy()
+        self._counts: np.ndarray[Any, Any] = tables.counts.numpy()
+        self._unique: np.ndarray[Any, Any] = tables.num_unique.numpy()
+        self._num: np.ndarray[Any, Any] = tables.num_outputs.numpy()
+        # whose history each slot holds: the request's params and prompt list (the engine's, one per request)
+        self._of: list[tuple[SamplingParams, Sequence[int]] | None] = [None] * tables.num_slots
+        self._where: list[dict[int, int]] = [{} for _ in range(tables.num_slots)]  # token -> its column
+        self._written = [0] * tables.num_slots  # generated tokens counted in the slot's row
+        self.tokens_written = 0  # generated tokens written, all steps (the diffs' size)
+
+    def publish(self, batch: Batch, sampling: StepSampling) -> None:
+        if not sampling.histories:
+            return
+        seqs, rows = batch.sequences, sampling.rows
+        for j, params, history in zip(sampling.special, sampling.params, sampling.histories, strict=True):
+            if history is None:
+                continue
+            slot = seqs[rows[j]].state_slot
+            prompt, outputs = history
+            held = self._of[slot]
+            if held is None or held[0] is not params or held[1] is not prompt or len(outputs) < self._written[slot]:
+                self._start(slot, params, prompt)
+            where, ids, counts = self._where[slot], self._ids[slot], self._counts[slot]
+            for token in outputs[self._written[slot] :]:  # a decode step's diff: the token it sampled last
+                column = where.get(token)
+                if column is None:
+                    column = where[token] = len(where)
+                    if column >= self.tables.capacity:
+                        raise InvalidArgumentError(f"sampling history: more than {self.tables.capacity} tokens")
+                    ids[column], counts[column] = token, 0
+                counts[column] += 1
+            self.tokens_written += len(outputs) - self._written[slot]
+            self._written[slot] = len(outputs)
+            self._unique[slot] = len(where)
+            self._num[slot] = len(outputs)
+
+    def _start(self, slot: int, params: SamplingParams, prompt: Sequence[int]) -> None:
+        """A request new to the slot: its prompt's distinct tokens (for repetition_penalty), counted 0."""
+        seen: np.ndarray[Any, Any] = (
+            np.unique(np.asarray(prompt, dtype=np.int64)) if params.repetition_penalty != 1.0 else np.empty(0, np.int64)
+        )
+        if len(seen) > self.tables.capacity:
+            raise InvalidArgumentError(f"sampling history: more than {self.tables.capacity} tokens")
+        self._ids[slot, : len(seen)] = seen
+        self._counts[slot, : len(seen)] = 0
+        self._where[slot] = dict(zip(seen.tolist(), range(len(seen)), strict=True))
+        self._of[slot], self._written[slot] = (params, prompt), 0
+        self._unique[slot] = len(seen)
+
+
+def _check_ids(ids: Sequence[int], vocab: int) -> Sequence[int]:
+    if ids and not 0 <= min(ids) <= max(ids) < vocab:
+        raise InvalidArgumentError(f"sampling history: a token id outside [0, {vocab})")
+    return ids
 
 
 def sample_positions(batch: Batch, sampling: StepSampling) -> list[int]:
@@ -160,19 +334,28 @@ def sample_positions(batch: Batch, sampling: StepSampling) -> list[int]:
 
 
 def sample_step(
-    last_logits: torch.Tensor, batch: Batch, sampling: StepSampling, bitmask: torch.Tensor | None = None
+    last_logits: torch.Tensor,
+    batch: Batch,
+    sampling: StepSampling,
+    history: HistoryTables | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> StepOutput:
     """`sampling`'s tokens from `last_logits` [num_sequences, vocab]: the logits after each batch row's last
-    token (the runner's forward output). `bitmask` [len(sampling.masked), words] int32: the masked rows'
-    token masks, filled (required when `sampling.masked` is not empty)."""
+    token (the runner's forward output; the controlled rows are overwritten: sample_rows). `history` holds
+    the state of the rows whose params need_history (written for this step already). `bitmask`
+    [len(sampling.masked), words] int32: the masked rows' token masks, filled (required when
+    `sampling.masked` is not empty)."""
     if not sampling.rows:
         return EMPTY_OUTPUT
     rows = sampling.rows
     logits = last_logits if len(rows) == last_logits.shape[0] else last_logits[list(rows)]  # all rows: no copy
     if sampling.masked and bitmask is None:
         raise InvalidArgumentError(f"sample_step: {len(sampling.masked)} masked rows and no bitmask")
+    seqs = batch.sequences
+    slots = [seqs[rows[j]].state_slot for j in sampling.special]
+    positions = sample_positions(batch, sampling)
     return sample_rows(
-        logits, sampling.special, sampling.params, sample_positions(batch, sampling), sampling.masked, bitmask
+        logits, sampling.special, sampling.params, positions, sampling.masked, bitmask, slots=slots, history=history
     )
 
 
@@ -199,12 +382,59 @@ def apply_token_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.
     return masked
 
 
+def apply_controls(
+    logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+    history: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None,
+) -> None:  # fmt: skip
+    """The per-request controls, in place, on `logits` [b, vocab] at `rows` (one per `params`; `history`
+    (HistoryTables.rows) one row per params that needs_history, in order), vLLM's order: logit_bias (added
+    to the raw logits), the min_tokens mask (held ids at -inf), repetition_penalty (transformers': a seen
+    token's logit divided by it when positive, multiplied when not), frequency and presence penalties
+    (OpenAI's: logit - frequency * count - presence * (count > 0), over the generated tokens). Every
+    control is a scatter or a gather-and-scatter at the ids concerned: nothing reads the whole vocabulary."""
+    device = logits.device
+    bias = [(rows[j], t, b) for j, p in enumerate(params) for t, b in p.logit_bias]
+    if bias:
+        r, t, b = zip(*bias, strict=True)
+        index = (torch.tensor(r, device=device), torch.tensor(t, device=device))
+        logits.index_put_(index, torch.tensor(b, device=device, dtype=logits.dtype), accumulate=True)
+    with_history = [j for j, p in enumerate(params) if p.needs_history]
+    if not with_history:
+        return
+    assert history is not None and len(history[3]) == len(with_history)
+    ids, counts, valid, generated = history
+    held = [
+        (rows[j], t) for j, n in zip(with_history, generated, strict=True) if n < params[j].min_tokens
+        for t in params[j].held_token_ids
+    ]  # fmt: skip
+    if held:
+        r, t = zip(*held, strict=True)
+        logits[torch.tensor(r, device=device), torch.tensor(t, device=device)] = float("-inf")
+    hp = [params[j] for j in with_history]
+    if not any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in hp):
+        return
+    at = torch.tensor([rows[j] for j in with_history], device=device)[:, None].expand_as(ids)
+    values = logits[at, ids]  # [k, u]: the logits of the tokens each row has seen
+    if any(p.repetition_penalty != 1.0 for p in hp):
+        rep = torch.tensor([p.repetition_penalty for p in hp], device=device, dtype=values.dtype)[:, None]
+        values = torch.where(values > 0, values / rep, values * rep)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in hp):
+        freq = torch.tensor([p.frequency_penalty for p in hp], device=device, dtype=values.dtype)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in hp], device=device, dtype=values.dtype)[:, None]
+        values = values - freq * counts - pres * (counts > 0).to(values.dtype)
+    logits[at[valid], ids[valid]] = values[valid]  # each (row, id) once: the ids of a row are distinct
+
+
 def _filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The pipeline's filters on rows [b, vocab]: temperature, top-k and top-p -> logits with excluded
-    tokens at -inf. (Per-request controls and masks join here, before the temperature.)"""
+    """The pipeline's filters on rows [b, vocab]: temperature, min-p, top-k and top-p -> logits with
+    excluded tokens at -inf (the per-request controls ran before: apply_controls)."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
     logits = logits / temps[:, None]
+    if any(p.min_p > 0.0 for p in params):  # vLLM's: below min_p times the best token's probability
+        probs = logits.softmax(dim=-1)
+        floor = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)[:, None]
+        logits = logits.masked_fill(probs < floor * probs.amax(dim=-1, keepdim=True), float("-inf"))
     vocab = logits.shape[-1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_ps = [p.top_p for p in params]
@@ -221,17 +451,23 @@ def _filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-PIPELINE = ("temperature", "top_k", "top_p", "draw")  # the order _filter_logits and sample_rows apply them
+# the order apply_token_masks, apply_controls, _filter_logits and sample_rows apply them
+PIPELINE = (
+    "grammar_mask", "logit_bias", "min_tokens", "repetition_penalty", "presence_frequency_penalty", "temperature",
+    "min_p", "top_k", "top_p", "draw",
+)  # fmt: skip
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> StepOutput:
-    """Pick one token per row of `logits` [b, vocab] (float32); `params`/`positions` are per row."""
+    """Pick one token per row of `logits` [b, vocab] (float32); `params`/`positions` are per row (no row may
+    need_history: that state lives in a runner's HistoryTables)."""
     if len(params) != logits.shape[0] or len(positions) != logits.shape[0]:
         raise InvalidArgumentError(f"sample: {logits.shape[0]} rows, {len(params)} params, {len(positions)} positions")
     rows = [i for i, p in enumerate(params) if not p.is_plain]
     return sample_rows(logits, rows, [params[i] for i in rows], [positions[i] for i in rows])
 
 
+@torch.inference_mode()  # the forward's logits are inference tensors, which the controls write into
 def sample_rows(
     logits: torch.Tensor,
     rows: Sequence[int],
@@ -239,26 +475,43 @@ def sample_rows(
     positions: Sequence[int],
     masked_rows: Sequence[int] = (),
     bitmask: torch.Tensor | None = None,
+    *,
+    slots: Sequence[int] = (),
+    history: HistoryTables | None = None,
 ) -> StepOutput:
     """`sample` where only `rows` (ascending) need more than the argmax: `params`/`positions` are theirs,
-    one each (a position keys a seeded row's random stream); every other row is greedy without
-    alternatives (SamplingParams.is_plain). `masked_rows` (ascending) are constrained by `bitmask`'s rows,
-    one each (apply_token_masks), whatever else they need.
+    one each (a position keys a seeded row's random stream; `slots`, their state slots, key `history` for
+    the rows whose params need_history); every other row is greedy without alternatives
+    (SamplingParams.is_plain). `masked_rows` (ascending) are constrained by `bitmask`'s rows, one each
+    (apply_token_masks), whatever else they need.
 
     The rows in no list cost no Python: a batch of plain rows is one argmax, one log_softmax, one
-    gather and two tolists. Same tokens and log-probabilities as row by row."""
+    gather and two tolists. Same tokens and log-probabilities as row by row. The controls (apply_controls)
+    write into the controlled rows of `logits` (a float32 tensor is not copied): their log-probabilities
+    are taken before, of the raw logits."""
     if len(params) != len(rows) or len(positions) != len(rows):
         raise InvalidArgumentError(f"sample_rows: {len(rows)} rows, {len(params)} params, {len(positions)} positions")
     logits = logits.float()
-    choose = logits
-    if masked_rows:  # the mask step: first, before every filter and the argmax
+    logp = logits.log_softmax(dim=-1)  # [b, vocab], of the raw logits: one fused pass (logsumexp is several)
+    work = logits  # the logits the tokens are chosen from
+    if masked_rows:  # the mask step: first, before every control, filter and the argmax
         assert bitmask is not None and bitmask.shape[0] == len(masked_rows)
-        choose = apply_token_masks(logits, masked_rows, bitmask)
-    chosen = choose.argmax(dim=-1)  # [b]; the first maximal logit
+        work = apply_token_masks(logits, masked_rows, bitmask)  # a new tensor
+    controlled = [j for j, p in enumerate(params) if p.has_controls]
+    if controlled:  # the controls write into their rows of `work`, in place
+        with_history = [j for j in controlled if params[j].needs_history]
+        state = None
+        if with_history:
+            if history is None or len(slots) != len(rows):
+                raise InvalidArgumentError("sample_rows: penalties or min_tokens without the rows' history")
+            state = tuple(t.to(logits.device) if isinstance(t, torch.Tensor) else t
+                          for t in history.rows([slots[j] for j in with_history]))  # fmt: skip
+        apply_controls(work, [rows[j] for j in controlled], [params[j] for j in controlled], state)  # type: ignore[arg-type]
+    chosen = work.argmax(dim=-1)  # [b]; the first maximal logit
     random = [(i, p, pos) for i, p, pos in zip(rows, params, positions, strict=True) if p.temperature != 0.0]
     if random:
         index = torch.tensor([i for i, _, _ in random], device=logits.device)
-        probs = _filter_logits(choose[index], [p for _, p, _ in random]).softmax(dim=-1)
+        probs = _filter_logits(work[index], [p for _, p, _ in random]).softmax(dim=-1)
         noise = torch.empty_like(probs)
         if any(p.seed is None for _, p, _ in random):
             noise.exponential_()  # the unseeded rows' draws, from this process's generator, in one call
@@ -267,7 +520,6 @@ def sample_rows(
                 noise[j].exponential_(generator=_STREAMS.at(logits.device, p.seed, pos))
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
         chosen[index] = (probs / noise).argmax(dim=-1)
-    logp = logits.log_softmax(dim=-1)  # [b, vocab]: one fused pass (logsumexp is several)
     chosen_lp = logp.gather(1, chosen[:, None]).view(-1)
     max_n = max([p.num_logprobs for p in params], default=0)
     top: list[TopLogprobs] | None = None

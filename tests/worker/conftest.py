@@ -80,6 +80,16 @@ def budget_for_pages(runner_config: RunnerConfig, checkpoint: Path, num_pages: i
 def start_worker(checkpoint, scheduler_address) -> Iterator[Callable[..., Worker]]:
     """Starts a worker; keyword arguments override EngineSettings fields (and num_kv_pages); an
     observer, when given, watches its engine."""
+    yield from _workers(checkpoint, scheduler_address)
+
+
+@pytest.fixture(scope="module")
+def start_module_worker(checkpoint, scheduler_address) -> Iterator[Callable[..., Worker]]:
+    """`start_worker` for the workers a whole module shares (stopped after its last test)."""
+    yield from _workers(checkpoint, scheduler_address)
+
+
+def _workers(checkpoint: Path, scheduler_address: str) -> Iterator[Callable[..., Worker]]:
     started: list[tuple[grpc.Server, Engine, grpc.Channel, SchedulerClient]] = []
 
     def start(

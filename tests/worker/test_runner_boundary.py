@@ -136,6 +136,97 @@ def test_a_step_of_32_rows_at_100k_vocab_moves_under_64_kb(runners: dict[str, Ru
             r.release()
 
 
+CONTROLLED = {  # sampled, seeded rows with every control, and a greedy one with penalties
+    "penalised": SamplingParams(
+        temperature=1.0,
+        seed=11,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias=((5, 8.0), (9, -100.0)),
+        min_p=0.01,
+    ),  # fmt: skip
+    "min-tokens": SamplingParams(temperature=0.8, seed=12, top_k=40, min_tokens=4, held_token_ids=(5, 6)),
+    "greedy-penalised": SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, logit_bias=((7, 3.0),)),
+    "plain": SamplingParams(),
+}
+
+
+def generate_controlled(runner: Runner, names: list[str], steps: int = 6, masked: bool = False) -> dict[str, list[int]]:
+    """`generate` for CONTROLLED, each row's history (prompt, generated) handed to the runner as the engine
+    hands it: the lists themselves, grown each step; `masked`: every row constrained by FixedMasks too
+    (asserts each chosen token was allowed)."""
+    assert isinstance(runner, ModelRunner | ProcessRunner)
+    prompts = {n: [(13 * i + 7 * len(n)) % VOCAB for i in range(18 + 7 * len(n))] for n in names}
+    requests = {n: Request(runner, prompts[n]) for n in names}
+    outputs: dict[str, list[int]] = {n: [] for n in names}
+    try:
+        for step in range(steps + 1):
+            chunks = [r.chunk(len(r.token_ids) if step == 0 else 1) for r in requests.values()]
+            sampling = StepSampling.of(
+                range(len(names)), [CONTROLLED[n] for n in names], [(prompts[n], outputs[n]) for n in names]
+            )
+            masks = FixedMasks(names, step) if masked else None
+            if masks is not None:
+                sampling = replace(sampling, masked=tuple(range(len(names))), masks=masks)
+            sampled = runner.execute(Batch(tuple(chunks)), sampling)
+            for j, (n, token) in enumerate(zip(names, sampled.token_ids, strict=True)):
+                assert masks is None or masks.bits[j][token], (n, step, token)
+                requests[n].token_ids.append(token)
+                outputs[n].append(token)
+    finally:
+        for r in requests.values():
+            r.release()
+    return outputs
+
+
+def test_rows_with_controls_sample_the_same_in_every_runner(runners: dict[str, Runner]) -> None:
+    names = list(CONTROLLED)
+    expected = generate_controlled(runners["here"], names)
+    assert 5 in expected["penalised"] and 9 not in expected["penalised"]  # the +8 bias shows, the -100 one bans
+    assert not {5, 6} & set(expected["min-tokens"][:4])
+    for label, runner in runners.items():
+        for together in (names, names[::-1], ["min-tokens", "plain"]):
+            got = generate_controlled(runner, together)
+            assert got == {n: expected[n] for n in together}, (label, together)
+
+
+def test_masked_rows_with_controls_sample_the_same_in_every_runner(runners: dict[str, Runner]) -> None:
+    """The grammar mask first, then the controls: every row both constrained and controlled (penalties'
+    history in the tables, logit_bias, min_tokens) takes only allowed tokens, the same in every runner."""
+    names = list(CONTROLLED)
+    expected = generate_controlled(runners["here"], names, steps=4, masked=True)
+    assert expected["greedy-penalised"] != generate_controlled(runners["here"], names, steps=4)["greedy-penalised"]
+    assert 9 not in expected["penalised"] and not {5, 6} & set(expected["min-tokens"][:4])
+    for label, runner in runners.items():
+        for together in (names, names[::-1]):
+            got = generate_controlled(runner, together, steps=4, masked=True)
+            assert got == {n: expected[n] for n in together}, (label, together)
+
+
+def test_prompt_scores_are_the_same_in_every_runner(runners: dict[str, Runner]) -> None:
+    """A row that scores its prompt over two chunks, beside a plain row: the scores of each chunk (the
+    tokens after its first, then the next chunk's first token) come back from whichever process ran it."""
+    prompt = [(29 * i + 5) % VOCAB for i in range(40)]
+    got = {}
+    for label, runner in runners.items():
+        assert isinstance(runner, ModelRunner | ProcessRunner)
+        scored, other = Request(runner, prompt), Request(runner, prompt[:31])
+        try:
+            first = scored.chunk(24)._replace(score=True, next_token=prompt[24])
+            out1 = runner.execute(Batch((other.chunk(30), first)), StepSampling.of([0], [SamplingParams()]))
+            last = scored.chunk(16)._replace(score=True)
+            out2 = runner.execute(Batch((other.chunk(1), last)), StepSampling.of([0, 1], [SamplingParams()] * 2))
+        finally:
+            scored.release()
+            other.release()
+        assert [row for row, _ in out1.prompt_scores] == [1] and [row for row, _ in out2.prompt_scores] == [1]
+        got[label] = out1.prompt_scores[0][1] + out2.prompt_scores[0][1]
+        assert len(got[label]) == len(prompt) - 1
+    for label, scores in got.items():
+        assert scores == pytest.approx(got["here"], abs=1e-4), label
+
+
 class FixedMasks:
     """Token masks as the engine's matchers would give them (gpu_worker.runner.protocol.TokenMasks): here a
     few hundred allowed tokens per (request, step), fixed by a seed, and recorded so that the test can check
