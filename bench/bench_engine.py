@@ -8,8 +8,9 @@ step's wall time is split into the engine thread's parts:
     prepare   allocation and the batch's rows
     flush     the last step's stream events handed to their queues, at the start of the forward
               (the runner calls back before it computes; on a GPU, before its kernels go)
-    forward   the null runner (its logits; no model), less the flush
-    sample    sampling (greedy)
+    forward   the null runner's execute (its logits, no model, and their sampling: greedy, in the runner
+              as on a device), less the flush
+    sample    the step's sampling input (StepSampling: which rows sample, with which params)
     apply     each token to its request, its stream event queued
     emit      the step record to the observers
     between   from the end of a step's emit to the start of the next step: the loop's work between steps
@@ -21,6 +22,11 @@ messages (the worker's stream threads), per step, and the full round trip of the
 overlapped or not. The scheduler is the real service in its own process, over gRPC.
 
     .venv/bin/python bench/bench_engine.py [--requests 64,256,1024] [--steps 60] [--sync] [--forward-ms 0,3]
+        [--forms columns,rows]
+
+`--forms columns,rows` measures each size twice: with PlanStep's columns form (the worker's, planned
+by the scheduler's steady-decode path) and with its rows form (one message per request, planned by
+plan_step): what removing the columns form and core/steady.py would cost.
 
 `--forward-ms X` makes the null forward take X ms of wall time (a sleep, the CPU left free as by a
 GPU forward): with X longer than the round trip the `plan` column (the wait) should be about 0.
@@ -55,8 +61,9 @@ from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.tuning import freeze_startup_objects, set_cpu_threads
 from hybridserve_cli.stack import Stack
+from scheduler_svc import convert
 from scheduler_svc.client import SchedulerClient
-from scheduler_svc.core import MambaCacheMode, SchedulerConfig
+from scheduler_svc.core import MambaCacheMode, SchedulerConfig, StepInput, StepPlan
 
 PAGE = 16
 VOCAB = 256
@@ -147,8 +154,14 @@ def drain_streams(requests: list[Request], stop: threading.Event, counted: dict[
         time.sleep(0.0005)
 
 
+def rows_plan(client: SchedulerClient) -> Callable[[StepInput], StepPlan]:
+    """PlanStep in its rows form: the request states one message each, and the scheduler plans with
+    plan_step (its steady-decode path takes columns only): the round trip without the columns form."""
+    return lambda step: convert.plan_from_pb(client.plan_pb(convert.step_to_pb(step)))
+
+
 def measure(
-    num_requests: int, steps: int, scheduler: str, async_scheduling: bool, forward_s: float = 0.0
+    num_requests: int, steps: int, scheduler: str, async_scheduling: bool, forward_s: float = 0.0, form: str = "columns"
 ) -> dict[str, float]:
     """Per-step milliseconds of each part over `steps` steady decode steps of num_requests requests."""
     config = SchedulerConfig(
@@ -163,10 +176,11 @@ def measure(
     )  # fmt: skip
     client = SchedulerClient((scheduler,), deadline_s=10.0, give_up_after_s=30.0)
     log = Steps()
-    engine = Engine(runner, client.plan, settings, observer=log)  # type: ignore[arg-type]
+    plan = client.plan if form == "columns" else rows_plan(client)
+    engine = Engine(runner, plan, settings, observer=log)  # type: ignore[arg-type]
     totals: dict[str, float] = defaultdict(float)
-    for name, part in (("_snapshot", "snapshot"), ("_prepare", "prepare"), ("_forward", "forward"),
-                       ("_sample", "sample"), ("_apply", "apply")):  # fmt: skip
+    for name, part in (("_snapshot", "snapshot"), ("_prepare", "prepare"), ("_execute", "forward"),
+                       ("_sampling", "sample"), ("_apply", "apply")):  # fmt: skip
         timed(engine, name, totals, part)
     emitted: list[float] = []  # when each step's _emit returned, one per record
     timed(engine, "_emit", totals, "emit", emitted)
@@ -224,6 +238,10 @@ def main() -> int:
         " step of a small model takes a few ms, and planning and the streams should hide behind it",
     )  # fmt: skip
     parser.add_argument(
+        "--forms", default="columns", help="PlanStep's request-state forms, comma-separated: columns (the"
+        " worker's, with the scheduler's steady-decode path), rows (one message per request, plan_step)",
+    )  # fmt: skip
+    parser.add_argument(
         "--cpu-threads", type=int, default=0, help="torch's intra-op threads for the engine's own torch calls"
         " (sampling of the null logits); 0 = the worker's default on CPU",
     )  # fmt: skip
@@ -237,13 +255,14 @@ def main() -> int:
             "ms per step (engine thread); outside = wall - forward; own = outside - plan + between;"
             " plan = wait for it; rtt = PlanStep round trip"
         )
-        print(f"{'requests':>9}{'async':>7}" + "".join(f"{c:>10}" for c in cols))
+        print(f"{'requests':>9}{'async':>7}{'form':>8}" + "".join(f"{c:>10}" for c in cols))
         for forward_ms in (float(x) for x in args.forward_ms.split(",")):
             for n in (int(x) for x in args.requests.split(",")):
                 for mode in modes:
-                    m = measure(n, args.steps, address, mode, forward_ms / 1e3)
-                    row = f"{n:>9}{'on' if mode else 'off':>7}" + "".join(f"{m[c]:>10.3f}" for c in cols)
-                    print(row, flush=True)
+                    for form in args.forms.split(","):
+                        m = measure(n, args.steps, address, mode, forward_ms / 1e3, form)
+                        row = f"{n:>9}{'on' if mode else 'off':>7}{form:>8}" + "".join(f"{m[c]:>10.3f}" for c in cols)
+                        print(row, flush=True)
     return 0
 
 

@@ -86,24 +86,17 @@ def start_worker(model_dir: Path, scheduler_address: str, port: int, *extra: str
     return ServerProcess(worker_args(model_dir, scheduler_address, port, *extra), timeout_s=120)
 
 
-def start_gateway(workers: list[str], model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> ServerProcess:
+def start_gateway(
+    workers: list[str], model_dir: Path | None, *extra: str, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """A gateway in front of `workers`; with `model_dir` None, started without --model (it takes the model's
+    files from its workers)."""
+    model = ["--model", str(model_dir)] if model_dir is not None else []
     return ServerProcess(
-        [
-            "gateway",
-            "--workers",
-            ",".join(workers),
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            MODEL_NAME,
-            *extra,
-        ],
+        ["gateway", "--workers", ",".join(workers), "--port", "0", "--grpc-port", "0", *model,
+         "--served-model-name", MODEL_NAME, *extra],
         env=env,
-    )
+    )  # fmt: skip
 
 
 def grpc_address(gateway: ServerProcess) -> str:
@@ -150,16 +143,21 @@ class Stack:
 
 @contextlib.contextmanager
 def gateway_stack(
-    model_dir: Path, scheduler: ServerProcess, *gateway_extra: str, env: dict[str, str] | None = None
+    model_dir: Path,
+    scheduler: ServerProcess,
+    *gateway_extra: str,
+    env: dict[str, str] | None = None,
+    gateway_model: bool = True,
 ) -> Iterator[Stack]:
-    """Two workers behind a gateway; every process stops, also when one of them fails to start."""
+    """Two workers of `model_dir` behind a gateway (given --model unless `gateway_model` is False); every
+    process stops, also when one of them fails to start."""
     ports = free_ports(2)  # distinct
     addresses = [f"127.0.0.1:{p}" for p in ports]
     workers: list[ServerProcess] = []
     try:
         for port in ports:
             workers.append(start_worker(model_dir, scheduler.address, port))
-        gateway = start_gateway(addresses, model_dir, *gateway_extra, env=env)
+        gateway = start_gateway(addresses, model_dir if gateway_model else None, *gateway_extra, env=env)
         try:
             wait_ready(gateway, 2)
             yield Stack(scheduler, workers, addresses, gateway)

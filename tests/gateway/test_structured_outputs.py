@@ -1,6 +1,7 @@
-"""Structured outputs through the official OpenAI client, a real gateway and real workers: `response_format`
-(json_schema, json_object) and vLLM's `structured_outputs` (choice, regex) on chat and completions, streamed
-and not; a schema the engine cannot compile is a quick 400 naming the field, and the server serves on."""
+"""Structured outputs through the official OpenAI client, a real gateway (started without --model) and real
+workers: `response_format` (json_schema, json_object) and vLLM's `structured_outputs` (choice, regex) on chat
+and completions, streamed and not; a schema the engine cannot compile is a quick 400 naming the field, and
+the server serves on."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ MESSAGES = [{"role": "user", "content": "Weather as JSON:"}]
 
 @pytest.fixture(scope="module")
 def client(model_dir, scheduler):
-    with gateway_stack(model_dir, scheduler) as stack:
+    with gateway_stack(model_dir, scheduler, gateway_model=False) as stack:
         yield openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=120)
 
 

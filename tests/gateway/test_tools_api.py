@@ -1,5 +1,6 @@
 """Tool calls, /v1/responses and special tokens in content with the official OpenAI client, through a real
-gateway in front of real workers serving a tiny random model with a Granite-style chat template.
+gateway started without --model (it takes the template and tokenizer from its workers) in front of real
+workers serving a tiny random model with a Granite-style chat template.
 
 A random model never calls a tool of its own accord, so `tool_choice: auto` is checked for what reaches
 the model (the rendered tools) and for a stream that says what the body says; well-formed calls come from
@@ -49,7 +50,7 @@ def granite_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tools_stack(granite_dir, scheduler) -> Iterator[Stack]:
-    with gateway_stack(granite_dir, scheduler) as s:
+    with gateway_stack(granite_dir, scheduler, gateway_model=False) as s:
         yield s
 
 
