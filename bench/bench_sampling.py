@@ -20,7 +20,7 @@ Prints the median step time per case and size and each case's ratio to "a none" 
 32 rows: b <= 1.05x, c <= 1.15x), then the mask build time per token (one matcher's fill), p50 and p99,
 over every token of `--walks` random valid outputs.
 
-    .venv/bin/python bench/bench_sampling.py [--batches 1,32,128] [--steps 16] [--repeats 6] [--vocab 100352]
+    .venv/bin/python bench/bench_sampling.py [--batches 1,32,128] [--steps 4] [--repeats 24] [--vocab 100352]
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ class Rows:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,32,128")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps per case per repeat")
-    parser.add_argument("--repeats", type=int, default=6, help="interleaved rounds over the cases")
+    parser.add_argument("--steps", type=int, default=4, help="decode steps per case per repeat")
+    parser.add_argument("--repeats", type=int, default=24, help="interleaved rounds over the cases")
     parser.add_argument("--vocab", type=int, default=SPEC.vocab_size)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--walks", type=int, default=20, help="random valid outputs the mask build is timed over")

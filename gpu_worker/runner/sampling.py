@@ -23,8 +23,10 @@ requests draw from the process's global generator.
 
 Structured outputs add one step before the pipeline: a row a grammar constrains comes with its token mask
 (one bit per token id, vocab/32 int32 words, built by the engine's matcher while the forward ran:
-`TokenMasks`), and `apply_token_masks` puts the tokens it disallows at -inf before the argmax and the
-filters, for greedy and sampled rows alike. Log-probabilities stay those of the raw distribution. A step
+`TokenMasks`), and `mask_rows_` puts the tokens it disallows at -inf, for greedy and sampled rows alike,
+with the same tokens as masking before everything: a row with min-p, top-k or top-p is masked before its
+filters; any other row chooses first and is masked (and chooses again, with the same random draw) only
+when its choice is one its mask disallows. Log-probabilities stay those of the raw distribution. A step
 without constrained rows pays nothing for it."""
 
 from __future__ import annotations
@@ -363,23 +365,90 @@ def sample_step(
 _BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).bool()
 
 
+def disallowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """[m, vocab] bool on `device`: True where mask row j (int32 words, bit t % 32 of word t // 32 set =
+    token t allowed) disallows token t; token ids past the mask are disallowed. On CPU one numpy unpack of
+    the inverted words; elsewhere a byte-to-bits table on the device."""
+    words = bitmask.to(torch.int32).contiguous()
+    covered = words.shape[1] * 32
+    if device.type == "cpu":
+        bits = np.unpackbits((~words.numpy()).view(np.uint8), axis=1, count=min(vocab, covered), bitorder="little")
+        out = torch.from_numpy(bits).view(torch.bool)
+    else:
+        table = _BYTE_BITS if _BYTE_BITS.device == device else _BYTE_BITS.to(device)
+        allowed = table[words.to(device).view(torch.uint8).long()].view(words.shape[0], -1)[:, :vocab]
+        out = ~allowed
+    if covered < vocab:
+        out = torch.nn.functional.pad(out, (0, vocab - covered), value=True)
+    return out.to(device)
+
+
+def mask_rows_(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """The mask step, in place: row `rows[j]` of `logits` [b, vocab] gets the tokens that `bitmask[j]`
+    disallows at -inf (rows ascending)."""
+    disallowed = disallowed_tokens(bitmask, logits.shape[-1], logits.device)
+    if len(rows) == logits.shape[0]:  # every row (ascending: in order)
+        logits.masked_fill_(disallowed, float("-inf"))
+        return
+    for j, row in enumerate(rows):  # row views: no copy of the rows
+        logits[row].masked_fill_(disallowed[j], float("-inf"))
+
+
 def apply_token_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """The mask step, before every other: `logits` [b, vocab] with the tokens that row `rows[j]`'s mask
-    (`bitmask[j]`, int32 words, bit t % 32 of word t // 32 set = token t allowed) disallows at -inf.
-    A new tensor: the raw logits stay for the log-probabilities. Token ids past the mask are disallowed."""
-    vocab = logits.shape[-1]
-    table = _BYTE_BITS if _BYTE_BITS.device == logits.device else _BYTE_BITS.to(logits.device)
-    as_bytes = bitmask.to(logits.device, torch.int32).contiguous().view(torch.uint8).long()  # [m, words * 4]
-    allowed = table[as_bytes].view(len(rows), -1)  # [m, words * 32]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    allowed = allowed[:, :vocab]
-    if len(rows) == logits.shape[0]:  # every row constrained (rows ascending: in order)
-        return logits.masked_fill(~allowed, float("-inf"))
+    """`logits` [b, vocab] with the tokens that row `rows[j]`'s mask (`bitmask[j]`) disallows at -inf, as a
+    new tensor (mask_rows_ on a copy)."""
     masked = logits.clone()
-    index = torch.tensor(list(rows), device=logits.device)
-    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    mask_rows_(masked, rows, bitmask)
     return masked
+
+
+def _outside_masks(chosen: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> list[bool]:
+    """Whether each masked row's chosen token (`chosen[rows[j]]`) is one its mask disallows."""
+    words = bitmask.to("cpu", torch.int32).numpy()
+    tokens = chosen[list(rows)].cpu().numpy().astype(np.int64)
+    inside = tokens // 32 < words.shape[1]
+    word = words[np.arange(len(rows)), np.minimum(tokens // 32, words.shape[1] - 1)].astype(np.int64)
+    allowed = inside & (((word >> (tokens % 32)) & 1) == 1)
+    return (~allowed).tolist()
+
+
+SPARSE_MASK_SHARE = 4  # a mask with at most 1/4 of its words non-zero is chosen from by a gather
+
+
+def _choose_masked(
+    row: torch.Tensor, words: np.ndarray[Any, Any], drawn: tuple[int, SamplingParams] | None, noise: torch.Tensor
+) -> torch.Tensor:
+    """The token of one masked row without filters, from its logits `row` [vocab] (a view: written in
+    place) and its mask `words`: the best allowed token, or, for a sampled row (`drawn`: its index into
+    `noise` and its params), the race's winner among the allowed tokens with its noise. A mask that allows
+    few tokens (a grammar between structural tokens) is chosen from at the allowed ids alone; a wider one
+    puts the others at -inf first (an empty mask too: the row's logits then all -inf, as if masked first). The
+    same tokens either way."""
+    vocab = row.shape[0]
+    nonzero = np.flatnonzero(words)  # the words that allow some token
+    if 0 < len(nonzero) <= len(words) // SPARSE_MASK_SHARE:
+        bits = np.unpackbits(words[nonzero].view(np.uint8), bitorder="little").reshape(len(nonzero), 32)
+        allowed = (nonzero[:, None] * 32 + np.arange(32))[bits.astype(bool)]  # ascending
+        ids = torch.from_numpy(allowed[allowed < vocab]).to(row.device)
+        if len(ids):
+            values = row[ids]
+            if drawn is None:
+                return ids[values.argmax()]
+            k, params = drawn
+            probs = _filter_logits(values[None, :], [params]).softmax(dim=-1)[0]
+            return ids[(probs / noise[k, ids]).argmax()]
+    row.masked_fill_(disallowed_tokens(torch.from_numpy(words[None, :]), vocab, row.device)[0], float("-inf"))
+    if drawn is None:
+        return row.argmax()
+    k, params = drawn
+    probs = _filter_logits(row[None, :], [params]).softmax(dim=-1)[0]
+    return (probs / noise[k]).argmax()
+
+
+def _has_filters(p: SamplingParams, vocab: int) -> bool:
+    """A sampled row whose filters (min-p, top-k, top-p) depend on the whole distribution: masking it
+    after the draw would change which tokens the filters keep."""
+    return p.temperature != 0.0 and (p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0)
 
 
 def apply_controls(
@@ -483,20 +552,29 @@ def sample_rows(
     one each (a position keys a seeded row's random stream; `slots`, their state slots, key `history` for
     the rows whose params need_history); every other row is greedy without alternatives
     (SamplingParams.is_plain). `masked_rows` (ascending) are constrained by `bitmask`'s rows, one each
-    (apply_token_masks), whatever else they need.
+    (mask_rows_), whatever else they need: a row with filters (min-p, top-k, top-p) is masked before
+    them; any other masked row is masked only when its unmasked choice falls outside its mask (the
+    choice is then the same as masked first: see below), which spares most steps of a trained model's
+    constrained rows the full-vocabulary mask.
 
     The rows in no list cost no Python: a batch of plain rows is one argmax, one log_softmax, one
-    gather and two tolists. Same tokens and log-probabilities as row by row. The controls (apply_controls)
-    write into the controlled rows of `logits` (a float32 tensor is not copied): their log-probabilities
-    are taken before, of the raw logits."""
+    gather and two tolists. Same tokens and log-probabilities as row by row. The masks and the controls
+    (apply_controls) write into their rows of `logits` (a float32 tensor is not copied): the
+    log-probabilities are taken before, of the raw logits."""
     if len(params) != len(rows) or len(positions) != len(rows):
         raise InvalidArgumentError(f"sample_rows: {len(rows)} rows, {len(params)} params, {len(positions)} positions")
     logits = logits.float()
     logp = logits.log_softmax(dim=-1)  # [b, vocab], of the raw logits: one fused pass (logsumexp is several)
-    work = logits  # the logits the tokens are chosen from
-    if masked_rows:  # the mask step: first, before every control, filter and the argmax
+    work = logits  # the logits the tokens are chosen from (written in place from here on)
+    vocab = logits.shape[-1]
+    check: list[int] = []  # indices into masked_rows whose choice is checked against the mask after it
+    if masked_rows:  # the mask step: first, before every control, filter and the argmax (see below)
         assert bitmask is not None and bitmask.shape[0] == len(masked_rows)
-        work = apply_token_masks(logits, masked_rows, bitmask)  # a new tensor
+        param_of = dict(zip(rows, params, strict=True))
+        first = [j for j, r in enumerate(masked_rows) if r in param_of and _has_filters(param_of[r], vocab)]
+        if first:
+            mask_rows_(work, [masked_rows[j] for j in first], bitmask[first])
+        check = [j for j in range(len(masked_rows)) if j not in set(first)]
     controlled = [j for j, p in enumerate(params) if p.has_controls]
     if controlled:  # the controls write into their rows of `work`, in place
         with_history = [j for j in controlled if params[j].needs_history]
@@ -509,6 +587,7 @@ def sample_rows(
         apply_controls(work, [rows[j] for j in controlled], [params[j] for j in controlled], state)  # type: ignore[arg-type]
     chosen = work.argmax(dim=-1)  # [b]; the first maximal logit
     random = [(i, p, pos) for i, p, pos in zip(rows, params, positions, strict=True) if p.temperature != 0.0]
+    noise = torch.empty(0)
     if random:
         index = torch.tensor([i for i, _, _ in random], device=logits.device)
         probs = _filter_logits(work[index], [p for _, p, _ in random]).softmax(dim=-1)
@@ -520,6 +599,20 @@ def sample_rows(
                 noise[j].exponential_(generator=_STREAMS.at(logits.device, p.seed, pos))
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
         chosen[index] = (probs / noise).argmax(dim=-1)
+    if check:
+        # A masked row without filters chose from its unmasked logits: when the token is one its mask
+        # allows, it is the masked choice too (the first maximum among all tokens is the first among the
+        # allowed ones; the race's winner over all tokens wins over the allowed ones, with the same noise,
+        # as a row's normalisation does not change its argmax). The others choose again, masked.
+        assert bitmask is not None
+        outside = _outside_masks(chosen, [masked_rows[j] for j in check], bitmask[check])
+        redo = [j for j, out in zip(check, outside, strict=True) if out]
+        if redo:
+            drawn = {i: (k, p) for k, (i, p, _) in enumerate(random)}
+            words = bitmask.to("cpu", torch.int32).numpy()
+            for j in redo:
+                row = masked_rows[j]
+                chosen[row] = _choose_masked(work[row], words[j], drawn.get(row), noise)
     chosen_lp = logp.gather(1, chosen[:, None]).view(-1)
     max_n = max([p.num_logprobs for p in params], default=0)
     top: list[TopLogprobs] | None = None

@@ -19,7 +19,7 @@ from gpu_worker.runner.batch import Batch
 from gpu_worker.runner.model_process import ProcessRunner, build_runner
 from gpu_worker.runner.protocol import Pools, Runner
 from gpu_worker.runner.runner import ModelRunner
-from gpu_worker.runner.sampling import SamplingParams, StepSampling, mask_words, sample_rows
+from gpu_worker.runner.sampling import SamplingParams, StepSampling, apply_token_masks, mask_words, sample_rows
 from gpu_worker.runner.settings import RunnerConfig
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 from tests.model.model_helpers import Request
@@ -293,13 +293,43 @@ def test_the_mask_step_keeps_every_chosen_token_inside_its_mask() -> None:
     params = [SamplingParams(), SamplingParams(temperature=1.5, seed=1), SamplingParams(temperature=0.7, top_k=5,
               seed=2), SamplingParams(temperature=1.0, top_p=0.5, seed=3)]  # fmt: skip
     special = [1, 3, 4, 5]
-    free = sample_rows(logits, special, params, [10] * 4)
+    free = sample_rows(logits.clone(), special, params, [10] * 4)  # sample_rows writes into the rows it masks
     for trial in range(20):
         positions = [trial] * 4
-        got = sample_rows(logits, special, params, positions, masked_rows, bitmask[masked_rows])
+        got = sample_rows(logits.clone(), special, params, positions, masked_rows, bitmask[masked_rows])
         for row in masked_rows:
             assert allowed[row, got.token_ids[row]], (trial, row)
         best = logits[0].masked_fill(~allowed[0, :vocab], float("-inf")).argmax().item()
         assert got.token_ids[0] == best
         assert got.token_ids[2] == free.token_ids[2]  # plain and unconstrained
         assert got.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[best].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("share", [0.05, 0.95])  # mostly refused (masked, chosen again); mostly allowed (kept)
+def test_choosing_before_the_mask_gives_the_tokens_of_masking_first(share: float) -> None:
+    """sample_rows masks a row without filters only when its choice falls outside its mask: the tokens are
+    those of masking every constrained row first (apply_token_masks, then sampling unconstrained), for
+    greedy, seeded and filtered rows, with a logit_bias that pushes a token the mask refuses."""
+    torch.manual_seed(1)
+    vocab, rows = 1000, 8
+    params = [SamplingParams(), SamplingParams(temperature=1.5, seed=1), SamplingParams(temperature=0.7, top_k=5,
+              seed=2), SamplingParams(temperature=1.0, top_p=0.5, seed=3), SamplingParams(logit_bias=((7, 50.0),)),
+              SamplingParams(temperature=0.9, seed=4, min_p=0.1), SamplingParams(temperature=2.0, seed=5)]  # fmt: skip
+    special = [1, 2, 3, 4, 5, 6, 7]
+    masked_rows = [0, 1, 2, 3, 5, 6, 7]
+    outcomes = set()
+    for trial in range(30):
+        logits = torch.randn(rows, vocab) * 3
+        allowed = torch.rand(rows, mask_words(vocab) * 32) < share
+        allowed[5, 7] = False  # the biased token is refused
+        words = np.packbits(allowed.numpy(), axis=1, bitorder="little").view(np.int32)
+        bitmask = torch.from_numpy(words[masked_rows].copy())
+        positions = [trial] * len(special)
+        first = sample_rows(apply_token_masks(logits, masked_rows, bitmask), special, params, positions)
+        got = sample_rows(logits.clone(), special, params, positions, masked_rows, bitmask)
+        assert got.token_ids == first.token_ids, trial
+        raw = torch.log_softmax(logits, -1).gather(1, torch.tensor(got.token_ids)[:, None]).view(-1)
+        assert got.logprobs == pytest.approx(raw.tolist(), abs=1e-5)  # of the raw distribution
+        unmasked = sample_rows(logits.clone(), special, params, positions).token_ids
+        outcomes |= {got.token_ids[r] == unmasked[r] for r in masked_rows}
+    assert outcomes == {True, False}  # both paths taken: choices kept and choices made again
