@@ -42,8 +42,9 @@ import torch
 from gpu_worker.engine.grammar import Constraint, StepMasks
 from gpu_worker.runner.batch import Batch, SequenceChunk
 from gpu_worker.runner.runner import ModelRunner
-from gpu_worker.runner.sampling import SamplingParams, StepSampling, mask_words
+from gpu_worker.runner.sampling import SamplingParams, StepSampling
 from gpu_worker.runner.settings import RunnerConfig
+from gpu_worker.runner.token_masks import mask_words
 from hybridserve.structured_output import StructuredSpec, checked_grammar, parser_limits
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
@@ -240,9 +241,9 @@ def main() -> None:
             for case in rows.values():
                 case.release()
         runner.close()
-        times = np.array(mask_times(start, args.vocab, args.walks))
-        p50, p99, mean = np.percentile(times, 50) * 1e6, np.percentile(times, 99) * 1e6, times.mean() * 1e6
-        print(f"mask build per token (vocab {args.vocab}, {len(times)} tokens of {args.walks} outputs): "
+        fills = np.array(mask_times(start, args.vocab, args.walks))
+        p50, p99, mean = np.percentile(fills, 50) * 1e6, np.percentile(fills, 99) * 1e6, fills.mean() * 1e6
+        print(f"mask build per token (vocab {args.vocab}, {len(fills)} tokens of {args.walks} outputs): "
               f"p50 {p50:.1f} us, p99 {p99:.1f} us, mean {mean:.1f} us")  # fmt: skip
 
 

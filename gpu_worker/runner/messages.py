@@ -32,22 +32,19 @@ import numpy as np
 import torch
 
 from gpu_worker.runner.batch import Batch, ForwardOutput, SequenceChunk
+from gpu_worker.runner.history import HistoryTables, HistoryWriter, history_capacity
 from gpu_worker.runner.sampling import (
     EMPTY_OUTPUT,
     MAX_HELD_TOKENS,
     MAX_LOGIT_BIAS_TOKENS,
-    HistoryTables,
-    HistoryWriter,
     PromptScores,
     SamplingParams,
     StepOutput,
     StepSampling,
     TopLogprobs,
-    history_capacity,
-    mask_vocab_size,
-    mask_words,
 )
 from gpu_worker.runner.shared_memory import Allocator
+from gpu_worker.runner.token_masks import mask_vocab_size, mask_words
 from gpu_worker.runner.warmup import WarmupTimes
 from hybridserve.errors import InvalidArgumentError
 

@@ -41,23 +41,19 @@ import torch
 
 from gpu_worker.runner.batch import Batch, ForwardOutput, SequenceChunk
 from gpu_worker.runner.checkpoint_io import BlockCheckpoint, CheckpointLayout, export_block, import_block
+from gpu_worker.runner.history import HistoryTables, HistoryWriter, history_capacity
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.sampling import (
     MAX_LOGIT_BIAS_TOKENS,
-    HistoryTables,
-    HistoryWriter,
     SamplingParams,
     StepOutput,
     StepSampling,
-    TokenMasks,
     TopLogprobs,
-    history_capacity,
-    mask_vocab_size,
-    mask_words,
     sample_step,
 )
 from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.step_split import DECODE_ROW_TOKENS, FORWARD_FIXED_TOKENS
+from gpu_worker.runner.token_masks import TokenMasks, mask_vocab_size, mask_words
 
 if TYPE_CHECKING:
     from gpu_worker.model.config import ModelConfig

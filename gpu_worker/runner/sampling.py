@@ -11,10 +11,7 @@ that have them, as tensors (scatters for the bias and the mask, a gather and a s
 row has seen for the penalties), never per token in Python. Log-probabilities are those of the model's
 raw distribution (log_softmax of the unmodified logits), for the chosen token and the top-n alternatives.
 
-The penalties and min_tokens read per-request state that outlives a step: each state slot's distinct seen
-tokens, their generated counts and its number of generated tokens (`HistoryTables`, written by a
-`HistoryWriter` from the engine's token lists: once when a request first samples in its slot, then the new
-tokens of each step).
+The penalties and min_tokens read per-request state that outlives a step (gpu_worker.runner.history).
 
 The random stream is counter-based: a seeded request's draw for the token at position p (the number of
 tokens before it, prompt included) uses a generator seeded with `stream_key(seed, p)`, so a request
@@ -22,26 +19,29 @@ samples the same tokens whatever process, batch or step it lands in, and after a
 requests draw from the process's global generator.
 
 Structured outputs add one step before the pipeline: a row a grammar constrains comes with its token mask
-(one bit per token id, vocab/32 int32 words, built by the engine's matcher while the forward ran:
-`TokenMasks`), and `mask_rows_` puts the tokens it disallows at -inf, for greedy and sampled rows alike,
-with the same tokens as masking before everything: a row with min-p, top-k or top-p is masked before its
-filters; any other row chooses first and is masked (and chooses again, with the same random draw) only
-when its choice is one its mask disallows. Log-probabilities stay those of the raw distribution. A step
-without constrained rows pays nothing for it."""
+(gpu_worker.runner.token_masks: built by the engine's matcher while the forward ran), and the tokens it
+disallows go to -inf, for greedy and sampled rows alike, with the same tokens as masking before
+everything: a row with min-p, top-k or top-p is masked before its filters; any other row chooses first
+and is masked (and chooses again, with the same random draw) only when its choice is one its mask
+disallows. Log-probabilities stay those of the raw distribution. A step without constrained rows pays
+nothing for it."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from gpu_worker.runner.batch import Batch
-from gpu_worker.runner.shared_memory import Allocator
+from gpu_worker.runner.token_masks import TokenMasks, disallowed_tokens, mask_rows_, outside_masks
 from hybridserve.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from gpu_worker.runner.history import HistoryTables, TokenHistory
 
 _MASK64 = (1 << 64) - 1
 MAX_LOGIT_BIAS_TOKENS = 1024  # logit_bias entries one request may have (the step tables' width)
@@ -146,33 +146,6 @@ class _Streams:
 _STREAMS = _Streams()
 
 
-# A request's tokens as the engine holds them (prompt, generated), shared, not copied: what a HistoryWriter
-# reads of each row that needs_history.
-TokenHistory = tuple[Sequence[int], Sequence[int]]
-
-
-def mask_vocab_size(logits_vocab: int, tokenizer_vocab: int) -> int:
-    """The token ids a mask covers: the logits' width, or the tokenizer's where that is larger."""
-    return max(logits_vocab, tokenizer_vocab)
-
-
-def mask_words(vocab_size: int) -> int:
-    """int32 words of one row's token mask (bit t % 32 of word t // 32: token t allowed)."""
-    return (vocab_size + 31) // 32
-
-
-class TokenMasks(Protocol):
-    """The token masks of a step's constrained rows (StepSampling.masked), built by whoever owns the
-    matchers (the engine: gpu_worker.engine.grammar.StepMasks). The runner calls `fill` once, while the
-    forward runs, and waits for it before sampling."""
-
-    words: int  # int32 words per row
-
-    def fill(self, bitmask: np.ndarray[Any, Any], indices: Sequence[int]) -> None:
-        """Writes constrained row j's mask into row `indices[j]` of `bitmask` (int32 [n, words])."""
-        ...
-
-
 @dataclass(frozen=True, slots=True)
 class StepSampling:
     """What a step samples: one token for each of `rows` (batch rows, ascending: the rows whose chunk
@@ -225,110 +198,6 @@ class StepOutput:
 EMPTY_OUTPUT = StepOutput([], [], None)
 
 
-def history_capacity(vocab: int, num_pages: int, page_size: int) -> int:
-    """The most distinct tokens one request can have seen: the vocabulary, or the KV pool's tokens."""
-    return max(1, min(vocab, num_pages * page_size))
-
-
-class HistoryTables:
-    """Per state slot, what the penalties and min_tokens read of the request in the slot, sparse: the
-    distinct tokens it has seen (`ids`, the first `num_unique`: its generated tokens, and its prompt's
-    when it has a repetition_penalty), how often it generated each (`counts`), and how many tokens it
-    generated (`num_outputs`). A step's penalties gather and scatter the logits at those ids only: the
-    cost follows the tokens seen, not the vocabulary. `capacity` bounds the distinct tokens of one
-    request (the vocabulary, or the most tokens a request can hold, whichever is less). Built over an
-    `Allocator` (the worker's shared arena, attached in the same order by its model processes; in
-    process, torch.zeros): large zero allocations are mapped lazily, so only slots that held a request
-    with penalties take memory."""
-
-    def __init__(self, num_slots: int, capacity: int, alloc: Allocator) -> None:
-        self.num_slots = num_slots
-        self.capacity = capacity
-        self.ids = alloc((num_slots, capacity), torch.int32)
-        self.counts = alloc((num_slots, capacity), torch.int32)
-        self.num_unique = alloc((num_slots,), torch.int64)
-        self.num_outputs = alloc((num_slots,), torch.int64)
-        self._ids, self._counts = self.ids.numpy(), self.counts.numpy()
-        self._unique, self._num = self.num_unique.numpy(), self.num_outputs.numpy()
-
-    def rows(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """(ids [k, u] int64, generated counts [k, u] float32, valid [k, u] bool, generated) of `slots`,
-        u the most distinct tokens among them."""
-        index = np.asarray(slots, dtype=np.int64)
-        unique = self._unique[index]
-        width = max(int(unique.max()), 1)
-        ids = torch.from_numpy(self._ids[index, :width].astype(np.int64))
-        counts = torch.from_numpy(self._counts[index, :width].astype(np.float32))
-        valid = torch.from_numpy(np.arange(width)[None, :] < unique[:, None])
-        return ids, counts, valid, self._num[index].tolist()
-
-
-class HistoryWriter:
-    """The engine's side of `HistoryTables`: for each special row whose params need_history, writes the
-    request's whole history when it first samples in its slot (its params or its prompt list are not the
-    ones the slot holds), then only the tokens generated since (one a decode step: a dictionary look-up
-    and one count). A request that comes back to a slot it held (after a preemption) finds its rows as it
-    left them, unless another request with penalties wrote there since, in which case its whole history
-    is written again."""
-
-    def __init__(self, tables: HistoryTables) -> None:
-        self.tables = tables
-        self._ids: np.ndarray[Any, Any] = tables.ids.numpy()
-        self._counts: np.ndarray[Any, Any] = tables.counts.numpy()
-        self._unique: np.ndarray[Any, Any] = tables.num_unique.numpy()
-        self._num: np.ndarray[Any, Any] = tables.num_outputs.numpy()
-        # whose history each slot holds: the request's params and prompt list (the engine's, one per request)
-        self._of: list[tuple[SamplingParams, Sequence[int]] | None] = [None] * tables.num_slots
-        self._where: list[dict[int, int]] = [{} for _ in range(tables.num_slots)]  # token -> its column
-        self._written = [0] * tables.num_slots  # generated tokens counted in the slot's row
-        self.tokens_written = 0  # generated tokens written, all steps (the diffs' size)
-
-    def publish(self, batch: Batch, sampling: StepSampling) -> None:
-        if not sampling.histories:
-            return
-        seqs, rows = batch.sequences, sampling.rows
-        for j, params, history in zip(sampling.special, sampling.params, sampling.histories, strict=True):
-            if history is None:
-                continue
-            slot = seqs[rows[j]].state_slot
-            prompt, outputs = history
-            held = self._of[slot]
-            if held is None or held[0] is not params or held[1] is not prompt or len(outputs) < self._written[slot]:
-                self._start(slot, params, prompt)
-            where, ids, counts = self._where[slot], self._ids[slot], self._counts[slot]
-            for token in outputs[self._written[slot] :]:  # a decode step's diff: the token it sampled last
-                column = where.get(token)
-                if column is None:
-                    column = where[token] = len(where)
-                    if column >= self.tables.capacity:
-                        raise InvalidArgumentError(f"sampling history: more than {self.tables.capacity} tokens")
-                    ids[column], counts[column] = token, 0
-                counts[column] += 1
-            self.tokens_written += len(outputs) - self._written[slot]
-            self._written[slot] = len(outputs)
-            self._unique[slot] = len(where)
-            self._num[slot] = len(outputs)
-
-    def _start(self, slot: int, params: SamplingParams, prompt: Sequence[int]) -> None:
-        """A request new to the slot: its prompt's distinct tokens (for repetition_penalty), counted 0."""
-        seen: np.ndarray[Any, Any] = (
-            np.unique(np.asarray(prompt, dtype=np.int64)) if params.repetition_penalty != 1.0 else np.empty(0, np.int64)
-        )
-        if len(seen) > self.tables.capacity:
-            raise InvalidArgumentError(f"sampling history: more than {self.tables.capacity} tokens")
-        self._ids[slot, : len(seen)] = seen
-        self._counts[slot, : len(seen)] = 0
-        self._where[slot] = dict(zip(seen.tolist(), range(len(seen)), strict=True))
-        self._of[slot], self._written[slot] = (params, prompt), 0
-        self._unique[slot] = len(seen)
-
-
-def _check_ids(ids: Sequence[int], vocab: int) -> Sequence[int]:
-    if ids and not 0 <= min(ids) <= max(ids) < vocab:
-        raise InvalidArgumentError(f"sampling history: a token id outside [0, {vocab})")
-    return ids
-
-
 def sample_positions(batch: Batch, sampling: StepSampling) -> list[int]:
     """The position of the token each special row samples (the random stream's counter)."""
     seqs, rows = batch.sequences, sampling.rows
@@ -359,57 +228,6 @@ def sample_step(
     return sample_rows(
         logits, sampling.special, sampling.params, positions, sampling.masked, bitmask, slots=slots, history=history
     )
-
-
-# Byte -> its 8 bits, least significant first (a mask's byte b holds tokens 8b..8b+7, on a little-endian host).
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).bool()
-
-
-def disallowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
-    """[m, vocab] bool on `device`: True where mask row j (int32 words, bit t % 32 of word t // 32 set =
-    token t allowed) disallows token t; token ids past the mask are disallowed. On CPU one numpy unpack of
-    the inverted words; elsewhere a byte-to-bits table on the device."""
-    words = bitmask.to(torch.int32).contiguous()
-    covered = words.shape[1] * 32
-    if device.type == "cpu":
-        bits = np.unpackbits((~words.numpy()).view(np.uint8), axis=1, count=min(vocab, covered), bitorder="little")
-        out = torch.from_numpy(bits).view(torch.bool)
-    else:
-        table = _BYTE_BITS if _BYTE_BITS.device == device else _BYTE_BITS.to(device)
-        allowed = table[words.to(device).view(torch.uint8).long()].view(words.shape[0], -1)[:, :vocab]
-        out = ~allowed
-    if covered < vocab:
-        out = torch.nn.functional.pad(out, (0, vocab - covered), value=True)
-    return out.to(device)
-
-
-def mask_rows_(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
-    """The mask step, in place: row `rows[j]` of `logits` [b, vocab] gets the tokens that `bitmask[j]`
-    disallows at -inf (rows ascending)."""
-    disallowed = disallowed_tokens(bitmask, logits.shape[-1], logits.device)
-    if len(rows) == logits.shape[0]:  # every row (ascending: in order)
-        logits.masked_fill_(disallowed, float("-inf"))
-        return
-    for j, row in enumerate(rows):  # row views: no copy of the rows
-        logits[row].masked_fill_(disallowed[j], float("-inf"))
-
-
-def apply_token_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` [b, vocab] with the tokens that row `rows[j]`'s mask (`bitmask[j]`) disallows at -inf, as a
-    new tensor (mask_rows_ on a copy)."""
-    masked = logits.clone()
-    mask_rows_(masked, rows, bitmask)
-    return masked
-
-
-def _outside_masks(chosen: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> list[bool]:
-    """Whether each masked row's chosen token (`chosen[rows[j]]`) is one its mask disallows."""
-    words = bitmask.to("cpu", torch.int32).numpy()
-    tokens = chosen[list(rows)].cpu().numpy().astype(np.int64)
-    inside = tokens // 32 < words.shape[1]
-    word = words[np.arange(len(rows)), np.minimum(tokens // 32, words.shape[1] - 1)].astype(np.int64)
-    allowed = inside & (((word >> (tokens % 32)) & 1) == 1)
-    return (~allowed).tolist()
 
 
 SPARSE_MASK_SHARE = 4  # a mask with at most 1/4 of its words non-zero is chosen from by a gather
@@ -605,7 +423,7 @@ def sample_rows(
         # allowed ones; the race's winner over all tokens wins over the allowed ones, with the same noise,
         # as a row's normalisation does not change its argmax). The others choose again, masked.
         assert bitmask is not None
-        outside = _outside_masks(chosen, [masked_rows[j] for j in check], bitmask[check])
+        outside = outside_masks(chosen, [masked_rows[j] for j in check], bitmask[check])
         redo = [j for j, out in zip(check, outside, strict=True) if out]
         if redo:
             drawn = {i: (k, p) for k, (i, p, _) in enumerate(random)}

@@ -19,8 +19,9 @@ from gpu_worker.runner.batch import Batch
 from gpu_worker.runner.model_process import ProcessRunner, build_runner
 from gpu_worker.runner.protocol import Pools, Runner
 from gpu_worker.runner.runner import ModelRunner
-from gpu_worker.runner.sampling import SamplingParams, StepSampling, apply_token_masks, mask_words, sample_rows
+from gpu_worker.runner.sampling import SamplingParams, StepSampling, sample_rows
 from gpu_worker.runner.settings import RunnerConfig
+from gpu_worker.runner.token_masks import apply_token_masks, mask_words
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 from tests.model.model_helpers import Request
 
