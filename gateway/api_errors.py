@@ -70,3 +70,22 @@ def unavailable(message: str) -> ApiError:
 def upstream_failed(message: str) -> ApiError:
     """502-like failure after generation began; OpenAI clients treat any 5xx as retryable, so 503."""
     return ApiError(503, message, "server_error", None, "worker_failed")
+
+
+def wrong_type(name: str, expected: str, value: Any) -> ApiError:
+    """400: field `name` holds a value of the wrong type."""
+    return bad_request(f"'{name}' must be {expected}, got {type(value).__name__} {value!r:.60}", name, "invalid_type")
+
+
+def utf8_text(value: str, name: str) -> str:
+    """`value`, refused when it cannot be UTF-8 (a lone surrogate, which JSON's \\ud800 escapes let in)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"'{name}' holds a lone surrogate ({value[exc.start]!r} at index {exc.start}), which is not text;"
+            " send valid UTF-8",
+            name,
+            "invalid_value",
+        ) from None
+    return value

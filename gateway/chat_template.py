@@ -25,7 +25,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.api_errors import bad_request
-from gateway.openai_request import Message
+from gateway.chat_messages import Message
 from hybridserve.errors import InvalidArgumentError
 from hybridserve.tokenizer_files import chat_template_source, read_tokenizer_config, special_tokens
 

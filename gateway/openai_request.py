@@ -12,11 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.api_errors import bad_request, unsupported
+from gateway.api_errors import bad_request, unsupported, utf8_text, wrong_type
+from gateway.chat_messages import Message, parse_messages
 from gateway.sampling_fields import CONTROL_FIELDS, SamplingControls, check_min_tokens, parse_controls
 from gateway.structured import FIELDS as STRUCTURED_FIELDS
 from gateway.structured import parse_structured
-from gateway.tool_calls import ToolCall, ToolRequest, parse_message_tool_calls, parse_tool_call_id, parse_tool_request
+from gateway.tool_calls import ToolRequest, parse_tool_request
 from hybridserve.structured_output import StructuredSpec
 
 MAX_N = 16  # choices per prompt
@@ -71,17 +72,6 @@ _NO_OP: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (),
     "web_search_options": (),
 }
-_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    role: str
-    content: str
-    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
-    name: str | None = None
-    null_content: bool = False  # content was null (an assistant turn of only tool calls): the template sees None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,30 +125,12 @@ class ApiRequest:
         return self.prompts or (self.prompt,)
 
 
-def _text(value: str, name: str) -> str:
-    """`value`, refused when it cannot be UTF-8 (a lone surrogate, which JSON's \\ud800 escapes let in)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise bad_request(
-            f"'{name}' holds a lone surrogate ({value[exc.start]!r} at index {exc.start}), which is not text;"
-            " send valid UTF-8",
-            name,
-            "invalid_value",
-        ) from None
-    return value
-
-
-def _fail_type(name: str, expected: str, value: Any) -> Exception:
-    return bad_request(f"'{name}' must be {expected}, got {type(value).__name__} {value!r:.60}", name, "invalid_type")
-
-
 def _int(body: Mapping[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail_type(name, "an integer", value)
+        raise wrong_type(name, "an integer", value)
     if not low <= value <= high:
         raise bad_request(f"'{name}' must be in [{low}, {high}], got {value}", name, "invalid_value")
     return value
@@ -169,7 +141,7 @@ def _number(body: Mapping[str, Any], name: str, default: float | None, low: floa
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _fail_type(name, "a number", value)
+        raise wrong_type(name, "a number", value)
     if not low <= value <= high:
         raise bad_request(f"'{name}' must be in [{low:g}, {high:g}], got {value}", name, "invalid_value")
     return float(value)
@@ -180,7 +152,7 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _fail_type(name, "a boolean", value)
+        raise wrong_type(name, "a boolean", value)
     return value
 
 
@@ -202,12 +174,12 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise _fail_type("stop", "a string or a list of strings", value)
+        raise wrong_type("stop", "a string or a list of strings", value)
     if len(stops) > MAX_STOP:
         raise bad_request(f"'stop' holds {len(stops)} strings; at most {MAX_STOP} are allowed", "stop")
     if any(s == "" for s in stops):
         raise bad_request("'stop' holds an empty string", "stop", "invalid_value")
-    return tuple(_text(s, "stop") for s in stops)
+    return tuple(utf8_text(s, "stop") for s in stops)
 
 
 def _model(body: Mapping[str, Any]) -> str:
@@ -215,7 +187,7 @@ def _model(body: Mapping[str, Any]) -> str:
     if model is None:
         raise bad_request("'model' is required; GET /v1/models lists the served model", "model", "missing_required")
     if not isinstance(model, str):
-        raise _fail_type("model", "a string", model)
+        raise wrong_type("model", "a string", model)
     return model
 
 
@@ -226,7 +198,7 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
     if not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if not isinstance(options, dict):
-        raise _fail_type("stream_options", "an object", options)
+        raise wrong_type("stream_options", "an object", options)
     check_fields(options, frozenset({"include_usage", "continuous_usage_stats"}))
     _bool(options, "continuous_usage_stats", False)  # its type checked; read by _continuous_usage
     return _bool(options, "include_usage", False)
@@ -245,14 +217,14 @@ def _cache_salt(body: Mapping[str, Any]) -> str:
     if salt is None:
         return ""
     if not isinstance(salt, str):
-        raise _fail_type("cache_salt", "a string", salt)
+        raise wrong_type("cache_salt", "a string", salt)
     if not salt or len(salt) > MAX_CACHE_SALT_CHARS:
         raise bad_request(
             f"'cache_salt' must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
             "cache_salt",
             "invalid_value",
         )
-    return _text(salt, "cache_salt")
+    return utf8_text(salt, "cache_salt")
 
 
 def _common(
@@ -305,7 +277,7 @@ def _one_prompt(value: Any, name: str) -> str | tuple[int, ...]:
     if isinstance(value, str):
         if not value:
             raise bad_request(f"'{name}' is empty", "prompt", "invalid_value")
-        return _text(value, "prompt")
+        return utf8_text(value, "prompt")
     if _is_token_ids(value):
         bad = next((t for t in value if not 0 <= t < MAX_TOKEN_ID), None)
         if bad is not None:
@@ -338,7 +310,7 @@ def _prompts(body: Mapping[str, Any]) -> tuple[str | tuple[int, ...], ...]:
                 "prompt",
             )
         return tuple(_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt))
-    raise _fail_type("prompt", "a string, a list of token ids, a list of strings or a list of token-id lists", prompt)
+    raise wrong_type("prompt", "a string, a list of token ids, a list of strings or a list of token-id lists", prompt)
 
 
 def parse_completion(body: Any) -> ApiRequest:
@@ -360,74 +332,6 @@ def parse_completion(body: Any) -> ApiRequest:
     return replace(api, prompts=prompts) if len(prompts) > 1 else api
 
 
-def _content(value: Any, index: int) -> str:
-    """A message's content: a string, or a list of text parts (other part types are refused)."""
-    name = f"messages[{index}].content"
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return _text(value, name)
-    if not isinstance(value, list):
-        raise _fail_type(name, "a string or a list of content parts", value)
-    texts = []
-    for part in value:
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise _fail_type(name, "a list of content parts ({'type': 'text', 'text': ...})", part)
-        if part["type"] != "text":
-            raise unsupported(f"{name} part of type '{part['type']}'", "only text parts are served")
-        if not isinstance(part.get("text"), str):
-            raise _fail_type(f"{name}.text", "a string", part.get("text"))
-        texts.append(_text(part["text"], f"{name}.text"))
-    return "".join(texts)
-
-
-def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
-    raw = body.get("messages")
-    if raw is None:
-        raise bad_request("'messages' is required", "messages", "missing_required")
-    if not isinstance(raw, list) or not raw:
-        raise _fail_type("messages", "a non-empty list of messages", raw)
-    messages = []
-    for i, item in enumerate(raw):
-        if not isinstance(item, dict):
-            raise _fail_type(f"messages[{i}]", "an object", item)
-        role = item.get("role")
-        if role not in _CHAT_ROLES:
-            raise bad_request(
-                f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {role!r:.40}",
-                f"messages[{i}].role",
-                "invalid_value",
-            )
-        for key in item:
-            if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
-                raise unsupported(f"messages[{i}].{key}")
-        messages.append(_message(item, str(role), i))
-    return tuple(messages)
-
-
-def _message(item: Mapping[str, Any], role: str, i: int) -> Message:
-    """One message, with an assistant's `tool_calls` and a tool message's `tool_call_id`."""
-    tool_calls: tuple[ToolCall, ...] = ()
-    if item.get("tool_calls") is not None:
-        if role != "assistant":
-            raise bad_request(
-                f"messages[{i}].tool_calls: only assistant messages make tool calls", f"messages[{i}].tool_calls"
-            )
-        tool_calls = parse_message_tool_calls(item["tool_calls"], f"messages[{i}].tool_calls")
-    tool_call_id = None
-    if role == "tool":
-        tool_call_id = parse_tool_call_id(item.get("tool_call_id"), f"messages[{i}].tool_call_id")
-    elif item.get("tool_call_id") is not None:
-        raise bad_request(
-            f"messages[{i}].tool_call_id: only tool messages answer a tool call", f"messages[{i}].tool_call_id"
-        )
-    name = item.get("name")
-    if name is not None and not isinstance(name, str):
-        raise _fail_type(f"messages[{i}].name", "a string", name)
-    content = item.get("content")
-    return Message(role, _content(content, i), tool_calls, tool_call_id, name, content is None)
-
-
 def parse_chat(body: Any) -> ApiRequest:
     """POST /v1/chat/completions."""
     if not isinstance(body, dict):
@@ -440,7 +344,7 @@ def parse_chat(body: Any) -> ApiRequest:
     top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    api = _common(body, "chat", "", _messages(body), max_tokens or 0, logprobs, top)
+    api = _common(body, "chat", "", parse_messages(body), max_tokens or 0, logprobs, top)
     tools = parse_tool_request(body)
     check_one_constraint(body, api.structured, tools)
     return replace(api, tools=tools)

@@ -21,7 +21,8 @@ from aiohttp import web
 
 from gateway import api_errors
 from gateway.api_errors import ApiError
-from gateway.http_app import Gateway, Generation, _traced, read_body
+from gateway.generation import Generation
+from gateway.http_app import Gateway, _traced, read_body
 from gateway.openai_request import check_prompt_size
 from gateway.openai_response import UsageCount
 from gateway.responses_request import ResponsesRequest, parse_responses

@@ -26,7 +26,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from gateway import api_errors
-from gateway.openai_request import MAX_TOKEN_ID, _messages, check_text_size
+from gateway.chat_messages import parse_messages
+from gateway.openai_request import MAX_TOKEN_ID, check_text_size
 from gateway.tokens import GatewayTokenizer
 from gateway.tool_calls import parse_tool_request
 from hybridserve import __version__
@@ -102,7 +103,7 @@ async def tokenize(request: web.Request) -> web.Response:
             )
         add_generation = _flag(body, "add_generation_prompt", True)
         add_special = _flag(body, "add_special_tokens", False)
-        messages = _messages(body)
+        messages = parse_messages(body)
         tools = parse_tool_request({"tools": body.get("tools")})
         _check_size(request, [m.content for m in messages], "messages")
         tokens = await _off_loop(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.chat_messages import Message
 from gateway.chat_template import load_chat_template
-from gateway.openai_request import Message
 from gateway.tokens import GatewayTokenizer
 from gpu_worker.model.tokenizer import Tokenizer, load_tokenizer
 from hybridserve.tokenizer_files import special_tokens_disagreement

@@ -88,7 +88,7 @@ class LocalTokenizer:
         return self._tok.encode(text)
 
     def count_chat(self, messages: Sequence[dict[str, str]]) -> int:
-        from gateway.openai_request import Message
+        from gateway.chat_messages import Message
 
         if self._template is None:
             raise ValueError("the --tokenizer folder has no chat template: count chat prompts on the server")

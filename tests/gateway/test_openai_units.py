@@ -9,9 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.api_errors import ApiError
+from gateway.chat_messages import Message
 from gateway.chat_template import ChatTemplate, load_chat_template
 from gateway.convert import generate_requests
-from gateway.openai_request import Message, parse_chat, parse_completion
+from gateway.openai_request import parse_chat, parse_completion
 from gateway.openai_response import ChoiceState, UsageCount, final_body, openai_finish_reason, total_usage
 from hybridserve.auth import bearer_token, is_authorized, load_keys
 from hybridserve.v1 import generation_pb2 as pb
