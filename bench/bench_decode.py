@@ -18,7 +18,10 @@ unpacked (from 16 rows, F.linear below: the form before gpu_worker.model.backend
 Absolute times depend on the machine and its load; compare rows measured in one run.
 
     .venv/bin/python bench/bench_decode.py [--batches 8,32,64] [--steps 48] [--compile] [--scattered]
-        [--prompts 16..256] [--padded-attention] [--unpacked]
+        [--prompts 16..256] [--padded-attention] [--unpacked] [--no-floor]
+
+Each row also prints its step time as a multiple of this machine's floor for the step (bench/bench_roofline.py:
+the machine's one-thread gemv bandwidth and matmul rate, measured first; --no-floor skips it).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_roofline import floors  # noqa: E402  (bench/, this script's folder)
+from bench_roofline import measure as measure_machine  # noqa: E402
 
 from gpu_worker.model.attention import PagedAttention
 from gpu_worker.model.backends.cpu.decode_attention import DECODE_GROUP_BYTES, LONG_CONTEXT_TOKENS
@@ -169,6 +174,7 @@ def main() -> None:
     parser.add_argument("--prompts", default="16..256", help="prompt lengths LO..HI (tokens)")
     parser.add_argument("--padded-attention", action="store_true", help="also decode attention padded to the longest")
     parser.add_argument("--unpacked", action="store_true", help="also the projections' weights unpacked")
+    parser.add_argument("--no-floor", action="store_true", help="skip measuring the machine's floor (bench_roofline)")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.prompts.split(".."))
     keep_freed_memory()
@@ -195,7 +201,17 @@ def main() -> None:
         if args.unpacked:
             modes = tuple(m for mode in modes for m in (mode, f"{mode}/unpacked"))
         print(f"prompts {lo}..{hi} tokens")
-        print(f"{'batch':>6}{'mode':>20}" + "".join(f"{c:>10}" for c in cols) + f"{'tok/s':>9}")
+        machine = None
+        if not args.no_floor:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # the floor is one core's
+            machine = measure_machine(24, 512)
+            torch.set_num_threads(threads)
+        if machine is not None:
+            l3, dram, peak = machine.l3_bytes_per_s / 1e9, machine.dram_bytes_per_s / 1e9, machine.flops_per_s / 1e9
+            print(f"floor (bench/bench_roofline.py, one core): gemv {l3:.1f} GB/s from L3, {dram:.1f} GB/s from DRAM,"
+                  f" matmul {peak:.1f} GFLOP/s; x floor = step / the floor at the prompts' mean context")  # fmt: skip
+        print(f"{'batch':>6}{'mode':>20}" + "".join(f"{c:>10}" for c in cols) + f"{'tok/s':>9}{'x floor':>9}")
         for b in batches:
             runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for _ in range(args.repeats):  # interleaved, so a load spike hits both alike
@@ -208,7 +224,9 @@ def main() -> None:
             for mode in modes:
                 best = min(runs[mode], key=lambda r: r["step"])
                 row = "".join(f"{best.get(c, 0.0):>10.2f}" for c in cols)
-                print(f"{b:>6}{mode:>20}{row}{1000 * b / best['step']:>9.0f}")
+                floor_ms = None if machine is None else floors(SPEC, b, machine, (lo + hi) // 2).seconds * 1e3
+                times = "" if floor_ms is None else f"{best['step'] / floor_ms:>9.1f}"
+                print(f"{b:>6}{mode:>20}{row}{1000 * b / best['step']:>9.0f}{times}")
         print("forward includes inputs (built again inside it), mixers, norms and logits; mixers are timed by kind")
 
 
