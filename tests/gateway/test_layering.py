@@ -10,6 +10,7 @@ PURE = (
     "gateway.routing",
     "gateway.affinity",
     "gateway.openai_request",
+    "gateway.chat_messages",
     "gateway.api_errors",
     "hybridserve.auth",
     "gateway.structured",
