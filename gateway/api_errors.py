@@ -1,8 +1,11 @@
 """Errors of the OpenAI HTTP API: an HTTP status and OpenAI's body shape,
-`{"error": {"message", "type", "param", "code"}}`. Pure: no web framework here."""
+`{"error": {"message", "type", "param", "code"}}`, and the checks the body parsers share (a field's type,
+a number in range, UTF-8 text). Pure: no web framework here."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -89,3 +92,17 @@ def utf8_text(value: str, name: str) -> str:
             "invalid_value",
         ) from None
     return value
+
+
+def number_field(body: Mapping[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    """Field `name` of `body` as a float in [low, high] (or (low, high] with `low_open`); None when absent or
+    null; a 400 naming it otherwise."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise wrong_type(name, "a number", value)
+    if value < low or value > high or (low_open and value == low):
+        where = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+        raise bad_request(f"'{name}' must be in {where}, got {value}", name, "invalid_value")
+    return float(value)

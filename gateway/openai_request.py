@@ -7,12 +7,11 @@ OpenAI does not know are refused as OpenAI refuses them."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.api_errors import bad_request, unsupported, utf8_text, wrong_type
+from gateway.api_errors import bad_request, number_field, unsupported, utf8_text, wrong_type
 from gateway.chat_messages import Message, parse_messages
 from gateway.sampling_fields import CONTROL_FIELDS, SamplingControls, check_min_tokens, parse_controls
 from gateway.structured import FIELDS as STRUCTURED_FIELDS
@@ -136,17 +135,6 @@ def _int(body: Mapping[str, Any], name: str, default: int | None, low: int, high
     return value
 
 
-def _number(body: Mapping[str, Any], name: str, default: float | None, low: float, high: float) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise wrong_type(name, "a number", value)
-    if not low <= value <= high:
-        raise bad_request(f"'{name}' must be in [{low:g}, {high:g}], got {value}", name, "invalid_value")
-    return float(value)
-
-
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
@@ -247,8 +235,8 @@ def _common(
         prompt=prompt,
         messages=messages,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", None, 0.0, 2.0),
-        top_p=_number(body, "top_p", None, 0.0, 1.0),
+        temperature=number_field(body, "temperature", 0.0, 2.0),
+        top_p=number_field(body, "top_p", 0.0, 1.0),
         top_k=None if top_k is None else max(top_k, 0),
         seed=seed,
         stop=_stop(body),

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api_errors import bad_request, unsupported
+from gateway.api_errors import bad_request, unsupported, wrong_type
 from gateway.openai_request import ApiRequest, parse_chat
 from gateway.tool_calls import parse_tool, parse_tool_request
 
@@ -55,10 +55,6 @@ class ResponsesRequest:
     echo: dict[str, Any]  # request fields the response object repeats (instructions, tools, tool_choice, ...)
 
 
-def _fail_type(name: str, expected: str, value: Any) -> Exception:
-    return bad_request(f"'{name}' must be {expected}, got {type(value).__name__} {value!r:.60}", name, "invalid_type")
-
-
 def _check_fields(body: Mapping[str, Any]) -> None:
     for name, value in body.items():
         if name in _FIELDS or value is None:
@@ -81,15 +77,15 @@ def _text_of(content: Any, field: str, part_types: tuple[str, ...]) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _fail_type(field, "a string or a list of content parts", content)
+        raise wrong_type(field, "a string or a list of content parts", content)
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise _fail_type(f"{field}[{j}]", "a content part ({'type': 'input_text', 'text': ...})", part)
+            raise wrong_type(f"{field}[{j}]", "a content part ({'type': 'input_text', 'text': ...})", part)
         if part["type"] not in part_types:
             raise unsupported(f"{field}[{j}] of type '{part['type']}'", "only text parts are served")
         if not isinstance(part.get("text"), str):
-            raise _fail_type(f"{field}[{j}].text", "a string", part.get("text"))
+            raise wrong_type(f"{field}[{j}].text", "a string", part.get("text"))
         texts.append(part["text"])
     return "".join(texts)
 
@@ -97,7 +93,7 @@ def _text_of(content: Any, field: str, part_types: tuple[str, ...]) -> str:
 def _string(item: Mapping[str, Any], key: str, field: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or (key != "arguments" and not value):
-        raise _fail_type(f"{field}.{key}", "a non-empty string" if key != "arguments" else "a string", value)
+        raise wrong_type(f"{field}.{key}", "a non-empty string" if key != "arguments" else "a string", value)
     return value
 
 
@@ -107,12 +103,12 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise _fail_type("input", "a string or a non-empty list of input items", value)
+        raise wrong_type("input", "a string or a non-empty list of input items", value)
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         field = f"input[{i}]"
         if not isinstance(item, dict):
-            raise _fail_type(field, "an object", item)
+            raise wrong_type(field, "an object", item)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -156,7 +152,7 @@ def _chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
-        raise _fail_type("tools", "a list of tools", raw)
+        raise wrong_type("tools", "a list of tools", raw)
     out = []
     for i, item in enumerate(raw):
         tool = parse_tool(item, f"tools[{i}]", flat=True)
@@ -183,7 +179,7 @@ def parse_responses(body: Any) -> ResponsesRequest:
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise _fail_type("instructions", "a string", instructions)
+            raise wrong_type("instructions", "a string", instructions)
         messages.insert(0, {"role": "system", "content": instructions})
     max_output = body.get("max_output_tokens")
     if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
@@ -205,7 +201,7 @@ def parse_responses(body: Any) -> ResponsesRequest:
     api = parse_chat(chat)
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise _fail_type("metadata", "an object", metadata)
+        raise wrong_type("metadata", "an object", metadata)
     echo = {
         "instructions": instructions,
         "max_output_tokens": max_output,

@@ -9,12 +9,11 @@ token ids written as strings (OpenAI's JSON shape), min_tokens >= 0."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway.api_errors import bad_request
+from gateway.api_errors import bad_request, number_field
 
 if TYPE_CHECKING:  # pure at run time: the message is only written to (gateway/test_layering.py)
     from hybridserve.v1 import generation_pb2 as pb
@@ -49,18 +48,6 @@ class SamplingControls:
     stop_token_ids: tuple[int, ...] = ()
 
 
-def _number(body: Mapping[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad_request(f"'{name}' must be a number, got {type(value).__name__} {value!r:.60}", name, "invalid_type")
-    if value < low or value > high or (low_open and value == low):
-        where = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
-        raise bad_request(f"'{name}' must be in {where}, got {value}", name, "invalid_value")
-    return float(value)
-
-
 def _token_id(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_TOKEN_ID:
         raise bad_request(f"'{name}' must hold token ids (integers >= 0), got {value!r:.60}", name, "invalid_value")
@@ -84,7 +71,7 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
                 "invalid_value",
             )  # fmt: skip
         token = _token_id(int(text), "logit_bias")
-        value = _number({"logit_bias": bias}, "logit_bias", -100.0, 100.0)
+        value = number_field({"logit_bias": bias}, "logit_bias", -100.0, 100.0)
         if value is None:
             raise bad_request(f"'logit_bias' of token {token} must be a number, got null", "logit_bias")
         out[token] = value
@@ -114,10 +101,10 @@ def _min_tokens(body: Mapping[str, Any]) -> int:
 def parse_controls(body: Mapping[str, Any]) -> SamplingControls:
     """The controls of a request body (fields absent or null are off)."""
     return SamplingControls(
-        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
-        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
-        repetition_penalty=_number(body, "repetition_penalty", 0.0, 1e9, low_open=True),
-        min_p=_number(body, "min_p", 0.0, 1.0) or 0.0,
+        presence_penalty=number_field(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=number_field(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        repetition_penalty=number_field(body, "repetition_penalty", 0.0, 1e9, low_open=True),
+        min_p=number_field(body, "min_p", 0.0, 1.0) or 0.0,
         logit_bias=_logit_bias(body),
         min_tokens=_min_tokens(body),
         stop_token_ids=_stop_token_ids(body),

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api_errors import bad_request
+from gateway.api_errors import bad_request, wrong_type
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names
 CHOICE_MODES = ("none", "auto", "required")
@@ -97,10 +97,6 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _fail_type(name: str, expected: str, value: Any) -> Exception:
-    return bad_request(f"'{name}' must be {expected}, got {type(value).__name__} {value!r:.60}", name, "invalid_type")
-
-
 def _name(value: Any, field: str) -> str:
     if not isinstance(value, str) or not TOOL_NAME.match(value):
         raise bad_request(
@@ -115,7 +111,7 @@ def parse_tool(item: Any, field: str, flat: bool = False) -> ToolSpec:
     """One tool definition: chat's {"type": "function", "function": {...}}, or with `flat` the Responses
     API's {"type": "function", "name", "parameters", ...}."""
     if not isinstance(item, dict):
-        raise _fail_type(field, "an object", item)
+        raise wrong_type(field, "an object", item)
     if item.get("type") != "function":
         raise bad_request(
             f"'{field}.type' must be 'function' (the only tool type served), got {item.get('type')!r:.40}",
@@ -129,7 +125,7 @@ def parse_tool(item: Any, field: str, flat: bool = False) -> ToolSpec:
     else:
         function, prefix = item.get("function"), f"{field}.function"
         if not isinstance(function, dict):
-            raise _fail_type(prefix, "an object with the function's 'name'", function)
+            raise wrong_type(prefix, "an object with the function's 'name'", function)
         known = {"name", "description", "parameters", "strict"}
         if extra := sorted(set(item) - {"type", "function"}):
             raise bad_request(f"'{field}.{extra[0]}' is not a tool field", f"{field}.{extra[0]}", "unknown_parameter")
@@ -138,12 +134,12 @@ def parse_tool(item: Any, field: str, flat: bool = False) -> ToolSpec:
     name = _name(function.get("name"), f"{prefix}.name")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
-        raise _fail_type(f"{prefix}.description", "a string", description)
+        raise wrong_type(f"{prefix}.description", "a string", description)
     parameters = function.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise _fail_type(f"{prefix}.parameters", "a JSON Schema object", parameters)
+        raise wrong_type(f"{prefix}.parameters", "a JSON Schema object", parameters)
     if parameters.get("type", "object") != "object":
         raise bad_request(
             f"'{prefix}.parameters' must be a schema of type 'object' (arguments are a JSON object)",
@@ -152,7 +148,7 @@ def parse_tool(item: Any, field: str, flat: bool = False) -> ToolSpec:
         )
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise _fail_type(f"{prefix}.strict", "a boolean", strict)
+        raise wrong_type(f"{prefix}.strict", "a boolean", strict)
     return ToolSpec(name, description, json.dumps(parameters, ensure_ascii=False), strict)
 
 
@@ -170,11 +166,11 @@ def _choice(value: Any, names: set[str], flat: bool) -> tuple[str, str | None]:
             raise bad_request(f"'tool_choice' is '{value}' but the request has no 'tools'", "tool_choice")
         return value, None
     if not isinstance(value, dict) or value.get("type") != "function":
-        raise _fail_type("tool_choice", "a string or {'type': 'function', ...}", value)
+        raise wrong_type("tool_choice", "a string or {'type': 'function', ...}", value)
     holder = value if flat else value.get("function")
     field = "tool_choice.name" if flat else "tool_choice.function.name"
     if not isinstance(holder, dict):
-        raise _fail_type("tool_choice.function", "an object with the function's 'name'", holder)
+        raise wrong_type("tool_choice.function", "an object with the function's 'name'", holder)
     name = _name(holder.get("name"), field)
     if not names:
         raise bad_request(f"'tool_choice' names the function '{name}' but the request has no 'tools'", "tool_choice")
@@ -192,7 +188,7 @@ def parse_tool_request(body: Mapping[str, Any], flat: bool = False) -> ToolReque
     None when the request has no tools and no tool_choice that asks for one."""
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
-        raise _fail_type("tools", "a list of tools", raw)
+        raise wrong_type("tools", "a list of tools", raw)
     tools = tuple(parse_tool(item, f"tools[{i}]", flat) for i, item in enumerate(raw or []))
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
@@ -201,7 +197,7 @@ def parse_tool_request(body: Mapping[str, Any], flat: bool = False) -> ToolReque
     choice, function_name = _choice(body.get("tool_choice"), set(names), flat)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise _fail_type("parallel_tool_calls", "a boolean", parallel)
+        raise wrong_type("parallel_tool_calls", "a boolean", parallel)
     if not tools:
         return None
     return ToolRequest(tools, choice, function_name, True if parallel is None else parallel)
@@ -210,24 +206,24 @@ def parse_tool_request(body: Mapping[str, Any], flat: bool = False) -> ToolReque
 def parse_message_tool_calls(value: Any, field: str) -> tuple[ToolCall, ...]:
     """An assistant message's `tool_calls`."""
     if not isinstance(value, list):
-        raise _fail_type(field, "a list of tool calls", value)
+        raise wrong_type(field, "a list of tool calls", value)
     calls = []
     for i, call in enumerate(value):
         where = f"{field}[{i}]"
         if not isinstance(call, dict):
-            raise _fail_type(where, "an object", call)
+            raise wrong_type(where, "an object", call)
         if call.get("type", "function") != "function":
             raise bad_request(f"'{where}.type' must be 'function'", f"{where}.type", "invalid_value")
         call_id = call.get("id")
         if not isinstance(call_id, str) or not call_id:
-            raise _fail_type(f"{where}.id", "a non-empty string", call_id)
+            raise wrong_type(f"{where}.id", "a non-empty string", call_id)
         function = call.get("function")
         if not isinstance(function, dict):
-            raise _fail_type(f"{where}.function", "an object with 'name' and 'arguments'", function)
+            raise wrong_type(f"{where}.function", "an object with 'name' and 'arguments'", function)
         name = _name(function.get("name"), f"{where}.function.name")
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, str):
-            raise _fail_type(f"{where}.function.arguments", "a string of JSON", arguments)
+            raise wrong_type(f"{where}.function.arguments", "a string of JSON", arguments)
         calls.append(ToolCall(call_id, name, arguments))
     return tuple(calls)
 
@@ -238,5 +234,5 @@ def parse_tool_call_id(value: Any, field: str) -> str:
             f"'{field}' is required: a tool message answers the tool call of that id", field, "missing_required"
         )
     if not isinstance(value, str) or not value:
-        raise _fail_type(field, "a non-empty string", value)
+        raise wrong_type(field, "a non-empty string", value)
     return value
