@@ -13,10 +13,8 @@ raw distribution (log_softmax of the unmodified logits), for the chosen token an
 
 The penalties and min_tokens read per-request state that outlives a step (gpu_worker.runner.history).
 
-The random stream is counter-based: a seeded request's draw for the token at position p (the number of
-tokens before it, prompt included) uses a generator seeded with `stream_key(seed, p)`, so a request
-samples the same tokens whatever process, batch or step it lands in, and after a preemption. Unseeded
-requests draw from the process's global generator.
+Seeded draws take a counter-based random stream keyed by (seed, position) (gpu_worker.runner.random_stream);
+unseeded requests draw from the process's global generator.
 
 Structured outputs add one step before the pipeline: a row a grammar constrains comes with its token mask
 (gpu_worker.runner.token_masks: built by the engine's matcher while the forward ran), and the tokens it
@@ -37,13 +35,13 @@ import numpy as np
 import torch
 
 from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.random_stream import STREAMS
 from gpu_worker.runner.token_masks import TokenMasks, disallowed_tokens, mask_rows_, outside_masks
 from hybridserve.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from gpu_worker.runner.history import HistoryTables, TokenHistory
 
-_MASK64 = (1 << 64) - 1
 MAX_LOGIT_BIAS_TOKENS = 1024  # logit_bias entries one request may have (the step tables' width)
 MAX_HELD_TOKENS = 80  # held_token_ids: stop_token_ids (at most 64, admission) and the EOS ids
 
@@ -115,35 +113,6 @@ class SamplingParams:
 
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token_id, logprob), best first
-
-
-def _splitmix64(x: int) -> int:
-    """SplitMix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def stream_key(seed: int, position: int) -> int:
-    """The generator seed of a seeded request's draw at `position`: a function of (seed, position) alone."""
-    return _splitmix64((seed & _MASK64) ^ _splitmix64(position))
-
-
-class _Streams:
-    """One reusable generator per device, reseeded for each seeded draw (building one costs more)."""
-
-    def __init__(self) -> None:
-        self._generators: dict[torch.device, torch.Generator] = {}
-
-    def at(self, device: torch.device, seed: int, position: int) -> torch.Generator:
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = self._generators[device] = torch.Generator(device=device)
-        return generator.manual_seed(stream_key(seed, position))
-
-
-_STREAMS = _Streams()
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,13 +355,16 @@ def sample_rows(
     work = logits  # the logits the tokens are chosen from (written in place from here on)
     vocab = logits.shape[-1]
     check: list[int] = []  # indices into masked_rows whose choice is checked against the mask after it
+    words: np.ndarray[Any, Any] = np.empty((0, 0), np.int32)
     if masked_rows:  # the mask step: first, before every control, filter and the argmax (see below)
         assert bitmask is not None and bitmask.shape[0] == len(masked_rows)
+        words = bitmask.to("cpu", torch.int32).numpy()  # [masked, words]: the bit tests and the sparse choices
         param_of = dict(zip(rows, params, strict=True))
-        first = [j for j, r in enumerate(masked_rows) if r in param_of and _has_filters(param_of[r], vocab)]
+        filtered = [r in param_of and _has_filters(param_of[r], vocab) for r in masked_rows]
+        first = [j for j, f in enumerate(filtered) if f]
         if first:
             mask_rows_(work, [masked_rows[j] for j in first], bitmask[first])
-        check = [j for j in range(len(masked_rows)) if j not in set(first)]
+        check = [j for j, f in enumerate(filtered) if not f]
     controlled = [j for j, p in enumerate(params) if p.has_controls]
     if controlled:  # the controls write into their rows of `work`, in place
         with_history = [j for j in controlled if params[j].needs_history]
@@ -414,7 +386,7 @@ def sample_rows(
             noise.exponential_()  # the unseeded rows' draws, from this process's generator, in one call
         for j, (_, p, pos) in enumerate(random):
             if p.seed is not None:
-                noise[j].exponential_(generator=_STREAMS.at(logits.device, p.seed, pos))
+                noise[j].exponential_(generator=STREAMS.at(logits.device, p.seed, pos))
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
         chosen[index] = (probs / noise).argmax(dim=-1)
     if check:
@@ -422,12 +394,10 @@ def sample_rows(
         # allows, it is the masked choice too (the first maximum among all tokens is the first among the
         # allowed ones; the race's winner over all tokens wins over the allowed ones, with the same noise,
         # as a row's normalisation does not change its argmax). The others choose again, masked.
-        assert bitmask is not None
-        outside = outside_masks(chosen, [masked_rows[j] for j in check], bitmask[check])
+        outside = outside_masks(chosen, [masked_rows[j] for j in check], words[check])
         redo = [j for j, out in zip(check, outside, strict=True) if out]
         if redo:
             drawn = {i: (k, p) for k, (i, p, _) in enumerate(random)}
-            words = bitmask.to("cpu", torch.int32).numpy()
             for j in redo:
                 row = masked_rows[j]
                 chosen[row] = _choose_masked(work[row], words[j], drawn.get(row), noise)

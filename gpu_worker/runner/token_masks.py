@@ -78,9 +78,8 @@ def apply_token_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.
     return masked
 
 
-def outside_masks(chosen: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> list[bool]:
-    """Whether each masked row's chosen token (`chosen[rows[j]]`) is one its mask disallows."""
-    words = bitmask.to("cpu", torch.int32).numpy()
+def outside_masks(chosen: torch.Tensor, rows: Sequence[int], words: np.ndarray[Any, Any]) -> list[bool]:
+    """Whether each masked row's chosen token (`chosen[rows[j]]`) is one its mask (`words[j]`, int32) disallows."""
     tokens = chosen[list(rows)].cpu().numpy().astype(np.int64)
     inside = tokens // 32 < words.shape[1]
     word = words[np.arange(len(rows)), np.minimum(tokens // 32, words.shape[1] - 1)].astype(np.int64)

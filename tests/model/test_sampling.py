@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.runner.sampling import SamplingParams, sample, sample_rows, stream_key
+from gpu_worker.runner.random_stream import stream_key
+from gpu_worker.runner.sampling import SamplingParams, sample, sample_rows
 from hybridserve.errors import InvalidArgumentError
 
 CPU = torch.device("cpu")
