@@ -8,7 +8,9 @@ prefills prompts of 16..256 tokens, then times decode steps (greedy), split into
     logits   the LM head on the last rows
     sample   greedy sampling and the device -> list copy
 With --compile the same steps also run with the Mamba decode step compiled (gpu_worker.model.
-compiled_decode), interleaved with the eager runs; with --scattered the sequences hold every other
+compiled_decode), interleaved with the eager runs; with --compile-step also as whole compiled decode steps
+(gpu_worker.model.backends.cpu.compiled_step: one program per batch size, each batch its own bucket; the
+per-kind columns are then empty, the program has no per-layer timers); with --scattered the sequences hold every other
 state slot (not one contiguous run); --prompts 1000..3000 sets the prompt lengths (long contexts);
 --padded-attention also runs every mode with decode attention batched over pages padded to the longest
 context for every sequence in one call (the form before gpu_worker.model.backends.cpu.decode_attention's per-sequence
@@ -17,7 +19,7 @@ unpacked (from 16 rows, F.linear below: the form before gpu_worker.model.backend
 "/unpacked".
 Absolute times depend on the machine and its load; compare rows measured in one run.
 
-    .venv/bin/python bench/bench_decode.py [--batches 8,32,64] [--steps 48] [--compile] [--scattered]
+    .venv/bin/python bench/bench_decode.py [--batches 8,32,64] [--steps 48] [--compile] [--compile-step] [--scattered]
         [--prompts 16..256] [--padded-attention] [--unpacked] [--no-floor]
 
 Each row also prints its step time as a multiple of this machine's floor for the step (bench/bench_roofline.py:
@@ -170,6 +172,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per batch size")
     parser.add_argument("--compile", action="store_true", help="also the compiled Mamba step, interleaved")
+    parser.add_argument("--compile-step", action="store_true", help="also whole compiled decode steps, interleaved")
     parser.add_argument("--scattered", action="store_true", help="every other state slot (gathered state rows)")
     parser.add_argument("--prompts", default="16..256", help="prompt lengths LO..HI (tokens)")
     parser.add_argument("--padded-attention", action="store_true", help="also decode attention padded to the longest")
@@ -184,18 +187,25 @@ def main() -> None:
         kv_bytes = 2 * 2048 * max(batches) * (hi + args.steps + 64)  # the tiny model's K+V per token, with slack
         config = RunnerConfig(
             max_num_seqs=2 * max(batches), num_checkpoint_slots=0, decode_compile="on" if args.compile else "off",
+            compile_step_sizes=",".join(map(str, batches)) if args.compile_step else "",
             memory_budget_bytes=max(256 << 20, kv_bytes + (128 << 20)),
         )  # fmt: skip
         t0 = time.perf_counter()
         runner = ModelRunner.from_model_dir(path, config)
         if runner.decode_compiler is not None:
             runner.decode_compiler.wait()
+        programs = runner.decode_steps
+        if programs is not None:
+            runner.warm_up()  # compiles every batch size's program
+            assert programs.status == "ready", programs.status
         print(f"runner ready in {time.perf_counter() - t0:.1f} s; {runner.describe()}")
         print(f"threads {torch.get_num_threads()}; ms per decode step (best of {args.repeats} x {args.steps} steps)")
         clock = Clock()
         instrument(runner, clock)
         cols = ("step", "inputs", "forward", "mamba", "attention", "mlp", "logits", "sample")
         modes = ("eager", "compiled") if args.compile else ("eager",)
+        if args.compile_step:
+            modes = (*modes, "step")
         if args.padded_attention:
             modes = tuple(m for mode in modes for m in (mode, f"{mode}/pad"))
         if args.unpacked:
@@ -217,7 +227,8 @@ def main() -> None:
             for _ in range(args.repeats):  # interleaved, so a load spike hits both alike
                 for mode in modes:
                     if args.compile:
-                        set_compiled(runner, mode.startswith("compiled"))
+                        set_compiled(runner, mode.startswith("compiled") or mode == "step")
+                    runner.decode_steps = programs if mode == "step" else None
                     set_padded_attention(runner, "/pad" in mode)
                     set_packed(runner, "/unpacked" not in mode)
                     runs[mode].append(run_batch(runner, clock, b, args.steps, args.scattered, (lo, hi)))

@@ -1,7 +1,7 @@
 """hybridserve vs vLLM's CPU build, side by side on the same checkpoint (a random Granite-4.0-H of the
 benchmark size by default: hidden 256, 8 layers, attention at layers 3 and 7, 8 Mamba heads of 64,
-d_state 64, dense MLP 512, vocab 512; vLLM dropped Bamba after v0.23). Both run float32 on CPU without
-prefix caching. In one run:
+d_state 64, dense MLP 512, vocab 512; vLLM dropped Bamba after v0.23; --preset picks a 100k-vocabulary or
+a ~1 GB one instead). Both run float32 on CPU (or both --dtype bfloat16) without prefix caching. In one run:
 
 1. greedy tokens compared first: vLLM's offline engine vs hybridserve's worker (token-id prompts,
    EOS ignored);
@@ -20,7 +20,7 @@ Only ratios measured in one run mean anything.
 
     .venv/bin/python bench/bench_vs_vllm.py [--vllm-python PATH] [--clients 1,8,32]
         [--mixes 16-256,1000-3000] [--rounds 3] [--max-tokens 64] [--families granitemoehybrid[,...]] [--skip-http]
-        [--decode-compile auto|on|off]
+        [--decode-compile auto|on|off] [--preset today|100k|1gb] [--dtype float32|bfloat16]
 
 vLLM lives in its own virtual environment, never in the project's (found by --vllm-python, else
 $HYBRIDSERVE_VLLM_PYTHON, else ~/.cache/hybridserve/vllm-venv/bin/python):
@@ -54,6 +54,10 @@ if TYPE_CHECKING:
     from http_load import HttpSummary
 
 VLLM_PYTHON_ENV = "HYBRIDSERVE_VLLM_PYTHON"
+# --preset: (hidden size, layers, vocab) of the benchmark model's shape at three sizes: today's (6.3M
+# parameters, 25 MB in float32), a 100k vocabulary as real checkpoints have (Granite-4.0-H: 100,352;
+# 131M parameters, 0.52 GB) and about a gigabyte (300M parameters, 1.20 GB)
+PRESETS = {"today": (256, 8, 512), "100k": (768, 8, 100352), "1gb": (1024, 16, 100352)}
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "hybridserve" / "vllm-venv" / "bin" / "python"
 VLLM_TIMEOUT_S = 1800.0
 
@@ -66,7 +70,7 @@ def vllm_side(job_path: str) -> None:
 
     t0 = time.perf_counter()
     llm = LLM(
-        model=job["model"], dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
+        model=job["model"], dtype=job.get("dtype", "float32"), skip_tokenizer_init=True, enforce_eager=True, seed=0,
         max_model_len=job["max_model_len"], max_num_seqs=len(job["prompts"]), enable_prefix_caching=False,
     )  # fmt: skip
     load_s = time.perf_counter() - t0
@@ -87,11 +91,13 @@ def find_vllm_python(flag: str | None) -> Path | None:
     return None
 
 
-def run_vllm(python: Path, model: Path, prompts: list[list[int]], max_tokens: int, log: Path) -> dict[str, Any]:
+def run_vllm(
+    python: Path, model: Path, prompts: list[list[int]], max_tokens: int, log: Path, dtype: str = "float32"
+) -> dict[str, Any]:
     job = model.parent / f"{model.name}-vllm-job.json"
     max_len = max(len(p) for p in prompts) + max_tokens
     job.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
-                               "max_model_len": max_len}))  # fmt: skip
+                               "max_model_len": max_len, "dtype": dtype}))  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with log.open("w") as out:
         done = subprocess.run([str(python), __file__, "--vllm-side", str(job)], stdout=out, stderr=subprocess.STDOUT,
@@ -142,14 +148,16 @@ def compare(ours: list[list[int]], theirs: list[list[int]]) -> str:
     return text
 
 
-def start_vllm_server(python: Path, model: Path, max_len: int, max_seqs: int) -> tuple[Any, str]:
+def start_vllm_server(
+    python: Path, model: Path, max_len: int, max_seqs: int, dtype: str = "float32"
+) -> tuple[Any, str]:
     from http_load import wait_http_ready
 
     from hybridserve.children import Child, free_port
 
     port = free_port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager",
+               "--port", str(port), "--dtype", dtype, "--skip-tokenizer-init", "--enforce-eager",
                "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs), "--no-enable-prefix-caching",
                "--served-model-name", SERVED_NAME, "--seed", "0"]  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": str(SERVER_CACHE_MB // 1024), "TOKENIZERS_PARALLELISM": "false"}
@@ -168,7 +176,8 @@ def offline_and_tokens(label: str, args: argparse.Namespace, vllm: Path, model: 
     lo, hi = (int(x) for x in args.mixes.split(",")[0].split("-"))
     prompts = make_prompts(args.requests, lo, hi, args.vocab_size, seed=args.seed)
     try:
-        theirs: dict[str, Any] | None = run_vllm(vllm, model, prompts, args.max_tokens, tmp / f"{label}-vllm.log")
+        log = tmp / f"{label}-vllm.log"
+        theirs: dict[str, Any] | None = run_vllm(vllm, model, prompts, args.max_tokens, log, args.dtype)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"vLLM could not serve it: {exc}", flush=True)
         theirs = None
@@ -262,7 +271,7 @@ def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: st
         max(max_seqs, args.requests),
         args.decode_compile,
         args.workers,
-        tuple(shlex.split(args.worker_args)),
+        ("--dtype", args.dtype, *shlex.split(args.worker_args)),
     )
     server = None
     try:
@@ -270,7 +279,7 @@ def bench_family(label: str, args: argparse.Namespace, vllm: Path, scheduler: st
         if not http:
             return
         max_len = max(int(m.split("-")[1]) for m in args.mixes.split(",")) + args.max_tokens
-        server, url = start_vllm_server(vllm, model, max_len, max_seqs)
+        server, url = start_vllm_server(vllm, model, max_len, max_seqs, args.dtype)
         http_table(args, gateway, url, [server.pid, *(s.child.pid for s in stack.services)])
     finally:
         if server is not None:
@@ -301,13 +310,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--worker-args", default="", help="our side: more worker flags, e.g. --worker-args='--model-processes 2'"
     )
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a model size (sets hidden size, layers, vocab): "
+                        + "; ".join(f"{k} {v[0]}/{v[1]}/{v[2]}" for k, v in PRESETS.items()))  # fmt: skip
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both sides' weights")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--init-std", type=float, default=0.06, help="weight init std (large enough for varied tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-side", metavar="JOB", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.preset:
+        args.hidden_size, args.layers, args.vocab_size = PRESETS[args.preset]
+    return args
 
 
 def main() -> int:

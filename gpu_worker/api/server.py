@@ -118,6 +118,11 @@ FLAGS = {
         "torch.compile the Mamba decode step on CPU at start-up (readiness waits for it unless"
         " --serve-while-warming): auto (when a C++ compiler is found) | on | off"
     ),
+    "compile_step_sizes": Flag(
+        "on CPU, compile whole decode steps (embedding to logits, every layer) for these batch sizes at start-up,"
+        " one program each; a step of n rows runs in the smallest size >= n, others eagerly: auto (1,2,4,8,16,32"
+        " up to --max-num-seqs) | off | comma-separated sizes"
+    ),
     "model_process": Flag(
         "run the model in a process of its own beside the worker, the pools in memory both map (the forward"
         " then never waits for the worker's threads): auto (on CPU) | on | off"
@@ -175,7 +180,7 @@ ENGINE_FIELDS = (
 RUNNER_FIELDS = (
     "memory_budget_bytes", "gpu_memory_utilization", "num_checkpoint_slots", "checkpoint_memory_bytes", "device",
     "dtype", "cpu_threads",
-    "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "model_process",
+    "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "compile_step_sizes", "model_process",
     "model_process_min_rows", "model_processes", "model_process_split_min_tokens", "model_process_lone_threads",
     "cpu_warm_rows",
 )  # fmt: skip  # the rest follow the config

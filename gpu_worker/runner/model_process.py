@@ -184,7 +184,9 @@ class ProcessRunner(RunnerFacts):
         self.min_rows = config.model_process_min_rows
         self._local: ModelRunner | None = None
         if self.min_rows > 0:  # small steps here, eagerly, on one thread, over the same pools
-            local_config = replace(config, cpu_threads=1, cpu_prefill_threads=0, decode_compile="off")
+            local_config = replace(
+                config, cpu_threads=1, cpu_prefill_threads=0, decode_compile="off", compile_step_sizes=""
+            )
             self._local = ModelRunner(loaded, local_config, pools=(self.kv_pool, self.state_pool))
         else:
             _strip_weights(loaded.model)  # the children map the shared copy

@@ -22,6 +22,7 @@ import torch
 
 from gpu_worker.model.backends import kernel_backend
 from gpu_worker.model.backends.cpu.compiled_decode import DecodeCompiler, can_compile
+from gpu_worker.model.backends.cpu.compiled_step import CompiledDecodeSteps, parse_buckets
 from gpu_worker.model.backends.cpu.linear import use_onednn_linears, warm_onednn_linears
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.context import ForwardContext
@@ -219,6 +220,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         self._graphs_s = 0.0  # the CUDA graph capture's seconds
         self.decode_graphs = self._capture_decode_graphs()
         self.decode_compiler = self._start_decode_compile()
+        self.decode_steps = self._decode_steps()
 
     def _warm_linears(self, max_rows: int, max_num_seqs: int) -> None:
         started = time.perf_counter()
@@ -245,6 +247,8 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             self.decode_compiler.wait()
             self.decode_compiler.attach_if_ready()
             compile_s = self.decode_compiler.seconds
+        if self.decode_steps is not None:
+            compile_s += self._compile_decode_steps(self.decode_steps, steps)
         started = time.perf_counter()
         for batch in steps:
             self.forward(batch)
@@ -264,6 +268,27 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         compiler = DecodeCompiler(self.model, self._states)
         compiler.start()
         return compiler
+
+    def _decode_steps(self) -> CompiledDecodeSteps | None:
+        """Whole decode steps compiled per batch-size bucket (CPU only; see compiled_step), compiled by
+        the warm-up."""
+        buckets = parse_buckets(self.runner_config.compile_step_sizes, self.runner_config.max_num_seqs)
+        if not buckets or self.device.type != "cpu" or not can_compile(self.device):
+            return None
+        return CompiledDecodeSteps(self.model, self._kv_caches, self._states, self.kv_page_size_tokens, buckets)
+
+    @torch.inference_mode()
+    def _compile_decode_steps(self, programs: CompiledDecodeSteps, steps: tuple[Batch, ...]) -> float:
+        """Compile every bucket on the warm-up's first decode step's first row (scratch state and pages);
+        returns the seconds it took."""
+        scratch = next((b for b in steps if all(len(s.token_ids) == 1 for s in b.sequences)), None)
+        if scratch is None:
+            programs.status = "failed: no scratch decode step to compile on"
+            return 0.0
+        one = Batch(scratch.sequences[:1])
+        packed = build_inputs(one, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
+        programs.compile_all(packed.ctx, packed.input_ids)
+        return programs.seconds
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, only on CUDA with the kernels attached (see cuda_graphs)."""
@@ -316,6 +341,11 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             self.state_pool.zero_slots(packed.fresh_slots)
         if self.step_threads is not None:
             self.step_threads.for_step(len(packed.input_ids), batch.num_prefill_tokens)
+        if self.decode_steps is not None and not packed.ctx.prefills and not scoring and not batch.return_all_logits:
+            compiled = self.decode_steps.run(packed.ctx, packed.input_ids)  # None: no bucket holds it
+            if compiled is not None:
+                self._save_checkpoints(batch)
+                return ForwardOutput(logits=compiled.index_select(0, packed.last_index))
         hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]
         logits_of = self.model.compute_logits
         self._save_checkpoints(batch)
@@ -361,6 +391,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             "kernels": kernel_backend(self.model),
             **graphs,
             "decode_compile": self.decode_compiler.status if self.decode_compiler is not None else "off",
+            **(self.decode_steps.describe() if self.decode_steps is not None else {"compile_step": "off"}),
             "device": str(self.device),
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_bytes_per_token,

@@ -35,6 +35,10 @@ class RunnerConfig:
     # torch.compile the Mamba decode step on CPU, in the background at start-up (eager until it is ready):
     # auto = when a C++ compiler is found | on | off (gpu_worker.model.backends.cpu.compiled_decode)
     decode_compile: str = "off"
+    # on CPU, compile whole decode steps (embedding to logits) for these batch sizes at start-up, one program
+    # per size; a step of n rows runs in the smallest size >= n (gpu_worker.model.backends.cpu.compiled_step):
+    # "" / "off" = none | "auto" = 1,2,4,8,16,32 up to max_num_seqs | "1,2,4,..."
+    compile_step_sizes: str = ""
     # run the forward in a child process beside the worker (gpu_worker.runner.model_process): auto = on CPU
     # (Linux), never on CUDA | on | off
     model_process: str = "off"
@@ -84,6 +88,9 @@ class RunnerConfig:
             raise InvalidArgumentError(
                 f"decode_compile must be one of {', '.join(DECODE_COMPILE_MODES)}, got {self.decode_compile!r}"
             )
+        from gpu_worker.model.backends.cpu.compiled_step import parse_buckets
+
+        parse_buckets(self.compile_step_sizes, self.max_num_seqs)  # raises on a malformed list
         if self.model_process not in DECODE_COMPILE_MODES:
             raise InvalidArgumentError(
                 f"model_process must be one of {', '.join(DECODE_COMPILE_MODES)}, got {self.model_process!r}"

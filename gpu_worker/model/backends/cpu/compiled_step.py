@@ -1,0 +1,137 @@
+"""Whole decode steps compiled on CPU, one program per batch-size bucket (what CUDA graphs are on a GPU).
+
+`decode_program.decode_logits` (token ids to logits through every layer) is compiled by torch.compile
+(inductor's C++ backend) once per bucket, at start-up: the runner's warm-up calls `compile_all` on a
+scratch decode row, and the worker reports ready after it. Every later start reads inductor's on-disk
+cache (TORCHINDUCTOR_CACHE_DIR; the worker defaults it to ~/.cache/hybridserve/inductor) and compiles
+in seconds. Memory: one program per bucket, its buffers allocated per call.
+
+Shapes. A bucket's batch is static: a graph with a symbolic batch size ran 1.5-2.7x slower at 8 and 32
+rows than one specialised to them (inductor's loops lose their constant trip counts). A step of n rows
+runs in the smallest bucket b >= n, its first b - n rows repeating the first real row's inputs (token,
+position, KV write slot, state slot, page table): they compute what that row computes, and since the
+program writes the pools row after row, the real row's own values are written last. The page table's
+width is the one dynamic dimension (any context length, at least 2 pages wide: a width of 1 would be a
+graph of its own), and the extra pages of a padded width are masked like any key after the position.
+
+Steps the programs do not cover run the eager forward: a prefill or mixed step, all-position logits or
+prompt scores, more rows than the largest bucket. Calls run under the "eager_on_recompile" stance, so an
+input the warm-up did not foresee (a guard the warm-up did not satisfy) runs the program's Python
+eagerly instead of compiling on the serving path: it never waits for a compile.
+
+Sampling stays outside the programs (gpu_worker.runner.sampling runs on their logits)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from gpu_worker.model.backends.cpu.decode_program import decode_logits
+from gpu_worker.model.context import ForwardContext
+from gpu_worker.model.model import HybridForCausalLM, KVCaches, StateTensors
+from hybridserve.errors import InvalidArgumentError
+
+log = logging.getLogger("hybridserve.worker.compile")
+STANCE = "eager_on_recompile"
+MIN_PAGE_COLUMNS = 2  # the page table's width is dynamic from 2 (inductor specialises a size of 1)
+AUTO_BUCKETS = (1, 2, 4, 8)
+
+
+def parse_buckets(text: str, max_num_seqs: int) -> tuple[int, ...]:
+    """`--compile-step-sizes`: "" or "off" -> none; "auto" -> AUTO_BUCKETS up to max_num_seqs (and
+    max_num_seqs itself when smaller than 32); else comma-separated positive batch sizes."""
+    text = text.strip()
+    if text in ("", "off"):
+        return ()
+    if text == "auto":
+        return tuple(sorted({b for b in AUTO_BUCKETS if b < max_num_seqs} | {min(max_num_seqs, AUTO_BUCKETS[-1])}))
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise InvalidArgumentError(
+            f"compile_step_sizes must be 'auto', 'off' or comma-separated batch sizes, got {text!r}"
+        ) from None
+    if not sizes or sizes[0] < 1:
+        raise InvalidArgumentError(f"compile_step_sizes must be positive batch sizes, got {text!r}")
+    return tuple(sizes)
+
+
+class CompiledDecodeSteps:
+    """The per-bucket compiled decode programs of one model over one set of pools."""
+
+    def __init__(
+        self,
+        model: HybridForCausalLM,
+        kv_caches: KVCaches,
+        states: StateTensors,
+        page_size: int,
+        buckets: tuple[int, ...],
+    ) -> None:
+        self.model, self.kv_caches, self.states, self.page_size = model, kv_caches, states, page_size
+        self.buckets = tuple(sorted(buckets))
+        self._program: Callable[..., torch.Tensor] = torch.compile(decode_logits)
+        self.stance = STANCE  # tests use "fail_on_recompile" to prove the warm-up covers serving
+        self.status = "compiling"  # compiling | ready | failed: ...
+        self.seconds = 0.0
+
+    def bucket_for(self, num_rows: int) -> int | None:
+        """The smallest bucket of at least `num_rows` rows; None when the largest is smaller."""
+        return next((b for b in self.buckets if b >= num_rows), None)
+
+    def _inputs(self, ctx: ForwardContext, input_ids: torch.Tensor, bucket: int) -> tuple[torch.Tensor, ...]:
+        """The decode group padded to `bucket` rows (padding first, repeating row 0) and the page table to
+        at least MIN_PAGE_COLUMNS columns."""
+        n = ctx.num_decode
+        table = ctx.decode_page_table
+        if table.shape[1] < MIN_PAGE_COLUMNS:
+            table = torch.nn.functional.pad(table, (0, MIN_PAGE_COLUMNS - table.shape[1]))
+        columns = (input_ids, ctx.positions[:n], ctx.kv_write_slots[:n], ctx.decode_state_slots, table)
+        if bucket == n:
+            return columns
+        rows = torch.cat([torch.zeros(bucket - n, dtype=torch.int64), torch.arange(n)])
+        return tuple(t.index_select(0, rows) for t in columns)
+
+    def run(self, ctx: ForwardContext, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Logits [num_decode, vocab] (packed order) of a decode-only step through its bucket's program;
+        None when no bucket holds it (the caller runs the eager forward)."""
+        bucket = self.bucket_for(ctx.num_decode)
+        if bucket is None or self.status != "ready":
+            return None
+        ids, pos, write, slots, table = self._inputs(ctx, input_ids, bucket)
+        with torch.compiler.set_stance(self.stance):
+            logits = self._call(ids, pos, write, slots, table)
+        return logits[bucket - ctx.num_decode :]
+
+    def compile_all(self, ctx: ForwardContext, input_ids: torch.Tensor) -> None:
+        """Compile every bucket on a scratch decode step (one row on scratch state and pages, repeated to
+        each bucket's size: what it writes nobody reads). Logs and keeps the reason on failure (the steps
+        then run eagerly)."""
+        started = time.perf_counter()
+        # a bucket's batch stays static (no automatic dynamic after the first bucket); one graph per bucket
+        limits = {"automatic_dynamic_shapes": False, "recompile_limit": max(8, 2 * len(self.buckets))}
+        try:
+            with torch._dynamo.config.patch(limits):
+                self._compile_buckets(ctx, input_ids)
+            self.status = "ready"
+        except Exception as exc:  # a missing toolchain, an inductor limit: decode stays eager
+            self.status = f"failed: {type(exc).__name__}: {exc}"[:300]
+            log.warning("decode step compile failed, decoding eagerly: %s", self.status)
+        self.seconds = time.perf_counter() - started
+        if self.status == "ready":
+            sizes = ",".join(map(str, self.buckets))
+            log.info("compiled whole decode steps for %s rows in %.1f s", sizes, self.seconds)
+
+    def _call(self, *columns: torch.Tensor) -> torch.Tensor:
+        return self._program(self.model, *columns, self.page_size, self.kv_caches, self.states)
+
+    def _compile_buckets(self, ctx: ForwardContext, input_ids: torch.Tensor) -> None:
+        for bucket in self.buckets:
+            ids, pos, write, slots, table = self._inputs(ctx, input_ids, bucket)
+            torch._dynamo.mark_dynamic(table, 1)
+            self._call(ids, pos, write, slots, table)
+
+    def describe(self) -> dict[str, int | str]:
+        return {"compile_step_sizes": ",".join(map(str, self.buckets)), "compile_step": self.status}

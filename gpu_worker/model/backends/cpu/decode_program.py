@@ -1,0 +1,157 @@
+"""A whole decode step as one traceable function: token ids to float32 logits, for torch.compile.
+
+The eager forward (gpu_worker.model.model) serves every step shape: it plans decode attention on the
+host, walks runs of state slots, calls oneDNN per projection, and each of those is Python between small
+kernels. A decode step of one row of the benchmark model spends most of its time there, not in
+arithmetic (bench/bench_roofline.py). This function is the same math for a decode-only step written
+without any host decision: no `.tolist()`, no data-dependent shape, every index a tensor. Dynamo traces
+it once through every layer (the loop over blocks unrolls), and inductor turns it into one C++ program
+of fused loops around the matmuls (gpu_worker.model.backends.cpu.compiled_step compiles and serves it).
+
+Per layer kind, for b decode rows (row i at position p_i, state row s_i, page table T_i):
+    mamba      in_proj; the conv window and SSM state of rows s_i gathered, stepped
+               (decode_fused.mamba_decode_step) and written back in place; out_proj
+    attention  q/k/v projections, RoPE at p_i, K/V written at slot T_i[p_i // page] * page + p_i % page,
+               then attention over the gathered pages of T_i, keys after p_i masked; o_proj
+    mlp        the dense MLP module
+    moe        the router, then each row's k experts' weights gathered and applied (k weight reads per
+               row, no host loop over experts); the shared expert
+Equal to the eager forward up to float32 summation order (tests/model/test_compiled_step.py)."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.model.attention import PagedAttention
+from gpu_worker.model.backends.cpu.decode_fused import mamba_decode_step
+from gpu_worker.model.layers import MLP, activate, apply_rope, rope_cos_sin
+from gpu_worker.model.mamba2 import Mamba2Mixer
+from gpu_worker.model.model import Block, HybridForCausalLM, KVCaches, StateTensors
+from gpu_worker.model.moe import MoE
+
+
+def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's projection as F.linear (inductor's own matmul path, not the eager oneDNN calls)."""
+    projection = cast(torch.nn.Linear, module)
+    return F.linear(x, projection.weight, projection.bias)
+
+
+def mamba_decode(
+    mixer: Mamba2Mixer, h: torch.Tensor, state_slots: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor
+) -> torch.Tensor:
+    """h [b, hidden] -> [b, hidden]; pool rows `state_slots` of conv [rows, conv_dim, K-1] and ssm
+    [rows, H, P, N] advanced one token in place (a slot given twice gets the same values twice)."""
+    from gpu_worker.model.backends.cpu.compiled_decode import mixer_dims
+
+    zxbcdt = linear(mixer.in_proj, h)
+    conv_rows, ssm_rows = conv.index_select(0, state_slots), ssm.index_select(0, state_slots)
+    weight = mixer.conv1d.weight[:, 0, :]
+    y = mamba_decode_step(
+        zxbcdt, conv_rows, ssm_rows, weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D,
+        mixer.norm.weight, mixer_dims(mixer),
+    )  # fmt: skip
+    conv.index_copy_(0, state_slots, conv_rows)
+    ssm.index_copy_(0, state_slots, ssm_rows)
+    return linear(mixer.out_proj, y)
+
+
+def attention_decode(
+    attn: PagedAttention,
+    h: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    positions: torch.Tensor,
+    write_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """h [b, hidden] -> [b, hidden]; this step's K/V written at `write_slots`, then each row attends over
+    its pages (page_table [b, W], W * page_size >= position + 1)."""
+    b = h.shape[0]
+    kvh, group, d = attn.num_kv_heads, attn.group, attn.head_dim
+    q = linear(attn.q_proj, h).view(b, attn.num_heads, d)
+    k = linear(attn.k_proj, h).view(b, kvh, d)
+    if cos is not None and sin is not None:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    v = linear(attn.v_proj, h).view(b, kvh, d)
+    k_cache.index_copy_(0, write_slots, k)
+    v_cache.index_copy_(0, write_slots, v)
+    width = page_table.shape[1] * page_size
+    pages = page_table.reshape(-1)
+    keys = k_cache.view(-1, page_size, kvh, d).index_select(0, pages).view(b, width, kvh, d)
+    values = v_cache.view(-1, page_size, kvh, d).index_select(0, pages).view(b, width, kvh, d)
+    qg = q.view(b, kvh, group, d).float()
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * attn.scale  # [b, kvh, g, width]
+    later = torch.arange(width, device=h.device)[None, :] > positions[:, None]  # [b, width]
+    scores = scores.masked_fill(later[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float()).to(h.dtype)
+    return linear(attn.o_proj, out.reshape(b, attn.num_heads * d))
+
+
+def moe_decode(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """x [b, hidden] -> [b, hidden]: each row's k chosen experts, their weights gathered per row."""
+    weights, experts = moe.router(x)  # [b, k] float32, [b, k] int64
+    up = moe.experts_up.index_select(0, experts.reshape(-1))  # [b * k, up, hidden]
+    down = moe.experts_down.index_select(0, experts.reshape(-1))  # [b * k, hidden, I]
+    b, k = experts.shape
+    xs = x.repeat_interleave(k, dim=0)  # [b * k, hidden]
+    hmid = activate(torch.bmm(up, xs[:, :, None])[:, :, 0], moe.activation)  # [b * k, I]
+    y = torch.bmm(down, hmid[:, :, None])[:, :, 0].float()  # [b * k, hidden]
+    out: torch.Tensor = (y.view(b, k, -1) * weights[:, :, None]).sum(dim=1).to(x.dtype)
+    if moe.shared is not None:
+        out = out + mlp_decode(moe.shared, x)
+    return out
+
+
+def mlp_decode(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    return linear(mlp.down_proj, activate(linear(mlp.up_proj, x), mlp.activation))
+
+
+def decode_logits(
+    model: HybridForCausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    write_slots: torch.Tensor,
+    state_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    kv_caches: KVCaches,
+    states: StateTensors,
+) -> torch.Tensor:
+    """One decode token per row: input_ids, positions, write_slots, state_slots [b] int64, page_table
+    [b, W] int64 -> float32 logits [b, vocab]. The pools are updated in place, row after row: a row that repeats
+    a later row's inputs (a bucket's padding, gpu_worker.model.backends.cpu.compiled_step) is overwritten by it."""
+    c = model.config
+    hidden = F.embedding(input_ids, model.embed.weight)
+    if c.embedding_multiplier != 1.0:
+        hidden = hidden * c.embedding_multiplier
+    cos = sin = None
+    if c.rotary_dim:
+        cos, sin = rope_cos_sin(positions, model.inv_freq, hidden.dtype)
+    attn_i = mamba_i = 0
+    for module in model.blocks:
+        block = cast(Block, module)
+        h = block.norm(hidden)
+        if block.kind == "mamba":
+            conv, ssm = states[mamba_i]
+            h = mamba_decode(cast(Mamba2Mixer, block.mixer), h, state_slots, conv, ssm)
+            mamba_i += 1
+        elif block.kind == "attention":
+            k_cache, v_cache = kv_caches[attn_i]
+            attn = cast(PagedAttention, block.mixer)
+            h = attention_decode(attn, h, cos, sin, positions, write_slots, page_table, page_size, k_cache, v_cache)
+            attn_i += 1
+        elif block.kind == "moe":
+            h = moe_decode(cast(MoE, block.mixer), h)
+        else:
+            h = mlp_decode(cast(MLP, block.mixer), h)
+        hidden = hidden + (h if c.residual_multiplier == 1.0 else h * c.residual_multiplier)
+    final = model.final_norm(hidden)
+    logits = F.linear(final, model.lm_head.weight).float()
+    return logits if c.logits_scaling == 1.0 else logits / c.logits_scaling
