@@ -20,7 +20,7 @@ unpacked (from 16 rows, F.linear below: the form before gpu_worker.model.backend
 Absolute times depend on the machine and its load; compare rows measured in one run.
 
     .venv/bin/python bench/bench_decode.py [--batches 8,32,64] [--steps 48] [--compile] [--compile-step] [--scattered]
-        [--prompts 16..256] [--padded-attention] [--unpacked] [--no-floor]
+        [--prompts 16..256] [--padded-attention] [--unpacked] [--dtype float32|bfloat16] [--no-floor]
 
 Each row also prints its step time as a multiple of this machine's floor for the step (bench/bench_roofline.py:
 the machine's one-thread gemv bandwidth and matmul rate, measured first; --no-floor skips it).
@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--prompts", default="16..256", help="prompt lengths LO..HI (tokens)")
     parser.add_argument("--padded-attention", action="store_true", help="also decode attention padded to the longest")
     parser.add_argument("--unpacked", action="store_true", help="also the projections' weights unpacked")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's dtype")
     parser.add_argument("--no-floor", action="store_true", help="skip measuring the machine's floor (bench_roofline)")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.prompts.split(".."))
@@ -187,7 +188,7 @@ def main() -> None:
         kv_bytes = 2 * 2048 * max(batches) * (hi + args.steps + 64)  # the tiny model's K+V per token, with slack
         config = RunnerConfig(
             max_num_seqs=2 * max(batches), num_checkpoint_slots=0, decode_compile="on" if args.compile else "off",
-            compile_step_sizes=",".join(map(str, batches)) if args.compile_step else "",
+            compile_step_sizes=",".join(map(str, batches)) if args.compile_step else "", dtype=args.dtype,
             memory_budget_bytes=max(256 << 20, kv_bytes + (128 << 20)),
         )  # fmt: skip
         t0 = time.perf_counter()
@@ -212,7 +213,7 @@ def main() -> None:
             modes = tuple(m for mode in modes for m in (mode, f"{mode}/unpacked"))
         print(f"prompts {lo}..{hi} tokens")
         machine = None
-        if not args.no_floor:
+        if not args.no_floor and args.dtype == "float32":  # the floors count float32 weights
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # the floor is one core's
             machine = measure_machine(24, 512)

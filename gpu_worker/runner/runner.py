@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.model.backends import kernel_backend
-from gpu_worker.model.backends.cpu.compiled_decode import DecodeCompiler, can_compile
+from gpu_worker.model.backends.cpu.compiled_decode import DecodeCompiler, can_compile, use_persistent_cache
 from gpu_worker.model.backends.cpu.compiled_step import CompiledDecodeSteps, parse_buckets
 from gpu_worker.model.backends.cpu.linear import use_onednn_linears, warm_onednn_linears
 from gpu_worker.model.config import ModelConfig
@@ -265,6 +265,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         mode = self.runner_config.decode_compile
         if mode == "off" or self.device.type != "cpu" or (mode == "auto" and not can_compile(self.device)):
             return None
+        use_persistent_cache()
         compiler = DecodeCompiler(self.model, self._states)
         compiler.start()
         return compiler
@@ -275,6 +276,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         buckets = parse_buckets(self.runner_config.compile_step_sizes, self.runner_config.max_num_seqs)
         if not buckets or self.device.type != "cpu" or not can_compile(self.device):
             return None
+        use_persistent_cache()
         return CompiledDecodeSteps(self.model, self._kv_caches, self._states, self.kv_page_size_tokens, buckets)
 
     @torch.inference_mode()

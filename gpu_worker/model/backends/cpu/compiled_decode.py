@@ -17,10 +17,12 @@ scattered over many runs is gathered, stepped and scattered back (as the eager p
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +38,15 @@ STANCE = "eager_on_recompile"  # after warm-up: never compile on the serving pat
 # A decode group of at most this many runs of consecutive slots is stepped in place run by run (a call
 # costs ~20 us); more scattered ones are gathered and scattered back (~0.5 ms a layer at 32 sequences).
 MAX_RUNS = 6
+
+
+def use_persistent_cache() -> None:
+    """Inductor's on-disk cache under ~/.cache/hybridserve/inductor unless TORCHINDUCTOR_CACHE_DIR names
+    one (its own default lies under /tmp, gone after a reboot); read when a compile starts, inherited
+    by the model processes. Called by the runner before it compiles."""
+    home = Path.home()
+    if os.access(home, os.W_OK):  # else inductor's own default
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home / ".cache" / "hybridserve" / "inductor"))
 
 
 def can_compile(device: torch.device) -> bool:

@@ -41,8 +41,8 @@ AUTO_BUCKETS = (1, 2, 4, 8)
 
 
 def parse_buckets(text: str, max_num_seqs: int) -> tuple[int, ...]:
-    """`--compile-step-sizes`: "" or "off" -> none; "auto" -> AUTO_BUCKETS up to max_num_seqs (and
-    max_num_seqs itself when smaller than 32); else comma-separated positive batch sizes."""
+    """`--compile-step-sizes`: "" or "off" -> none; "auto" -> AUTO_BUCKETS below max_num_seqs, and
+    max_num_seqs itself when it is smaller than the largest; else comma-separated positive batch sizes."""
     text = text.strip()
     if text in ("", "off"):
         return ()
