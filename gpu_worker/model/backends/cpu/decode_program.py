@@ -12,7 +12,8 @@ Per layer kind, for b decode rows (row i at position p_i, state row s_i, page ta
     mamba      in_proj; the conv window and SSM state of rows s_i gathered, stepped
                (decode_fused.mamba_decode_step) and written back in place; out_proj
     attention  q/k/v projections, RoPE at p_i, K/V written at slot T_i[p_i // page] * page + p_i % page,
-               then attention over the gathered pages of T_i, keys after p_i masked; o_proj
+               then SDPA over the gathered pages of T_i, keys after p_i masked (inductor calls the CPU
+               flash kernel; two einsums around a softmax cost 4 ms a layer more at 32 rows); o_proj
     mlp        the dense MLP module
     moe        the router, then each row's k experts' weights gathered and applied (k weight reads per
                row, no host loop over experts); the shared expert
@@ -117,12 +118,11 @@ def attention_decode(
     pages = page_table.reshape(-1)
     keys = k_cache.view(-1, page_size, kvh, d).index_select(0, pages).view(b, width, kvh, d)
     values = v_cache.view(-1, page_size, kvh, d).index_select(0, pages).view(b, width, kvh, d)
-    qg = q.view(b, kvh, group, d).float()
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * attn.scale  # [b, kvh, g, width]
-    later = torch.arange(width, device=h.device)[None, :] > positions[:, None]  # [b, width]
-    scores = scores.masked_fill(later[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float()).to(h.dtype)
+    qg = q.view(b, kvh, group, d)
+    visible = torch.arange(width, device=h.device)[None, :] <= positions[:, None]  # [b, width]
+    out = F.scaled_dot_product_attention(
+        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None, :], scale=attn.scale
+    )  # [b, kvh, g, d]
     return linear(attn.o_proj, out.reshape(b, attn.num_heads * d))
 
 
