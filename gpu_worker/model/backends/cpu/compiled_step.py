@@ -91,7 +91,7 @@ class CompiledDecodeSteps:
         columns = (input_ids, ctx.positions[:n], ctx.kv_write_slots[:n], ctx.decode_state_slots, table)
         if bucket == n:
             return columns
-        rows = torch.cat([torch.zeros(bucket - n, dtype=torch.int64), torch.arange(n)])
+        rows = (torch.arange(bucket) - (bucket - n)).clamp_(min=0)  # 0 for the padding, then 0..n-1
         return tuple(t.index_select(0, rows) for t in columns)
 
     def run(self, ctx: ForwardContext, input_ids: torch.Tensor) -> torch.Tensor | None:
