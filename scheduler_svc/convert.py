@@ -126,6 +126,7 @@ def state_from_pb(msg: pb.RequestState) -> RequestState:
         msg.max_tokens,
         msg.priority,
         msg.arrival_time,
+        msg.num_draft_tokens,
     )
 
 
@@ -138,18 +139,24 @@ def state_to_pb(state: RequestState) -> pb.RequestState:
         max_tokens=state.max_tokens,
         priority=state.priority,
         arrival_time=state.arrival_time,
+        num_draft_tokens=state.num_draft_tokens,
     )
 
 
 def states_from_columns(msg: pb.RequestStateColumns, name: str) -> tuple[RequestState, ...]:
-    """The states of one queue sent as columns; every column must have one entry per request."""
+    """The states of one queue sent as columns; every column must have one entry per request
+    (num_draft_tokens may instead be empty: every request has 0)."""
+    drafts = msg.num_draft_tokens
     columns: tuple[Sequence[Any], ...] = (
         msg.request_id, msg.num_prompt_tokens, msg.num_computed_tokens, msg.num_output_tokens,
-        msg.max_tokens, msg.priority, msg.arrival_time,
+        msg.max_tokens, msg.priority, msg.arrival_time, drafts if drafts else [0] * len(msg.request_id),
     )  # fmt: skip
     if len({len(c) for c in columns}) > 1:
-        counts = ", ".join(f"{field} {len(c)}" for field, c in zip(RequestState._fields, columns, strict=True))
-        raise InvalidArgumentError(f"{name}: every column needs one entry per request; got {counts}")
+        sent = (*columns[:-1], drafts)
+        counts = ", ".join(f"{field} {len(c)}" for field, c in zip(RequestState._fields, sent, strict=True))
+        raise InvalidArgumentError(
+            f"{name}: every column needs one entry per request (num_draft_tokens may be empty: all 0); got {counts}"
+        )
     return rows_from_columns(RequestState, columns)
 
 
@@ -159,6 +166,7 @@ def columns_from_pb(msg: pb.RequestStateColumns) -> StateColumns:
     return StateColumns(
         list(msg.request_id), list(msg.num_prompt_tokens), list(msg.num_computed_tokens),
         list(msg.num_output_tokens), list(msg.max_tokens), list(msg.priority), list(msg.arrival_time),
+        list(msg.num_draft_tokens),
     )  # fmt: skip
 
 
@@ -208,6 +216,7 @@ def step_to_pb(step: StepInput) -> pb.PlanStepRequest:
                 max_tokens=r.max_tokens,
                 priority=r.priority,
                 arrival_time=r.arrival_time,
+                num_draft_tokens=r.num_draft_tokens,
             )
     return msg
 
@@ -216,7 +225,7 @@ def _fill_columns(columns: pb.RequestStateColumns, states: tuple[RequestState, .
     if not states:
         columns.SetInParent()  # present though empty: the request is in columns
         return
-    ids, prompts, computed, outputs, max_tokens, priorities, arrivals = zip(*states, strict=True)
+    ids, prompts, computed, outputs, max_tokens, priorities, arrivals, drafts = zip(*states, strict=True)
     columns.request_id.extend(ids)
     columns.num_prompt_tokens.extend(prompts)
     columns.num_computed_tokens.extend(computed)
@@ -224,6 +233,8 @@ def _fill_columns(columns: pb.RequestStateColumns, states: tuple[RequestState, .
     columns.max_tokens.extend(max_tokens)
     columns.priority.extend(priorities)
     columns.arrival_time.extend(arrivals)
+    if any(drafts):  # empty means all 0: what a step without drafts sends
+        columns.num_draft_tokens.extend(drafts)
 
 
 def step_to_pb_columns(step: StepInput) -> pb.PlanStepRequest:
@@ -257,6 +268,7 @@ def plan_to_pb(plan: StepPlan, columns: bool = False) -> pb.PlanStepResponse:
             stalled=stats.stalled,
             micro_sliced=stats.micro_sliced,
             num_kv_pages_allocated=stats.num_kv_pages_allocated,
+            num_draft_tokens=stats.num_draft_tokens,
         ),
     )
     if columns:
@@ -305,6 +317,7 @@ def plan_from_pb(msg: pb.PlanStepResponse) -> StepPlan:
             stalled=stats.stalled,
             micro_sliced=stats.micro_sliced,
             num_kv_pages_allocated=stats.num_kv_pages_allocated,
+            num_draft_tokens=stats.num_draft_tokens,
         ),
         dropped_prefix_request_ids=tuple(msg.dropped_prefix_request_ids),
         failed_request_ids=tuple(msg.failed_request_ids),

@@ -94,7 +94,8 @@ def plan_table(step_index: int, msg: pb.PlanStepResponse) -> str:
         f"step {step_index}: quantum {plan.quantum}, decode {s.num_decode_tokens} + prefill {s.num_prefill_tokens}"
         f" tokens, prefill budget {s.prefill_budget_tokens}, pending prefills {s.num_pending_prefills},"
         f" stalled {'yes' if s.stalled else 'no'}, micro-sliced {'yes' if s.micro_sliced else 'no'},"
-        f" KV pages {s.num_kv_pages_allocated}",
+        f" KV pages {s.num_kv_pages_allocated}"
+        + (f", draft tokens {s.num_draft_tokens}" if s.num_draft_tokens else ""),
         f"  preempted: {', '.join(plan.preempted_request_ids) or '-'}",
         f"  {'request_id':<24} {'kind':<8} {'tokens':>7}  checkpoint",
     ]

@@ -160,6 +160,8 @@ class Request:
     scoring: bool = False
     prompt_logprobs: list[float] = field(default_factory=list)
     grammar: Constraint | None = None  # the structured output's matcher (gpu_worker.engine.grammar), if any
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted (gpu_worker.engine.speculation)
+    num_accepted_tokens: int = 0
     events: queue.SimpleQueue[RequestOutput] = field(default_factory=queue.SimpleQueue)
     # page_ids as a tuple (the batch row's page table), rebuilt only when page_ids grew or was replaced:
     # a long request's table is hundreds of pages, and a decode step rebuilds every row.
@@ -210,6 +212,7 @@ class Request:
             params.sched_max_tokens - base,
             params.priority,
             self.arrival_time,
+            0,
         ))  # fmt: skip
 
     def fold_for_recompute(self) -> None:

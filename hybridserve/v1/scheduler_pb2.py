@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehybridserve/v1/scheduler.proto\x12\x0ehybridserve.v1\"\xca\x04\n\x0fSchedulerConfig\x12\x1e\n\x16max_num_batched_tokens\x18\x01 \x01(\x03\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\x03\x12$\n\x1clong_prefill_token_threshold\x18\x03 \x01(\x03\x12\'\n\x1fmax_num_prefill_tokens_per_step\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x03\x12\x18\n\x10mamba_block_size\x18\x06 \x01(\x03\x12\x38\n\x10mamba_cache_mode\x18\x07 \x01(\x0e\x32\x1e.hybridserve.v1.MambaCacheMode\x12\x14\n\x0ckv_page_size\x18\x08 \x01(\x03\x12\x1d\n\x15stop_at_last_boundary\x18\t \x01(\x08\x12%\n\x1dmicro_slice_long_prompts_only\x18\n \x01(\x08\x12<\n\x12prefill_share_mode\x18\x0b \x01(\x0e\x32 .hybridserve.v1.PrefillShareMode\x12\x15\n\rprefill_share\x18\x0c \x01(\x01\x12\x19\n\x11prefill_share_min\x18\r \x01(\x01\x12\x19\n\x11prefill_share_max\x18\x0e \x01(\x01\x12\x1e\n\x16prefill_share_deadband\x18\x0f \x01(\x01\x12!\n\x19prefill_share_half_life_s\x18\x10 \x01(\x01\x12 \n\x18prefill_share_slew_per_s\x18\x11 \x01(\x01\"\x93\x01\n\nShareState\x12\x19\n\x11prefill_service_s\x18\x01 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_service_s\x18\x02 \x01(\x01\x12\x0e\n\x06target\x18\x03 \x01(\x01\x12\x17\n\x0fprefill_token_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_row_s\x18\x05 \x01(\x01\x12\x11\n\tforward_s\x18\x06 \x01(\x01\"\xb1\x01\n\x0cRequestState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x03\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\x03\x12\x12\n\nmax_tokens\x18\x05 \x01(\x03\x12\x10\n\x08priority\x18\x06 \x01(\x03\x12\x14\n\x0c\x61rrival_time\x18\x07 \x01(\x01\"\xb8\x01\n\x13RequestStateColumns\x12\x12\n\nrequest_id\x18\x01 \x03(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x03(\x03\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\x03\x12\x19\n\x11num_output_tokens\x18\x04 \x03(\x03\x12\x12\n\nmax_tokens\x18\x05 \x03(\x03\x12\x10\n\x08priority\x18\x06 \x03(\x03\x12\x14\n\x0c\x61rrival_time\x18\x07 \x03(\x01\"7\n\x0bPinnedPages\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_kv_pages\x18\x02 \x01(\x03\"\xac\x03\n\x0fPlanStepRequest\x12/\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1f.hybridserve.v1.SchedulerConfig\x12-\n\x07running\x18\x02 \x03(\x0b\x32\x1c.hybridserve.v1.RequestState\x12-\n\x07waiting\x18\x03 \x03(\x0b\x32\x1c.hybridserve.v1.RequestState\x12\x12\n\nstep_index\x18\x04 \x01(\x03\x12\x19\n\x11num_free_kv_pages\x18\x05 \x01(\x03\x12<\n\x0frunning_columns\x18\x06 \x01(\x0b\x32#.hybridserve.v1.RequestStateColumns\x12<\n\x0fwaiting_columns\x18\x07 \x01(\x0b\x32#.hybridserve.v1.RequestStateColumns\x12)\n\x05share\x18\x08 \x01(\x0b\x32\x1a.hybridserve.v1.ShareState\x12\x34\n\x0fpinned_kv_pages\x18( \x03(\x0b\x32\x1b.hybridserve.v1.PinnedPages\"_\n\x05Slice\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\x12\x12\n\nis_prefill\x18\x03 \x01(\x08\x12\x1a\n\x12\x65nds_on_checkpoint\x18\x04 \x01(\x08\"f\n\x0cSliceColumns\x12\x12\n\nrequest_id\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\x03\x12\x12\n\nis_prefill\x18\x03 \x03(\x08\x12\x1a\n\x12\x65nds_on_checkpoint\x18\x04 \x03(\x08\"\xc6\x01\n\tPlanStats\x12\x19\n\x11num_decode_tokens\x18\x01 \x01(\x03\x12\x1a\n\x12num_prefill_tokens\x18\x02 \x01(\x03\x12\x1d\n\x15prefill_budget_tokens\x18\x03 \x01(\x03\x12\x1c\n\x14num_pending_prefills\x18\x04 \x01(\x03\x12\x0f\n\x07stalled\x18\x05 \x01(\x08\x12\x14\n\x0cmicro_sliced\x18\x06 \x01(\x08\x12\x1e\n\x16num_kv_pages_allocated\x18\x07 \x01(\x03\"\x88\x02\n\x10PlanStepResponse\x12%\n\x06slices\x18\x01 \x03(\x0b\x32\x15.hybridserve.v1.Slice\x12\x1d\n\x15preempted_request_ids\x18\x02 \x03(\t\x12\x0f\n\x07quantum\x18\x03 \x01(\x03\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.hybridserve.v1.PlanStats\x12\x33\n\rslice_columns\x18\x05 \x01(\x0b\x32\x1c.hybridserve.v1.SliceColumns\x12\"\n\x1a\x64ropped_prefix_request_ids\x18( \x03(\t\x12\x1a\n\x12\x66\x61iled_request_ids\x18) \x03(\t\"X\n\x16ValidateConfigResponse\x12\x0f\n\x07quantum\x18\x01 \x01(\x03\x12\x1b\n\x13sub_block_exception\x18\x02 \x01(\x08\x12\x10\n\x08warnings\x18\x03 \x03(\t*G\n\x0eMambaCacheMode\x12\x19\n\x15MAMBA_CACHE_MODE_NONE\x10\x00\x12\x1a\n\x16MAMBA_CACHE_MODE_ALIGN\x10\x01*i\n\x10PrefillShareMode\x12\x1a\n\x16PREFILL_SHARE_MODE_OFF\x10\x00\x12\x1c\n\x18PREFILL_SHARE_MODE_FIXED\x10\x01\x12\x1b\n\x17PREFILL_SHARE_MODE_AUTO\x10\x02\x32\xb5\x01\n\tScheduler\x12M\n\x08PlanStep\x12\x1f.hybridserve.v1.PlanStepRequest\x1a .hybridserve.v1.PlanStepResponse\x12Y\n\x0eValidateConfig\x12\x1f.hybridserve.v1.SchedulerConfig\x1a&.hybridserve.v1.ValidateConfigResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehybridserve/v1/scheduler.proto\x12\x0ehybridserve.v1\"\xca\x04\n\x0fSchedulerConfig\x12\x1e\n\x16max_num_batched_tokens\x18\x01 \x01(\x03\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\x03\x12$\n\x1clong_prefill_token_threshold\x18\x03 \x01(\x03\x12\'\n\x1fmax_num_prefill_tokens_per_step\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x03\x12\x18\n\x10mamba_block_size\x18\x06 \x01(\x03\x12\x38\n\x10mamba_cache_mode\x18\x07 \x01(\x0e\x32\x1e.hybridserve.v1.MambaCacheMode\x12\x14\n\x0ckv_page_size\x18\x08 \x01(\x03\x12\x1d\n\x15stop_at_last_boundary\x18\t \x01(\x08\x12%\n\x1dmicro_slice_long_prompts_only\x18\n \x01(\x08\x12<\n\x12prefill_share_mode\x18\x0b \x01(\x0e\x32 .hybridserve.v1.PrefillShareMode\x12\x15\n\rprefill_share\x18\x0c \x01(\x01\x12\x19\n\x11prefill_share_min\x18\r \x01(\x01\x12\x19\n\x11prefill_share_max\x18\x0e \x01(\x01\x12\x1e\n\x16prefill_share_deadband\x18\x0f \x01(\x01\x12!\n\x19prefill_share_half_life_s\x18\x10 \x01(\x01\x12 \n\x18prefill_share_slew_per_s\x18\x11 \x01(\x01\"\x93\x01\n\nShareState\x12\x19\n\x11prefill_service_s\x18\x01 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_service_s\x18\x02 \x01(\x01\x12\x0e\n\x06target\x18\x03 \x01(\x01\x12\x17\n\x0fprefill_token_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_row_s\x18\x05 \x01(\x01\x12\x11\n\tforward_s\x18\x06 \x01(\x01\"\xcb\x01\n\x0cRequestState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x03\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\x03\x12\x12\n\nmax_tokens\x18\x05 \x01(\x03\x12\x10\n\x08priority\x18\x06 \x01(\x03\x12\x14\n\x0c\x61rrival_time\x18\x07 \x01(\x01\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\x03\"\xd2\x01\n\x13RequestStateColumns\x12\x12\n\nrequest_id\x18\x01 \x03(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x03(\x03\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\x03\x12\x19\n\x11num_output_tokens\x18\x04 \x03(\x03\x12\x12\n\nmax_tokens\x18\x05 \x03(\x03\x12\x10\n\x08priority\x18\x06 \x03(\x03\x12\x14\n\x0c\x61rrival_time\x18\x07 \x03(\x01\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\x03\"7\n\x0bPinnedPages\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_kv_pages\x18\x02 \x01(\x03\"\xac\x03\n\x0fPlanStepRequest\x12/\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1f.hybridserve.v1.SchedulerConfig\x12-\n\x07running\x18\x02 \x03(\x0b\x32\x1c.hybridserve.v1.RequestState\x12-\n\x07waiting\x18\x03 \x03(\x0b\x32\x1c.hybridserve.v1.RequestState\x12\x12\n\nstep_index\x18\x04 \x01(\x03\x12\x19\n\x11num_free_kv_pages\x18\x05 \x01(\x03\x12<\n\x0frunning_columns\x18\x06 \x01(\x0b\x32#.hybridserve.v1.RequestStateColumns\x12<\n\x0fwaiting_columns\x18\x07 \x01(\x0b\x32#.hybridserve.v1.RequestStateColumns\x12)\n\x05share\x18\x08 \x01(\x0b\x32\x1a.hybridserve.v1.ShareState\x12\x34\n\x0fpinned_kv_pages\x18( \x03(\x0b\x32\x1b.hybridserve.v1.PinnedPages\"_\n\x05Slice\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\x12\x12\n\nis_prefill\x18\x03 \x01(\x08\x12\x1a\n\x12\x65nds_on_checkpoint\x18\x04 \x01(\x08\"f\n\x0cSliceColumns\x12\x12\n\nrequest_id\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\x03\x12\x12\n\nis_prefill\x18\x03 \x03(\x08\x12\x1a\n\x12\x65nds_on_checkpoint\x18\x04 \x03(\x08\"\xe0\x01\n\tPlanStats\x12\x19\n\x11num_decode_tokens\x18\x01 \x01(\x03\x12\x1a\n\x12num_prefill_tokens\x18\x02 \x01(\x03\x12\x1d\n\x15prefill_budget_tokens\x18\x03 \x01(\x03\x12\x1c\n\x14num_pending_prefills\x18\x04 \x01(\x03\x12\x0f\n\x07stalled\x18\x05 \x01(\x08\x12\x14\n\x0cmicro_sliced\x18\x06 \x01(\x08\x12\x1e\n\x16num_kv_pages_allocated\x18\x07 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\x03\"\x88\x02\n\x10PlanStepResponse\x12%\n\x06slices\x18\x01 \x03(\x0b\x32\x15.hybridserve.v1.Slice\x12\x1d\n\x15preempted_request_ids\x18\x02 \x03(\t\x12\x0f\n\x07quantum\x18\x03 \x01(\x03\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.hybridserve.v1.PlanStats\x12\x33\n\rslice_columns\x18\x05 \x01(\x0b\x32\x1c.hybridserve.v1.SliceColumns\x12\"\n\x1a\x64ropped_prefix_request_ids\x18( \x03(\t\x12\x1a\n\x12\x66\x61iled_request_ids\x18) \x03(\t\"X\n\x16ValidateConfigResponse\x12\x0f\n\x07quantum\x18\x01 \x01(\x03\x12\x1b\n\x13sub_block_exception\x18\x02 \x01(\x08\x12\x10\n\x08warnings\x18\x03 \x03(\t*G\n\x0eMambaCacheMode\x12\x19\n\x15MAMBA_CACHE_MODE_NONE\x10\x00\x12\x1a\n\x16MAMBA_CACHE_MODE_ALIGN\x10\x01*i\n\x10PrefillShareMode\x12\x1a\n\x16PREFILL_SHARE_MODE_OFF\x10\x00\x12\x1c\n\x18PREFILL_SHARE_MODE_FIXED\x10\x01\x12\x1b\n\x17PREFILL_SHARE_MODE_AUTO\x10\x02\x32\xb5\x01\n\tScheduler\x12M\n\x08PlanStep\x12\x1f.hybridserve.v1.PlanStepRequest\x1a .hybridserve.v1.PlanStepResponse\x12Y\n\x0eValidateConfig\x12\x1f.hybridserve.v1.SchedulerConfig\x1a&.hybridserve.v1.ValidateConfigResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hybridserve.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MAMBACACHEMODE']._serialized_start=2403
-  _globals['_MAMBACACHEMODE']._serialized_end=2474
-  _globals['_PREFILLSHAREMODE']._serialized_start=2476
-  _globals['_PREFILLSHAREMODE']._serialized_end=2581
+  _globals['_MAMBACACHEMODE']._serialized_start=2481
+  _globals['_MAMBACACHEMODE']._serialized_end=2552
+  _globals['_PREFILLSHAREMODE']._serialized_start=2554
+  _globals['_PREFILLSHAREMODE']._serialized_end=2659
   _globals['_SCHEDULERCONFIG']._serialized_start=51
   _globals['_SCHEDULERCONFIG']._serialized_end=637
   _globals['_SHARESTATE']._serialized_start=640
   _globals['_SHARESTATE']._serialized_end=787
   _globals['_REQUESTSTATE']._serialized_start=790
-  _globals['_REQUESTSTATE']._serialized_end=967
-  _globals['_REQUESTSTATECOLUMNS']._serialized_start=970
-  _globals['_REQUESTSTATECOLUMNS']._serialized_end=1154
-  _globals['_PINNEDPAGES']._serialized_start=1156
-  _globals['_PINNEDPAGES']._serialized_end=1211
-  _globals['_PLANSTEPREQUEST']._serialized_start=1214
-  _globals['_PLANSTEPREQUEST']._serialized_end=1642
-  _globals['_SLICE']._serialized_start=1644
-  _globals['_SLICE']._serialized_end=1739
-  _globals['_SLICECOLUMNS']._serialized_start=1741
-  _globals['_SLICECOLUMNS']._serialized_end=1843
-  _globals['_PLANSTATS']._serialized_start=1846
-  _globals['_PLANSTATS']._serialized_end=2044
-  _globals['_PLANSTEPRESPONSE']._serialized_start=2047
-  _globals['_PLANSTEPRESPONSE']._serialized_end=2311
-  _globals['_VALIDATECONFIGRESPONSE']._serialized_start=2313
-  _globals['_VALIDATECONFIGRESPONSE']._serialized_end=2401
-  _globals['_SCHEDULER']._serialized_start=2584
-  _globals['_SCHEDULER']._serialized_end=2765
+  _globals['_REQUESTSTATE']._serialized_end=993
+  _globals['_REQUESTSTATECOLUMNS']._serialized_start=996
+  _globals['_REQUESTSTATECOLUMNS']._serialized_end=1206
+  _globals['_PINNEDPAGES']._serialized_start=1208
+  _globals['_PINNEDPAGES']._serialized_end=1263
+  _globals['_PLANSTEPREQUEST']._serialized_start=1266
+  _globals['_PLANSTEPREQUEST']._serialized_end=1694
+  _globals['_SLICE']._serialized_start=1696
+  _globals['_SLICE']._serialized_end=1791
+  _globals['_SLICECOLUMNS']._serialized_start=1793
+  _globals['_SLICECOLUMNS']._serialized_end=1895
+  _globals['_PLANSTATS']._serialized_start=1898
+  _globals['_PLANSTATS']._serialized_end=2122
+  _globals['_PLANSTEPRESPONSE']._serialized_start=2125
+  _globals['_PLANSTEPRESPONSE']._serialized_end=2389
+  _globals['_VALIDATECONFIGRESPONSE']._serialized_start=2391
+  _globals['_VALIDATECONFIGRESPONSE']._serialized_end=2479
+  _globals['_SCHEDULER']._serialized_start=2662
+  _globals['_SCHEDULER']._serialized_end=2843
 # @@protoc_insertion_point(module_scope)

@@ -78,7 +78,7 @@ class ShareState(_message.Message):
     def __init__(self, prefill_service_s: _Optional[float] = ..., decode_service_s: _Optional[float] = ..., target: _Optional[float] = ..., prefill_token_s: _Optional[float] = ..., decode_row_s: _Optional[float] = ..., forward_s: _Optional[float] = ...) -> None: ...
 
 class RequestState(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "max_tokens", "priority", "arrival_time")
+    __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "max_tokens", "priority", "arrival_time", "num_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class RequestState(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     num_computed_tokens: int
@@ -93,10 +94,11 @@ class RequestState(_message.Message):
     max_tokens: int
     priority: int
     arrival_time: float
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ...) -> None: ...
+    num_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestStateColumns(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "max_tokens", "priority", "arrival_time")
+    __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "max_tokens", "priority", "arrival_time", "num_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class RequestStateColumns(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: _containers.RepeatedScalarFieldContainer[str]
     num_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -111,7 +114,8 @@ class RequestStateColumns(_message.Message):
     max_tokens: _containers.RepeatedScalarFieldContainer[int]
     priority: _containers.RepeatedScalarFieldContainer[int]
     arrival_time: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[_Iterable[float]] = ...) -> None: ...
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PinnedPages(_message.Message):
     __slots__ = ("request_id", "num_kv_pages")
@@ -168,7 +172,7 @@ class SliceColumns(_message.Message):
     def __init__(self, request_id: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., is_prefill: _Optional[_Iterable[bool]] = ..., ends_on_checkpoint: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("num_decode_tokens", "num_prefill_tokens", "prefill_budget_tokens", "num_pending_prefills", "stalled", "micro_sliced", "num_kv_pages_allocated")
+    __slots__ = ("num_decode_tokens", "num_prefill_tokens", "prefill_budget_tokens", "num_pending_prefills", "stalled", "micro_sliced", "num_kv_pages_allocated", "num_draft_tokens")
     NUM_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +180,7 @@ class PlanStats(_message.Message):
     STALLED_FIELD_NUMBER: _ClassVar[int]
     MICRO_SLICED_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_PAGES_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_decode_tokens: int
     num_prefill_tokens: int
     prefill_budget_tokens: int
@@ -183,7 +188,8 @@ class PlanStats(_message.Message):
     stalled: bool
     micro_sliced: bool
     num_kv_pages_allocated: int
-    def __init__(self, num_decode_tokens: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., prefill_budget_tokens: _Optional[int] = ..., num_pending_prefills: _Optional[int] = ..., stalled: _Optional[bool] = ..., micro_sliced: _Optional[bool] = ..., num_kv_pages_allocated: _Optional[int] = ...) -> None: ...
+    num_draft_tokens: int
+    def __init__(self, num_decode_tokens: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., prefill_budget_tokens: _Optional[int] = ..., num_pending_prefills: _Optional[int] = ..., stalled: _Optional[bool] = ..., micro_sliced: _Optional[bool] = ..., num_kv_pages_allocated: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanStepResponse(_message.Message):
     __slots__ = ("slices", "preempted_request_ids", "quantum", "stats", "slice_columns", "dropped_prefix_request_ids", "failed_request_ids")

@@ -13,19 +13,20 @@ class Slice(NamedTuple):
 
     request_id: str
     num_tokens: int  # computes [num_computed_tokens, num_computed_tokens + num_tokens)
-    is_prefill: bool
+    is_prefill: bool  # False: a decode of 1 + its granted draft tokens
     ends_on_checkpoint: bool  # the end is on the block grid in ALIGN mode: save the Mamba state
 
 
 @dataclass(frozen=True, slots=True)
 class PlanStats:
-    num_decode_tokens: int  # tokens of decode slices
+    num_decode_tokens: int  # tokens of decode slices (their draft tokens included)
     num_prefill_tokens: int  # tokens of prefill slices
     prefill_budget_tokens: int  # tokens prefills could use after decodes (long prompts: at most the micro budget)
     num_pending_prefills: int  # running prefills plus waiting requests
     stalled: bool  # prefills pending, budget >= one quantum, none scheduled
     micro_sliced: bool  # long prompts shared the micro budget in quanta (mixed step, budget set)
     num_kv_pages_allocated: int  # pages the plan takes from the free pool
+    num_draft_tokens: int = 0  # draft tokens granted to decodes (in num_decode_tokens too)
 
 
 @dataclass(frozen=True, slots=True)

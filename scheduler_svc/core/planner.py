@@ -26,6 +26,10 @@ Algorithm (docs/design.md, Planning rules):
    instead (core/remedies.py): waiting requests' prefix-cache hits are dropped, from the back of
    the queue, until the step plans something; else the head pending prefill, which can never fit,
    fails. Steps 1-5 never read the pinned pages, so every plan they make is as it was without them.
+7. Drafts (speculative decoding), last: each decode that got its token, in the order it got it, is
+   granted up to num_draft_tokens more from what steps 1-5 left of the token budget and the free
+   pages, within its generation limit and (ALIGN) its block (rules.draft_limit). They never preempt,
+   delay or shrink anything planned before them; with no drafts asked the pass does not run.
 
 In long-prompts-only mode with no prompt longer than the budget, every plan is plain chunked
 prefill's.
@@ -46,6 +50,7 @@ from scheduler_svc.core.state import RequestState, StepInput
 from scheduler_svc.core.validation import validate_step
 
 _QUEUE_ORDER = attrgetter("priority", "arrival_time")  # == RequestState.queue_key, without a call
+_DRAFTS = attrgetter("num_draft_tokens")
 
 
 @dataclass(slots=True)
@@ -111,6 +116,8 @@ def _plan_once(step: StepInput) -> StepPlan:
         preempted.append(victim)
         ledger.free_pages += rules.pages_for_tokens(victim.num_computed_tokens, config.kv_page_size)
         ledger.seats_left += 1
+    has_place = _has_place(prefills_running, step.waiting, trial, preempted)
+    num_drafts = _grant_drafts(decodes, config, trial) if decodes and any(map(_DRAFTS, step.running)) else 0
     grants = decodes + prefills
     return StepPlan(
         slices=_to_slices(grants, config),
@@ -124,7 +131,8 @@ def _plan_once(step: StepInput) -> StepPlan:
             budget if cap is None or threshold else min(budget, cap),
             micro_sliced,
             unit,
-            _has_place(prefills_running, step.waiting, trial, preempted),
+            has_place,
+            num_drafts,
         ),
     )
 
@@ -167,6 +175,34 @@ def _schedule_decodes(
         granted[request.request_id] = _Grant(request, 1, need)
     ledger.tokens_left, ledger.seqs_left, ledger.free_pages = tokens_left, seqs_left, free_pages
     return list(granted.values())
+
+
+def _grant_drafts(decodes: list[_Grant], config: SchedulerConfig, ledger: _Ledger) -> int:
+    """Step 7: adds draft tokens to the decode grants, in grant order, from the ledger's leftover
+    tokens and free pages (never more than each asks, rules.draft_limit); returns how many."""
+    page = config.kv_page_size
+    grid = config.block_size if config.is_aligned else 0
+    granted = 0
+    for grant in decodes:
+        r = grant.request
+        if ledger.tokens_left <= 0:
+            break
+        computed = r.num_computed_tokens
+        pages_held = ledger.free_pages + grant.num_pages  # its decode's new page, if any, is its own
+        drafts = min(
+            r.num_draft_tokens,
+            ledger.tokens_left,
+            rules.draft_limit(computed, r.num_output_tokens, r.max_tokens, grid),
+            rules.max_tokens_for_pages(computed, pages_held, page) - grant.num_tokens,
+        )
+        if drafts <= 0:
+            continue
+        pages = rules.new_pages_needed(computed, grant.num_tokens + drafts, page)
+        ledger.free_pages -= pages - grant.num_pages
+        ledger.tokens_left -= drafts
+        grant.num_tokens, grant.num_pages = grant.num_tokens + drafts, pages
+        granted += drafts
+    return granted
 
 
 def _schedule_prefills(
@@ -342,6 +378,7 @@ def _stats(
     micro_sliced: bool,
     unit: int,
     has_place: bool,
+    num_drafts: int,
 ) -> PlanStats:
     num_pending = len(running_prefills) + len(step.waiting)
     # A stall: some pending prefill had a place in the step, the budget held a quantum, and nothing
@@ -355,4 +392,5 @@ def _stats(
         stalled=has_place and budget >= unit and not prefills,
         micro_sliced=micro_sliced,
         num_kv_pages_allocated=sum(g.num_pages for g in decodes + prefills),
+        num_draft_tokens=num_drafts,
     )

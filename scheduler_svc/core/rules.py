@@ -118,6 +118,22 @@ def quanta_offer(available: int, quantum: int, tail_tokens: int) -> int:
     return tail_tokens if in_quanta < tail_tokens <= available else in_quanta
 
 
+def draft_limit(num_computed_tokens: int, num_output_tokens: int, max_tokens: int, grid: int) -> int:
+    """The most draft tokens a decode may verify this step, before the budget and the pages.
+
+    Generation limit: the decode itself samples one token and each accepted draft one more, so
+    1 + drafts new outputs must fit in max_tokens. Block boundary (grid = block_size in ALIGN mode,
+    else 0): Mamba state exists only where a step ends, and a plain decode [c, c + 1) never crosses a
+    boundary, so a checkpoint is on every boundary the request passes. A checkpoint must be the state
+    after accepted tokens, and whether a draft is accepted is known only after the step: the verified
+    span [c, c + 1 + drafts) with drafts ends before the next boundary after c, (c // grid + 1) * grid
+    (a decode whose own token reaches a boundary gets no drafts, and ends on it as it does today)."""
+    limit = max_tokens - num_output_tokens - 1
+    if grid > 0:
+        limit = min(limit, (num_computed_tokens // grid + 1) * grid - num_computed_tokens - 2)
+    return max(limit, 0)
+
+
 def pages_for_tokens(num_tokens: int, kv_page_size: int) -> int:
     """KV pages that hold num_tokens tokens."""
     return -(-num_tokens // kv_page_size)

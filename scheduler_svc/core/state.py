@@ -21,6 +21,10 @@ class RequestState(NamedTuple):
     max_tokens: int  # generation limit, tokens
     priority: int  # smaller is served first
     arrival_time: float  # ties in priority go to the earlier arrival
+    # Speculative decoding: draft tokens ready for this running decode, which asks to verify
+    # 1 + num_draft_tokens tokens; 0 on a prefill or a waiting request (validation.py). The last
+    # field, so a request without drafts is built as before.
+    num_draft_tokens: int = 0
 
     @property
     def is_prefill(self) -> bool:

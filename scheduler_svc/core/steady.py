@@ -2,7 +2,8 @@
 running request decodes, none waits, and the free KV pages cover every decode's new page.
 
 plan_step (planner.py) then grants one token to each running request in queue order and nothing
-else: no preemption (the pages suffice), no prefill (none is pending), no admission (none waits).
+else: no preemption (the pages suffice), no prefill (none is pending), no admission (none waits),
+no draft token (a step where some decode has drafts is left to plan_step).
 This module computes that same plan, byte for byte, from the request columns of the wire form
 without a RequestState per request: every per-request operation is a C-level `map` over whole
 columns (about a fifth of the general path's Python at 256 decodes). Any other step, and any input
@@ -34,6 +35,7 @@ class StateColumns(NamedTuple):
     max_tokens: Sequence[int]
     priority: Sequence[int]
     arrival_time: Sequence[float]
+    num_draft_tokens: Sequence[int] = ()  # empty: all 0
 
 
 def plan_steady_decodes(
@@ -48,8 +50,8 @@ def plan_steady_decodes(
     quantum = config.validate().quantum  # raises on an invalid config, as plan_step does first
     ids = running.request_id
     n = len(ids)
-    if n == 0 or num_waiting or step_index < 0 or num_free_kv_pages < 0:
-        return None
+    if n == 0 or num_waiting or step_index < 0 or num_free_kv_pages < 0 or any(running.num_draft_tokens):
+        return None  # drafts (or nothing to decode): plan_step's draft pass
     if share is not None:
         share.validate()  # raises as plan_step would, whose next check it is
     if n > config.max_num_seqs or n > config.max_num_batched_tokens:
@@ -90,7 +92,7 @@ def plan_steady_decodes(
 def _are_valid_decodes(c: StateColumns, n: int) -> bool:
     """Every column has n entries and every request is a valid running decode (validation.py's
     _is_running_ok with computed >= prompt), ids non-empty and unique."""
-    if any(len(column) != n for column in c):
+    if any(len(column) != n for column in c[:-1]) or len(c.num_draft_tokens) not in (0, n):
         return False
     prompt, computed, outputs, max_tokens = (
         c.num_prompt_tokens,

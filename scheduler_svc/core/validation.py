@@ -74,12 +74,16 @@ def _is_running_ok(r: RequestState) -> bool:
         return False
     if not math.isfinite(r.arrival_time):
         return False
-    return output == 0 if computed < prompt else computed == prompt + output - 1
+    if computed < prompt:
+        return output == 0 and r.num_draft_tokens == 0
+    return computed == prompt + output - 1 and r.num_draft_tokens >= 0
 
 
 def _is_waiting_ok(r: RequestState) -> bool:
     computed, prompt = r.num_computed_tokens, r.num_prompt_tokens
     if not (bool(r.request_id) and 0 <= computed < prompt and r.num_output_tokens == 0 and r.max_tokens >= 1):
+        return False
+    if r.num_draft_tokens:
         return False
     return math.isfinite(r.arrival_time)
 
@@ -137,4 +141,22 @@ def _validate_request(request: RequestState, where: str, is_waiting: bool) -> No
             f"{where}: num_computed_tokens = {computed} is beyond what a decode can be at; once the prompt"
             f" ({prompt} tokens) is computed it must equal num_prompt_tokens + num_output_tokens - 1"
             f" = {prompt + output - 1}"
+        )
+    _validate_drafts(request, where, is_waiting)
+
+
+def _validate_drafts(request: RequestState, where: str, is_waiting: bool) -> None:
+    drafts = request.num_draft_tokens
+    if drafts < 0:
+        raise InvalidArgumentError(f"{where}: num_draft_tokens = {drafts} must be >= 0 (0: no draft tokens)")
+    if drafts and is_waiting:
+        raise InvalidArgumentError(
+            f"{where}: num_draft_tokens = {drafts} on a waiting request; only a running decode verifies draft"
+            " tokens, so send 0 until it decodes"
+        )
+    if drafts and request.num_computed_tokens < request.num_prompt_tokens:
+        raise InvalidArgumentError(
+            f"{where}: num_draft_tokens = {drafts} while prefilling (num_computed_tokens"
+            f" {request.num_computed_tokens} < num_prompt_tokens {request.num_prompt_tokens}); only a running"
+            " decode verifies draft tokens, so send 0 until its prompt is computed"
         )
