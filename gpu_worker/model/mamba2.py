@@ -15,6 +15,7 @@ from torch import nn
 
 from gpu_worker.model.backends.cpu.packed_prefill import packed_causal_conv, packed_index_for
 from gpu_worker.model.backends.cpu.packed_scan import packed_scan
+from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY, SHORT_SPAN_TOKENS, ShortSpanRecord, short_spans_scan
 from gpu_worker.model.boundary_states import save_boundary_states
 from gpu_worker.model.config import BambaConfig
 from gpu_worker.model.context import BoundaryState, ForwardContext, PrefillSpan
@@ -211,10 +212,28 @@ class Mamba2Mixer(nn.Module):
         rows = slice(first, first + index.num_prefill_tokens)
         wanted = [(i, ctx.boundaries_of(i)) for i in range(index.num_seqs)] if ctx.boundary_states else []
         wanted = [(i, points) for i, points in wanted if points]
-        conv_before = {i: conv_state[ctx.prefills[i].state_slot].clone() for i, _ in wanted}  # the conv updates it
+        short = max(span.num_tokens for span in ctx.prefills) <= SHORT_SPAN_TOKENS
+        before = range(index.num_seqs) if short else [i for i, _ in wanted]  # short spans keep every window
+        conv_before = {i: conv_state[ctx.prefills[i].state_slot].clone() for i in before}  # the conv updates it
         conv = packed_causal_conv(xbc[rows], self.conv1d.weight, self.conv1d.bias, conv_state, index)
         x, B, C = self._split_xbc(F.silu(conv))
         initial = ssm_state.index_select(0, index.state_slots)
+        lengths = [span.num_tokens for span in ctx.prefills]
+        if short:  # verify rows and short chunks (short_scan)
+            records = ctx.derived.get(RECORDS_KEY)
+            y, final, spans = short_spans_scan(x, dt[rows], A, B, C, self.D, initial, lengths)
+            ssm_state.index_copy_(0, index.state_slots, final.to(ssm_state.dtype))
+            windows = [torch.cat([conv_before[i], xbc[rows][s.token_start - first : s.token_start - first
+                                  + s.num_tokens].t()], dim=-1) for i, s in enumerate(ctx.prefills)]  # fmt: skip
+            keep = conv_state.shape[-1]
+            for i, points in wanted:
+                for point in points:
+                    conv_state[point.row] = windows[i][:, point.offset : point.offset + keep]
+                    ssm_state[point.row] = spans.state_at(i, point.offset - 1).to(ssm_state.dtype)
+            if isinstance(records, list):  # the forward keeps them for speculation's rollback
+                slots = tuple(s.state_slot for s in ctx.prefills)
+                records.append(ShortSpanRecord(conv_state, ssm_state, slots, spans, tuple(windows)))
+            return y.reshape(index.num_prefill_tokens, self.d_inner)
         scan = packed_scan(x, dt[rows], A, B, C, self.D, initial, index)
         ssm_state.index_copy_(0, index.state_slots, scan.final_states.to(ssm_state.dtype))
         for i, points in wanted:  # states at block boundaries inside span i, from the scan's chunk states

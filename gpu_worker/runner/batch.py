@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,6 +35,10 @@ class SequenceChunk(NamedTuple):
     # `next_token` (the prompt token after the chunk; -1 = none) at its last position
     score: bool = False
     next_token: int = -1
+    # speculation: the chunk's last `num_draft_tokens` tokens are drafts (a decode's newest token first,
+    # then the drafts); the step verifies them and keeps the state after the last accepted one
+    # (gpu_worker.runner.speculation)
+    num_draft_tokens: int = 0
 
 
 _TOKEN_IDS = attrgetter("token_ids")
@@ -66,6 +70,10 @@ class ForwardOutput:
     all_logits: tuple[torch.Tensor, ...] | None = None  # per sequence [len, vocab] float32, if asked
     # (batch row, log-probabilities) of each row that scores (SequenceChunk.score), in batch order
     prompt_scores: tuple[tuple[int, list[float]], ...] = ()
+    # (batch row, [1 + drafts, vocab] float32) of each row with drafts: the logits at every position of its chunk
+    draft_logits: tuple[tuple[int, torch.Tensor], ...] = ()
+    # speculation on CPU: each Mamba layer's short spans, to rebuild a rejected row's state (None: draft rows)
+    draft_records: tuple[Any, ...] | None = None
 
 
 def score_targets(seq: SequenceChunk) -> list[int]:

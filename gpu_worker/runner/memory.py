@@ -13,8 +13,9 @@ The budget, one of two ways:
                The part of the device not utilised, (1 - utilization) * total, is headroom for what is
                not profiled (CUDA graphs, allocator fragmentation).
 
-The split of a budget: `max_num_seqs` live state slots, then the checkpoints (`num_checkpoint_slots`, or
-as many as fit in `checkpoint_memory_bytes`), then whole KV pages of what is left. A model without
+The split of a budget: `max_num_seqs` live state slots (and speculation's draft rows), then the
+checkpoints (`num_checkpoint_slots`, or as many as fit in `checkpoint_memory_bytes`), then whole KV
+pages of what is left. A model without
 attention layers gets PAGES_WITHOUT_ATTENTION pages of 0 bytes (page ids still count tokens)."""
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class PoolShape:
     max_num_seqs: int  # live state slots
     num_checkpoint_slots: int  # checkpoints, unless checkpoint_memory_bytes is set
     checkpoint_memory_bytes: int = 0  # when > 0: as many checkpoints as fit in it
+    num_draft_rows: int = 0  # state rows speculation keeps its per-position states in (RunnerConfig.num_draft_rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class MemorySplit:
     attention_workspace_bytes: int = 0  # the part of it one attention call's context-scaled temporaries may hold
     attention_key_tile_tokens: int = 0  # keys per tile of a longest chunk's attention past the workspace
     activation_context_tokens: int = 0  # the longest context the activation budget was sized for
+    num_draft_rows: int = 0  # speculation's state rows, counted in state_pool_bytes
 
     def describe(self) -> str:
         """One log line: the source, then each pool's count and size."""
@@ -156,7 +159,7 @@ def split_budget(
     checkpoints = shape.num_checkpoint_slots
     if shape.checkpoint_memory_bytes > 0 and state > 0:  # an MB budget, LRU within it
         checkpoints = shape.checkpoint_memory_bytes // state
-    state_bytes = state * shape.max_num_seqs
+    state_bytes = state * (shape.max_num_seqs + shape.num_draft_rows)
     checkpoint_bytes = state * checkpoints
     page_bytes = shape.kv_bytes_per_token * shape.kv_page_size_tokens
     if page_bytes == 0:
@@ -166,14 +169,15 @@ def split_budget(
         if num_pages < 1:
             raise InvalidArgumentError(
                 f"the pools' memory (memory_budget_bytes={budget_bytes}, {source}) is too small: Mamba state for"
-                f" {shape.max_num_seqs} slots + {checkpoints} checkpoints needs {state_bytes + checkpoint_bytes}"
-                f" bytes and one KV page {page_bytes}; raise the budget or lower max_num_seqs / num_checkpoint_slots"
+                f" {shape.max_num_seqs} slots + {shape.num_draft_rows} draft rows + {checkpoints} checkpoints needs"
+                f" {state_bytes + checkpoint_bytes} bytes and one KV page {page_bytes}; raise the budget or lower"
+                " max_num_seqs / num_checkpoint_slots"
             )
     return MemorySplit(
         budget_bytes=budget_bytes, source=source, weights_bytes=weights_bytes, activation_bytes=activation_bytes,
         num_kv_pages=num_pages, kv_pool_bytes=num_pages * page_bytes, num_state_slots=shape.max_num_seqs,
         state_pool_bytes=state_bytes, num_checkpoint_slots=checkpoints, checkpoint_pool_bytes=checkpoint_bytes,
-        device_total_bytes=device_total_bytes,
+        device_total_bytes=device_total_bytes, num_draft_rows=shape.num_draft_rows,
     )  # fmt: skip
 
 

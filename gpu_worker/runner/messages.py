@@ -8,7 +8,7 @@ by state slot: the worker writes what changed since it last wrote (a page table 
 `kv_page_size` tokens; a request's parameters and its history are written once, when it first samples in
 its slot, then its history gains the token each step sampled), so any model process can compute any row,
 whatever process computed it the step before (`Split` moves rows between processes). A `Step` then
-carries, per row, ten integers and its chunk's tokens; a `StepDone` the sampled token ids, their
+carries, per row, eleven integers and its chunk's tokens; a `StepDone` the sampled token ids, their
 log-probabilities, the top alternatives only for rows that asked, and the prompt log-probabilities of rows
 that score their prompt (SequenceChunk.score). Logits come back only when a caller asks for them
 (`Step.want_logits`: tests and tools).
@@ -44,6 +44,7 @@ from gpu_worker.runner.sampling import (
     TopLogprobs,
 )
 from gpu_worker.runner.shared_memory import Allocator
+from gpu_worker.runner.speculation import Verified
 from gpu_worker.runner.token_masks import mask_vocab_size, mask_words
 from gpu_worker.runner.warmup import WarmupTimes
 from hybridserve.errors import InvalidArgumentError
@@ -51,10 +52,11 @@ from hybridserve.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from gpu_worker.model.loader import LoadedModel
 
-PROTOCOL_VERSION = 3  # 2: the sampling controls' parameters and history, prompt scores (or the masks); 3: both
+PROTOCOL_VERSION = 4  # 2: the sampling controls' parameters and history, prompt scores (or the masks); 3: both;
+# 4: a row's draft tokens (speculation), and the drafts' verifications back
 # Step.rows' columns
-SLOT, START, NUM_TOKENS, NUM_PAGES, SAVE_CHECKPOINT, YIELDS, SPECIAL, MASKED, SCORE, NEXT_TOKEN = range(10)
-ROW_FIELDS = 10
+SLOT, START, NUM_TOKENS, NUM_PAGES, SAVE_CHECKPOINT, YIELDS, SPECIAL, MASKED, SCORE, NEXT_TOKEN, DRAFTS = range(11)
+ROW_FIELDS = 11
 _NO_CHECKPOINT = -1
 
 
@@ -120,6 +122,7 @@ class StepDone:
     logits: np.ndarray[Any, Any] | None = None  # [n, vocab] float32 when asked
     all_logits: list[np.ndarray[Any, Any]] | None = None
     prompt_scores: PromptScores = ()  # (row of the part, log-probabilities) of the rows that score
+    drafts: tuple[Verified, ...] = ()  # the drafted rows' verifications, rows of the part
 
 
 # ---- the shared tables ---------------------------------------------------------------------------------
@@ -233,7 +236,7 @@ def encode_step(batch: Batch, part: list[int] | None, sampling: StepSampling, wa
         [
             (s.state_slot, s.start_pos, len(s.token_ids), len(s.page_ids),
              _NO_CHECKPOINT if s.save_checkpoint_id is None else s.save_checkpoint_id, i in yielding, i in special,
-             i in masked, s.score, s.next_token)
+             i in masked, s.score, s.next_token, s.num_draft_tokens)
             for s, i in zip(seqs, indices, strict=True)
         ],
         dtype=np.int64,
@@ -277,14 +280,14 @@ class TableReader:
         masked: list[int] = []
         slots: list[int] = []
         offset = 0
-        for r, (slot, start, n, num_pages, save, yields, is_special, is_masked, score, next_token) in enumerate(
+        for r, (slot, start, n, num_pages, save, yields, is_special, is_masked, score, next_token, drafts) in enumerate(
             step.rows.tolist()
         ):
             if not 0 <= slot < self.tables.num_slots or not 0 <= num_pages <= self.tables.max_pages:
                 raise InvalidArgumentError(f"step: state slot {slot} with {num_pages} pages is outside the tables")
             chunks.append(SequenceChunk(
                 tuple(tokens[offset : offset + n]), start, tuple(pages[slot, :num_pages].tolist()), slot,
-                None if save == _NO_CHECKPOINT else save, tuple(inner.get(r, ())), bool(score), next_token,
+                None if save == _NO_CHECKPOINT else save, tuple(inner.get(r, ())), bool(score), next_token, drafts,
             ))  # fmt: skip
             offset += n
             if yields:
@@ -314,7 +317,7 @@ class TableReader:
 
 # ---- replies into the runner's output --------------------------------------------------------------
 def step_output(done: StepDone) -> StepOutput:
-    return StepOutput(done.token_ids, done.logprobs, done.top_logprobs, done.prompt_scores)
+    return StepOutput(done.token_ids, done.logprobs, done.top_logprobs, done.prompt_scores, done.drafts)
 
 
 def step_logits(done: StepDone) -> ForwardOutput:
@@ -326,6 +329,7 @@ def step_logits(done: StepDone) -> ForwardOutput:
 def joined_output(parts: list[list[int]], done: list[StepDone], sampling: StepSampling) -> StepOutput:
     """The parts' tokens in `sampling.rows` order (each part's are its yielding rows, ascending)."""
     scores = tuple(sorted((part[r], v) for part, d in zip(parts, done, strict=True) for r, v in d.prompt_scores))
+    drafts = tuple(sorted(v._replace(row=part[v.row]) for part, d in zip(parts, done, strict=True) for v in d.drafts))
     if not sampling.rows:
         return StepOutput([], [], None, scores) if scores else EMPTY_OUTPUT
     yielding = set(sampling.rows)
@@ -336,7 +340,7 @@ def joined_output(parts: list[list[int]], done: list[StepDone], sampling: StepSa
     picked = [where[row] for row in sampling.rows]
     asked = any(d.top_logprobs is not None for d in done)
     top = [d.top_logprobs[j] if d.top_logprobs is not None else () for d, j in picked] if asked else None
-    return StepOutput([d.token_ids[j] for d, j in picked], [d.logprobs[j] for d, j in picked], top, scores)
+    return StepOutput([d.token_ids[j] for d, j in picked], [d.logprobs[j] for d, j in picked], top, scores, drafts)
 
 
 def joined_logits(parts: list[list[int]], done: list[StepDone]) -> ForwardOutput:

@@ -42,6 +42,7 @@ from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.sampling import sample_step
 from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.shared_memory import AttachedArena, Shapes, share_weights
+from gpu_worker.runner.speculation import roll_back, verify_drafts
 from hybridserve.errors import InvalidArgumentError
 
 log = logging.getLogger("hybridserve.worker.model_process")
@@ -140,6 +141,9 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step, conn: Connection
                 raise RuntimeError(f"expected the step's masks, got {type(ready).__name__}")
         bitmask = reader.masks_of(slots) if masked else None
         sampled = sample_step(out.logits, batch, sampling, reader.tables.history, bitmask)
+        if out.draft_logits:  # speculation: the drafts checked, the states rolled back to the accepted ones
+            sampled = verify_drafts(out, batch, sampling, sampled)
+            roll_back(runner.state_pool, batch, sampled.drafts, out.draft_records)
     except InvalidArgumentError as exc:
         return Failed(str(exc), invalid=True)
     except Exception as exc:
@@ -151,7 +155,7 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step, conn: Connection
     all_logits = [_array(a) for a in out.all_logits] if step.want_logits and out.all_logits is not None else None
     return StepDone(
         sampled.token_ids, sampled.logprobs, sampled.top_logprobs, time.perf_counter() - started, widened, status,
-        logits, all_logits, out.prompt_scores,
+        logits, all_logits, out.prompt_scores, sampled.drafts,
     )  # fmt: skip
 
 

@@ -51,6 +51,7 @@ from gpu_worker.runner.sampling import (
     TopLogprobs,
     sample_step,
 )
+from gpu_worker.runner.speculation import Verified, roll_back, verify_drafts
 from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.step_split import DECODE_ROW_TOKENS, FORWARD_FIXED_TOKENS
 from gpu_worker.runner.token_masks import TokenMasks, mask_vocab_size, mask_words
@@ -65,7 +66,7 @@ __all__ = [
     "DECODE_ROW_TOKENS", "FORWARD_FIXED_TOKENS", "MAX_LOGIT_BIAS_TOKENS", "Batch", "BlockCheckpoint",
     "CheckpointLayout", "KVPagePool", "LogitsRunner", "MambaStatePool", "PoolSet", "Pools", "Runner",
     "SamplingParams", "SequenceChunk",
-    "StepOutput", "StepSampling", "TokenMasks", "TopLogprobs", "mask_vocab_size", "mask_words",
+    "StepOutput", "StepSampling", "TokenMasks", "TopLogprobs", "Verified", "mask_vocab_size", "mask_words",
 ]  # fmt: skip
 
 
@@ -203,6 +204,9 @@ class LogitsRunner:
             self._history.publish(batch, sampling)
         tables = self._history.tables if self._history is not None else None
         sampled = sample_step(out.logits, batch, sampling, tables, bitmask)
+        if out.draft_logits:  # speculation: the drafts checked, the states rolled back to the accepted ones
+            sampled = verify_drafts(out, batch, sampling, sampled)
+            roll_back(self.pools.state_pool, batch, sampled.drafts, out.draft_records)  # type: ignore[attr-defined]
         return replace(sampled, prompt_scores=out.prompt_scores) if out.prompt_scores else sampled
 
     def runs_elsewhere(self, batch: Batch) -> bool:

@@ -24,6 +24,7 @@ from gpu_worker.model.backends import kernel_backend
 from gpu_worker.model.backends.cpu.compiled_decode import DecodeCompiler, can_compile, use_persistent_cache
 from gpu_worker.model.backends.cpu.compiled_step import CompiledDecodeSteps, parse_buckets
 from gpu_worker.model.backends.cpu.linear import use_onednn_linears, warm_onednn_linears
+from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.model.loader import LoadedModel, load_model
@@ -37,6 +38,7 @@ from gpu_worker.runner.profile import activation_budget, bound_step_memory, devi
 from gpu_worker.runner.protocol import LogitsRunner, PoolSet
 from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.shared_memory import Allocator
+from gpu_worker.runner.speculation import check_drafted, draft_logits, keeps_short_spans, with_draft_rows
 from gpu_worker.runner.state_pool import MambaStatePool, state_shapes
 from gpu_worker.runner.tuning import StepThreads, set_cpu_threads
 from gpu_worker.runner.warmup import WarmupTimes, scratch_steps
@@ -82,7 +84,7 @@ class PoolPlan:
         state_bytes = MambaStatePool.bytes_per_slot(c.num_mamba_layers, *state_shapes(c), loaded.dtype)
         shape = PoolShape(
             kv_bytes, config.kv_page_size_tokens, state_bytes, config.max_num_seqs, config.num_checkpoint_slots,
-            config.checkpoint_memory_bytes,
+            config.checkpoint_memory_bytes, config.num_draft_rows,
         )  # fmt: skip
         activations = activation_budget(
             loaded, config.max_num_batched_tokens, config.kv_page_size_tokens, config.max_num_seqs, config.max_model_len
@@ -107,7 +109,7 @@ class PoolPlan:
         )  # fmt: skip
         state_pool = MambaStatePool(
             cfg.max_num_seqs, cfg.num_checkpoint_slots, c.num_mamba_layers, *state_shapes(c), loaded.dtype,
-            loaded.device, alloc,
+            loaded.device, alloc, cfg.num_draft_rows,
         )  # fmt: skip
         return kv_pool, state_pool
 
@@ -338,12 +340,22 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         for seq in batch.sequences:  # boundary checkpoints are written by the mixers: check ids first
             for _, checkpoint_id in seq.boundary_checkpoints:
                 self.state_pool.checkpoint_row(checkpoint_id)
+        drafting = any(seq.num_draft_tokens for seq in batch.sequences)
+        records: list[object] | None = None
+        if drafting:  # speculation: a rejected row's state is rebuilt from the short spans, or kept in draft rows
+            check_drafted(batch)
+            records = [] if keeps_short_spans(batch, self.device) else None
+            if records is None:
+                batch = with_draft_rows(batch, self.state_pool)
         packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
+        if records is not None:
+            packed.ctx.derived[RECORDS_KEY] = records
         if packed.fresh_slots is not None:
             self.state_pool.zero_slots(packed.fresh_slots)
         if self.step_threads is not None:
             self.step_threads.for_step(len(packed.input_ids), batch.num_prefill_tokens)
         if self.decode_steps is not None and not packed.ctx.prefills and not scoring and not batch.return_all_logits:
+            # (a drafted row is a multi-token chunk: never here)
             compiled = self.decode_steps.run(packed.ctx, packed.input_ids)  # None: no bucket holds it
             if compiled is not None:
                 self._save_checkpoints(batch)
@@ -352,15 +364,25 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         logits_of = self.model.compute_logits
         self._save_checkpoints(batch)
         scores = prompt_scores(hidden, packed.token_start, batch, logits_of) if scoring else ()
+        drafts = draft_logits(hidden, packed.token_start, batch, logits_of) if drafting else ()
+        kept = None
+        if records is not None:
+            if len(records) != self.config.num_mamba_layers:  # a mixer path that keeps none (the per-chunk oracle)
+                raise RuntimeError(f"{len(records)} of {self.config.num_mamba_layers} Mamba layers kept the spans")
+            kept = tuple(records)
         if not batch.return_all_logits:
-            return ForwardOutput(logits=logits_of(hidden.index_select(0, packed.last_index)), prompt_scores=scores)
+            last = logits_of(hidden.index_select(0, packed.last_index))
+            return ForwardOutput(logits=last, prompt_scores=scores, draft_logits=drafts, draft_records=kept)
         all_logits = logits_of(hidden)  # [T, vocab] float32
         per_seq = tuple(
             all_logits[start : start + len(seq.token_ids)]
             for start, seq in zip(packed.token_start, batch.sequences, strict=True)
         )
         return ForwardOutput(
-            logits=all_logits.index_select(0, packed.last_index), all_logits=per_seq, prompt_scores=scores
+            logits=all_logits.index_select(0, packed.last_index),
+            all_logits=per_seq,
+            prompt_scores=scores,
+            draft_logits=drafts,
         )
 
     def _forward_graphed(self, batch: Batch) -> ForwardOutput:

@@ -41,6 +41,7 @@ from hybridserve.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from gpu_worker.runner.history import HistoryTables, TokenHistory
+    from gpu_worker.runner.speculation import Verified
 
 MAX_LOGIT_BIAS_TOKENS = 1024  # logit_bias entries one request may have (the step tables' width)
 MAX_HELD_TOKENS = 80  # held_token_ids: stop_token_ids (at most 64, admission) and the EOS ids
@@ -162,6 +163,9 @@ class StepOutput:
     logprobs: list[float]  # log-probability of each chosen token
     top_logprobs: list[TopLogprobs] | None  # per row: num_logprobs alternatives; None when no row asks
     prompt_scores: PromptScores = ()  # the scored rows' prompt log-probabilities (ForwardOutput.prompt_scores)
+    # the drafted rows' verifications (gpu_worker.runner.speculation): their accepted drafts come before
+    # their token here
+    drafts: tuple[Verified, ...] = ()
 
 
 EMPTY_OUTPUT = StepOutput([], [], None)

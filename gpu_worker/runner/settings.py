@@ -58,6 +58,10 @@ class RunnerConfig:
     # on CPU, build oneDNN's projection kernels for every row bucket up to this many rows in a background
     # thread at start-up (gpu_worker.model.backends.cpu.linear); 0 = each on its first use
     cpu_warm_rows: int = 0
+    # state rows beside the live slots where a speculative step keeps the state after each draft token, so a
+    # rejected draft rolls back without a second forward (gpu_worker.runner.speculation); 0 = no speculation.
+    # The engine sets it: --num-speculative-tokens times the rows that may draft in one step.
+    num_draft_rows: int = 0
 
     def __post_init__(self) -> None:
         positive = ("kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens", "max_num_batched_tokens")
@@ -71,7 +75,7 @@ class RunnerConfig:
             raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         names = (
             "cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "model_processes", "cpu_warm_rows",
-            "model_process_lone_threads",
+            "model_process_lone_threads", "num_draft_rows",
         )  # fmt: skip
         for name in names:
             if getattr(self, name) < 0:

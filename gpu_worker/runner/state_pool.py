@@ -24,7 +24,8 @@ def state_shapes(c: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]
 
 
 class MambaStatePool:
-    """Storage rows [0, num_slots) are live slots; rows num_slots + c are checkpoint slot c."""
+    """Storage rows [0, num_slots) are live slots; rows num_slots + c are checkpoint slot c; the
+    `num_draft_rows` rows after the checkpoints belong to speculation (`draft_row`)."""
 
     def __init__(
         self,
@@ -36,12 +37,18 @@ class MambaStatePool:
         conv_dtype: torch.dtype,
         device: torch.device,
         alloc: Allocator | None = None,
+        num_draft_rows: int = 0,
     ) -> None:
-        """`alloc` makes the storage (zeros; default torch.zeros on `device`), as for KVPagePool."""
-        if num_slots <= 0 or num_checkpoint_slots < 0:
-            raise InvalidArgumentError(f"state pool needs >= 1 slot, got {num_slots} (+{num_checkpoint_slots})")
+        """`alloc` makes the storage (zeros; default torch.zeros on `device`), as for KVPagePool.
+        `num_draft_rows` rows follow the checkpoints: a speculative step's states after each draft token."""
+        if num_slots <= 0 or num_checkpoint_slots < 0 or num_draft_rows < 0:
+            raise InvalidArgumentError(
+                f"state pool needs >= 1 slot, got {num_slots} (+{num_checkpoint_slots} checkpoints,"
+                f" {num_draft_rows} draft rows)"
+            )
         self.num_slots, self.num_checkpoint_slots = num_slots, num_checkpoint_slots
-        rows = num_slots + num_checkpoint_slots
+        self.num_draft_rows = num_draft_rows
+        rows = num_slots + num_checkpoint_slots + num_draft_rows
         zeros = alloc or (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
         self._conv = zeros((num_layers, rows, *conv_shape), conv_dtype)
         self._ssm = zeros((num_layers, rows, *ssm_shape), torch.float32)
@@ -130,6 +137,17 @@ class MambaStatePool:
     def checkpoint_row(self, checkpoint_id: int) -> int:
         """The storage row of a checkpoint slot (the mixers write boundary states there)."""
         return self._check_checkpoint(checkpoint_id)
+
+    # ---- draft rows ---------------------------------------------------------------------------------
+    def draft_row(self, index: int) -> int:
+        """The storage row of draft row `index` (a speculative step's state after one draft token)."""
+        if not 0 <= index < self.num_draft_rows:
+            raise InvalidArgumentError(f"state pool: draft row {index} outside [0, {self.num_draft_rows})")
+        return self.num_slots + self.num_checkpoint_slots + index
+
+    def restore_draft_row(self, index: int, slot_id: int) -> None:
+        """Copy a draft row into a live slot: the state after the last accepted draft token."""
+        self._copy_row(self.draft_row(index), self._check_slot(slot_id))
 
     def _copy_row(self, src: int, dst: int) -> None:
         self._conv[:, dst].copy_(self._conv[:, src])

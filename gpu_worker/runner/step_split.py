@@ -19,7 +19,8 @@ class Split:
     """How a step's sequences are shared among the model processes, as index lists into the batch (the
     logits are put back in batch order). The decode rows stay together, in the first part: a decode group
     cut in two costs each process nearly as much as the whole (the weights are read per forward, not per
-    row). The prefill chunks are then dealt, longest first, to the part whose estimated finish (fixed cost
+    row); a decode with drafts (speculation) is one of them, its draft states kept in draft rows that are
+    dealt per forward. The prefill chunks are then dealt, longest first, to the part whose estimated finish (fixed cost
     + tokens, a decode row counting DECODE_ROW_TOKENS, over its process's share) is earliest. Shares are
     learned from how long each process's last part took (its core may be busy with the worker's threads)."""
 
@@ -31,7 +32,7 @@ class Split:
     @staticmethod
     def cost(seq: Any) -> float:
         n = len(seq.token_ids)
-        return DECODE_ROW_TOKENS if n == 1 else float(n)
+        return DECODE_ROW_TOKENS if n == 1 else DECODE_ROW_TOKENS + seq.num_draft_tokens if seq.num_draft_tokens else n
 
     def assign(self, batch: Batch) -> list[list[int]]:
         """Index lists, one per process that gets work (one list: the whole batch in the first process)."""
@@ -42,8 +43,9 @@ class Split:
         costs = [self.cost(s) for s in seqs]
         if sum(costs) < self.min_tokens:
             return whole
-        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-        prefill = sorted((i for i, s in enumerate(seqs) if len(s.token_ids) > 1), key=lambda i: -costs[i])
+        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1 or s.num_draft_tokens]
+        prefill = sorted((i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and not s.num_draft_tokens),
+                         key=lambda i: -costs[i])  # fmt: skip
         parts: list[list[int]] = [[] for _ in range(self.count)]
         load = [0.0] * self.count
         if decode:
