@@ -85,7 +85,8 @@ VLLM_SERIES = (
     "request_success", "num_preemptions", "time_to_first_token_seconds", "inter_token_latency_seconds",
     "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
     "request_decode_time_seconds", "iteration_tokens_total", "request_prompt_tokens", "request_generation_tokens",
-    "prefix_cache_queries", "prefix_cache_hits",
+    "prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
 )  # fmt: skip
 METRICS_COMPAT = ("", "vllm")
 METRICS_COMPAT_HELP = "vllm: serve vLLM's series also under vLLM's own vllm: names (its dashboards, autoscalers)"
@@ -163,6 +164,13 @@ class WorkerMetrics:
                                                 " finished request", buckets=_TOKEN_BUCKETS)  # fmt: skip
         self.prefix_cache_queries = series(Counter, "prefix_cache_queries", "prefix cache lookups, in prompt tokens")
         self.prefix_cache_hits = series(Counter, "prefix_cache_hits", "of those tokens, served from the cache")
+        self.spec_drafts = series(Counter, "spec_decode_num_drafts", "speculative decoding: rows verified with drafts")
+        self.spec_draft_tokens = series(Counter, "spec_decode_num_draft_tokens", "draft tokens verified")
+        self.spec_accepted_tokens = series(Counter, "spec_decode_num_accepted_tokens", "draft tokens accepted")
+        self.spec_accepted_per_pos = series(
+            Counter, "spec_decode_num_accepted_tokens_per_pos", "draft tokens accepted at each draft position",
+            ("position",),
+        )  # fmt: skip
         if compat == "vllm":
             registry.register(CompatCollector(vllm, "hybridserve_", "vllm:"))
         self.plan_latency = histogram(

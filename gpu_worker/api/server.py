@@ -16,7 +16,7 @@ from gpu_worker.cache.manager import PrefixCacheManager
 from gpu_worker.cache.remote import SharedTier, SharedTierAccess
 from gpu_worker.engine.admission import max_model_len_limit
 from gpu_worker.engine.engine import Engine
-from gpu_worker.engine.settings import EngineSettings
+from gpu_worker.engine.settings import EngineSettings, draft_rows_for
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
 from gpu_worker.runner.checkpoint_io import MIN_KEY_BYTES
 from gpu_worker.runner.memory import check_host_memory
@@ -88,6 +88,17 @@ FLAGS = {
         " (a value above what the pool holds is refused at start-up)"
     ),
     "scheduler_deadline_s": Flag("seconds one PlanStep call may take"),
+    "num_speculative_tokens": Flag(
+        "speculative decoding: draft tokens a decode verifies per step at most (the output stays that of plain"
+        " decoding; a request whose drafts all miss backs off); 0 = off"
+    ),
+    "speculative_method": Flag("where drafts come from: ngram (prompt lookup in the request's own tokens)"),
+    "ngram_min": Flag("prompt lookup: the shortest suffix of the request's tokens whose earlier occurrence drafts"),
+    "ngram_max": Flag("prompt lookup: the longest suffix tried"),
+    "speculative_max_rows": Flag(
+        "drafts only in steps of at most this many running requests (a larger batch is cheap per token already);"
+        " the runner keeps a state per draft token of each"
+    ),
     "scheduler_give_up_s": Flag("fail in-flight requests when no scheduler answers for this long"),
     "prefix_caching": Flag("reuse cached prefixes (KV + Mamba state at block boundaries)"),
     "memory_budget_bytes": Flag(
@@ -175,7 +186,8 @@ FLAGS = {
 SECURITY_FIELDS = ("api_key_file", "checkpoint_key_file", "cluster_token_file")
 ENGINE_FIELDS = (
     "scheduler_addresses", "cache_address", "async_scheduling", "max_queue_len", "default_max_tokens",
-    "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s",
+    "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s", "num_speculative_tokens", "speculative_method",
+    "ngram_min", "ngram_max", "speculative_max_rows",
 )  # fmt: skip
 RUNNER_FIELDS = (
     "memory_budget_bytes", "gpu_memory_utilization", "num_checkpoint_slots", "checkpoint_memory_bytes", "device",
@@ -230,6 +242,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     runner = settings_from_args_of(
         RunnerConfig, args, kv_page_size_tokens=scheduler.kv_page_size, max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        num_draft_rows=draft_rows_for(args.num_speculative_tokens, args.speculative_max_rows),
     )  # fmt: skip
     return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner)
 

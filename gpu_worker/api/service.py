@@ -183,6 +183,9 @@ class GenerationServicer:
             memory_source=memory.source,
             device_memory_bytes=memory.device_total_bytes,
             decode_compile=str(runner.describe().get("decode_compile", "off")),
+            num_speculative_tokens=settings.num_speculative_tokens,
+            spec_decode_num_draft_tokens=counters.num_draft_tokens,
+            spec_decode_num_accepted_tokens=counters.num_accepted_tokens,
         )
         if self.warmup is not None:
             warmup_to_pb(self.warmup, info)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpu_worker.cache.interface import CacheLookup, PendingCheckpoint, PrefixCache
+from gpu_worker.cache.interface import CacheLookup, NoPrefixCache, PendingCheckpoint, PrefixCache
 from gpu_worker.engine.records import Occupancy
 from gpu_worker.engine.request import Request
 from gpu_worker.runner.protocol import KVPagePool, MambaStatePool
@@ -21,6 +21,7 @@ class Allocator:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.prefix = prefix
+        self.checkpoints = not isinstance(prefix, NoPrefixCache)  # states are kept at block boundaries
 
     def attach_prefix(self, request: Request) -> CacheLookup | None:
         """A request enters the waiting queue: it takes the pages of its cached prefix, if any."""

@@ -41,6 +41,7 @@ from gpu_worker.engine.prepare import PreparedStep, prepare_step
 from gpu_worker.engine.records import EngineCounters, FirstToken, Occupancy, StepRecord
 from gpu_worker.engine.request import FinishReason, Request
 from gpu_worker.engine.settings import EngineSettings
+from gpu_worker.engine.speculation import observe_step, speculator_for, step_drafts
 from gpu_worker.engine.table import RequestTable
 from gpu_worker.runner.protocol import Runner, StepOutput, StepSampling
 from hybridserve.errors import (
@@ -86,6 +87,7 @@ class Engine:
         self.step_index = 0
         config = settings.scheduler  # the most pages one step can take: every token on a new page
         self._most_pages_per_step = -(-config.max_num_batched_tokens // config.kv_page_size) + config.max_num_seqs
+        self.speculator = speculator_for(settings)  # drafts (gpu_worker.engine.speculation); None: off
 
     # ---- called from any thread ----------------------------------------------------------------
     @cached_property
@@ -193,6 +195,8 @@ class Engine:
             return None  # planned ahead from a predicted state: plan again from the real one
         waited_s = time.monotonic() - started
         step_index, self.step_index = self.step_index, self.step_index + 1
+        if self.speculator is not None:
+            self.speculator.step = self.step_index
         if stalled:  # apply what it reclaims, so that the next plan differs
             prepared, endings = self._unstall(plan)
             self._emit(step_index, planned, prepared, False, waited_s, started)
@@ -208,7 +212,8 @@ class Engine:
             if output is not None and prepared.yielding_rows and prepared.batch is not None:  # tokens: it is done
                 self.prefix.record_forward(prepared.batch.num_prefill_tokens, time.monotonic() - forward_started)
             endings, yielded = self._apply(prepared, output), True  # 4. apply
-        self._emit(step_index, planned, prepared, yielded, waited_s, started)  # 5. emit the step record
+        sampled = output if not isinstance(output, HybridServeError) else None
+        self._emit(step_index, planned, prepared, yielded, waited_s, started, sampled)  # 5. emit the step record
         self._end(endings)  # the ended requests' last events, after the record
         return following
 
@@ -247,12 +252,17 @@ class Engine:
         if in_flight is not None:  # its rows' requests are running: as many yielding as running means all
             yielding_ids = None if len(in_flight.yielding) == self.table.num_running else in_flight.yielding_ids
         running, waiting = self.table.sched_states(yielding_ids)
+        free_pages = self.allocator.num_free_pages(self._most_pages_per_step)
+        if self.speculator is not None:  # the drafts ready; pages held back for those in flight
+            running = self.speculator.with_drafts(running, list(self.table.running.values()))
+            if in_flight is not None:
+                free_pages -= self.speculator.page_reserve(in_flight.rows)
         return StepInput(
             config=self.settings.scheduler,
             running=running,
             waiting=waiting,
             step_index=self.step_index,
-            num_free_kv_pages=self.allocator.num_free_pages(self._most_pages_per_step),
+            num_free_kv_pages=max(free_pages, 0),
             share=self.share.state,
             pinned_kv_pages=self.allocator.pinned_pages(self.table.waiting.values()) if waiting else (),
         )
@@ -260,7 +270,8 @@ class Engine:
     # ---- 2. prepare ------------------------------------------------------------------------------
     def _prepare(self, plan: StepPlan) -> PreparedStep:
         """The plan's rows, with its preemptions, admissions and pages (gpu_worker.engine.prepare)."""
-        return prepare_step(plan, self.table, self.allocator, self.settings.scheduler.block_size, self._enqueue)
+        block_size = self.settings.scheduler.block_size
+        return prepare_step(plan, self.table, self.allocator, block_size, self._enqueue, self.speculator)
 
     def _unstall(self, plan: StepPlan) -> tuple[PreparedStep, list[Ending]]:
         """Applies a plan without slices: its dropped prefix hits and preemptions (prepare), then the
@@ -335,9 +346,12 @@ class Engine:
         if not prepared.yielding:
             return []
         now = time.monotonic()
-        endings, firsts = self.outputs.append_step(
-            prepared.yielding, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, now
-        )
+        drafted: list[Ending] = []
+        tokens = (prepared.yielding, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
+        if sampled.drafts and self.speculator is not None:  # the accepted drafts first (speculation)
+            drafted, tokens = self.speculator.apply(self.outputs, prepared, sampled, now)
+        endings, firsts = self.outputs.append_step(*tokens, now)
+        endings = drafted + endings if drafted else endings
         for request in firsts:
             self.observer.request_first_token(FirstToken(request.request_id, request.arrival_time, now))
         for ending in endings:
@@ -346,7 +360,14 @@ class Engine:
 
     # ---- 6. emit ---------------------------------------------------------------------------------
     def _emit(
-        self, step_index: int, planned: Planned, prepared: PreparedStep, yielded: bool, waited_s: float, started: float
+        self,
+        step_index: int,
+        planned: Planned,
+        prepared: PreparedStep,
+        yielded: bool,
+        waited_s: float,
+        started: float,
+        sampled: StepOutput | None = None,
     ) -> None:
         now = time.monotonic()
         record = StepRecord(
@@ -360,8 +381,11 @@ class Engine:
             wall_s=now - started,
             end_time_s=now,
             occupancy=self._occupancy(),
+            drafts=step_drafts(prepared, sampled),
         )
         self.counters.add_step(record)
+        if self.speculator is not None:
+            observe_step(self.speculator, record)
         self.share.step_finished(record.step_input, record.plan, record.num_prefill_tokens, record.num_decode_tokens,
                                  record.wall_s - waited_s, now)  # fmt: skip
         self.observer.step_finished(record)
@@ -419,6 +443,8 @@ class Engine:
         request = self.table.pop_live(request_id)
         if request is not None:
             self.allocator.release(request)
+            if self.speculator is not None:
+                self.speculator.forget(request_id)
         return request
 
     def _fail_running(self, error: HybridServeError) -> list[Ending]:

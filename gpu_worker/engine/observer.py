@@ -144,6 +144,8 @@ def finished_record(ending: Ending, now: float) -> RequestFinished:
         num_output_tokens=len(r.output_token_ids),
         arrival_time=r.arrival_time,
         finish_time=now,
+        num_draft_tokens=r.num_draft_tokens,
+        num_accepted_tokens=r.num_accepted_tokens,
     )
 
 

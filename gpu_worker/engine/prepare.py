@@ -15,6 +15,7 @@ from typing import NamedTuple
 from gpu_worker.cache.interface import PendingCheckpoint
 from gpu_worker.engine.allocator import Allocator
 from gpu_worker.engine.request import Request
+from gpu_worker.engine.speculation import Speculator
 from gpu_worker.engine.table import RequestTable
 from gpu_worker.runner.protocol import Batch, SequenceChunk
 from scheduler_svc.core import Slice, StepPlan
@@ -65,13 +66,16 @@ class PreparedStep:
 _new = tuple.__new__
 
 
-def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoint], yields: bool) -> Row:
+def make_row(
+    request: Request, planned: Slice, checkpoints: list[PendingCheckpoint], yields: bool, drafts: tuple[int, ...] = ()
+) -> Row:
     """The row of `planned` for a request whose pages already cover the chunk; `yields`: the chunk
     ends at the last known token. A checkpoint at the chunk's end is copied from the state slot
-    after the forward; those inside it, by the mixers."""
+    after the forward; those inside it, by the mixers. `drafts`: a decode's draft tokens, after its
+    newest token (gpu_worker.engine.speculation)."""
     # Positional construction: this runs for every row of every step.
     start = request.num_computed_tokens
-    end = start + planned.num_tokens
+    end = start + planned.num_tokens - len(drafts)
     slot = request.state_slot
     at_end = None
     inside: tuple[tuple[int, int], ...] = ()
@@ -86,7 +90,7 @@ def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoi
         score, next_token = start < len(prompt), prompt[end] if end < len(prompt) else -1
     # tuple.__new__(cls, fields) is cls(*fields) without the NamedTuple's Python constructor.
     chunk = _new(SequenceChunk, (
-        request.tokens(start, end),
+        request.tokens(start, end) + drafts if drafts else request.tokens(start, end),
         start,
         request.page_table(),
         slot if slot is not None else -1,
@@ -94,6 +98,7 @@ def make_row(request: Request, planned: Slice, checkpoints: list[PendingCheckpoi
         inside,
         score,
         next_token,
+        len(drafts),
     ))  # fmt: skip
     return _new(Row, (request, planned, chunk, yields, tuple(checkpoints) if checkpoints else ()))
 
@@ -102,14 +107,20 @@ log = logging.getLogger("hybridserve.engine")
 
 
 def prepare_step(
-    plan: StepPlan, table: RequestTable, allocator: Allocator, block_size: int, enqueue: Callable[[Request], None]
+    plan: StepPlan,
+    table: RequestTable,
+    allocator: Allocator,
+    block_size: int,
+    enqueue: Callable[[Request], None],
+    speculator: Speculator | None = None,
 ) -> PreparedStep:
     """Drops the prefix hits, preempts, admits and allocates what the plan asks, in that order (the
     drops' pages are unused cache before anything allocates); a slice whose request ended since it
     was planned (async scheduling) or that found no pages is skipped. Preempted requests are queued
     again (`enqueue`) only after the step's pages are taken: queueing attaches a request's cached
     prefix, which would pin again the pages its preemption freed for this step's plan. `block_size`
-    is the prefix cache's checkpoint grid. The plan's failures are the engine's to apply."""
+    is the prefix cache's checkpoint grid. The plan's failures are the engine's to apply. A decode
+    slice of more than one token carries drafts (`speculator`; see `_drafted_row`)."""
     for rid in plan.dropped_prefix_request_ids:
         drop_prefix(table, allocator, rid)
     requeue = [r for rid in plan.preempted_request_ids if (r := preempt(table, allocator, rid)) is not None]
@@ -124,7 +135,15 @@ def prepare_step(
         end = start + planned.num_tokens
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
         if end > num_tokens:
-            continue
+            if speculator is None or start != num_tokens - 1:
+                continue
+            # a decode granted drafts: a row with those it has, else a plain decode
+            row = _drafted_row(request, planned, speculator, allocator, block_size)
+            if row is not None:
+                rows.append(row)
+                request.num_computed_tokens = start + 1  # its drafts count rejected until verified
+                continue
+            planned, end = planned._replace(num_tokens=1), num_tokens
         covered = end <= len(request.page_ids) * page_size  # most decodes: no new page, no call
         if not covered and not allocator.ensure_pages(request, end):
             log.warning("no KV pages for %s although planned; preempting it", request.request_id)
@@ -139,6 +158,23 @@ def prepare_step(
     for request in requeue:
         enqueue(request)
     return PreparedStep(tuple(rows), tuple(r.request_id for r in requeue))
+
+
+def _drafted_row(
+    request: Request, planned: Slice, speculator: Speculator, allocator: Allocator, block_size: int
+) -> Row | None:
+    """The row of a decode with drafts (its newest token, then those proposed now, at most the plan's
+    grant, short of a block boundary the prefix cache checkpoints at), or None when it has none to
+    carry or no pages for them: it then runs as a plain decode, the caller's to make."""
+    start = request.num_computed_tokens
+    checkpoint_at = (start // block_size + 1) * block_size if allocator.checkpoints else None
+    drafts = speculator.drafts_for(request, planned.num_tokens - 1, checkpoint_at)
+    if not drafts:
+        return None
+    end = start + 1 + len(drafts)
+    if end > len(request.page_ids) * allocator.kv_pool.page_size_tokens and not allocator.ensure_pages(request, end):
+        return None
+    return make_row(request, planned._replace(num_tokens=1 + len(drafts)), [], True, drafts)
 
 
 def admit(table: RequestTable, allocator: Allocator, request_id: str) -> Request | None:

@@ -64,6 +64,15 @@ class StepRecord:
     wall_s: float  # the whole step: planning wait + prepare + forward + sample + apply
     end_time_s: float  # when the step's tokens were applied
     occupancy: Occupancy  # after the step
+    drafts: tuple[tuple[str, int, int], ...] = ()  # speculative decoding: (request id, drafted, accepted) per row
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(d for _, d, _ in self.drafts)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(a for _, _, a in self.drafts)
 
     @property
     def num_skipped_slices(self) -> int:
@@ -123,6 +132,8 @@ class RequestFinished:
     num_output_tokens: int
     arrival_time: float
     finish_time: float
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -136,6 +147,8 @@ class EngineCounters:
     num_stalled_steps: int = 0
     num_generated_tokens: int = 0
     num_computed_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
+    num_accepted_tokens: int = 0
 
     def add_step(self, record: StepRecord) -> None:
         """Adds one executed step."""
@@ -146,3 +159,8 @@ class EngineCounters:
         self.num_stalled_steps += int(record.plan.stats.stalled)
         self.num_computed_tokens += record.num_computed_tokens
         self.num_generated_tokens += record.num_sampled_tokens
+        if record.drafts:
+            accepted = record.num_accepted_tokens
+            self.num_generated_tokens += accepted  # each accepted draft is a generated token
+            self.num_draft_tokens += record.num_draft_tokens
+            self.num_accepted_tokens += accepted

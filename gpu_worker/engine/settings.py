@@ -24,6 +24,12 @@ class EngineSettings:
     scheduler_deadline_s: float = 2.0  # per PlanStep call
     scheduler_give_up_s: float = 30.0  # no replica answered for this long: fail in-flight requests
     idle_wait_s: float = 0.05  # how long the loop sleeps when there is no work
+    # speculative decoding (gpu_worker/engine/speculation.py): drafts per decode at most; 0 = off
+    num_speculative_tokens: int = 0
+    speculative_method: str = "ngram"  # where drafts come from: ngram (prompt lookup)
+    ngram_min: int = 2  # prompt lookup: the shortest suffix match that drafts
+    ngram_max: int = 4  # ... and the longest one tried
+    speculative_max_rows: int = 4  # steps of more running requests decode without drafts (bench_spec)
 
     def __post_init__(self) -> None:
         if self.scheduler.kv_page_size != self.runner.kv_page_size_tokens:
@@ -38,6 +44,31 @@ class EngineSettings:
             )
         if not self.scheduler_addresses:
             raise InvalidArgumentError("--scheduler needs at least one address (host:port)")
+        self._check_speculation()
         for name in ("max_queue_len", "default_max_tokens"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def _check_speculation(self) -> None:
+        k = self.num_speculative_tokens
+        if k < 0:
+            raise InvalidArgumentError(f"--num-speculative-tokens must be >= 0 (0 = off), got {k}")
+        if self.speculative_method != "ngram":
+            raise InvalidArgumentError(f"--speculative-method {self.speculative_method!r} is not supported; use ngram")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidArgumentError(
+                f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: need 1 <= min <= max"
+            )
+        if k and self.speculative_max_rows < 1:
+            raise InvalidArgumentError(f"--speculative-max-rows must be >= 1, got {self.speculative_max_rows}")
+        if k and self.runner.num_draft_rows < k:
+            raise InvalidArgumentError(
+                f"--num-speculative-tokens {k} needs the runner's draft rows (RunnerConfig.num_draft_rows ="
+                f" {self.runner.num_draft_rows}) to hold at least {k}: set num_draft_rows ="
+                " num_speculative_tokens * speculative_max_rows (draft_rows_for)"
+            )
+
+
+def draft_rows_for(num_speculative_tokens: int, max_rows: int) -> int:
+    """RunnerConfig.num_draft_rows for these settings: a kept state per draft token of every drafting row."""
+    return num_speculative_tokens * max_rows

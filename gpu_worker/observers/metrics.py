@@ -90,7 +90,18 @@ class MetricsObserver(EngineObserver):
             m.stalled_steps.inc()
         if record.preempted_request_ids:
             m.preemptions.inc(len(record.preempted_request_ids))
+        if record.drafts:
+            self._count_drafts(record.drafts)
         self.occupancy_changed(record.occupancy)
+
+    def _count_drafts(self, drafts: tuple[tuple[str, int, int], ...]) -> None:
+        m = self.metrics
+        m.spec_drafts.inc(len(drafts))
+        m.spec_draft_tokens.inc(sum(d for _, d, _ in drafts))
+        m.spec_accepted_tokens.inc(sum(a for _, _, a in drafts))
+        for _, _, accepted in drafts:
+            for position in range(accepted):
+                m.spec_accepted_per_pos.labels(m.model_name, str(position)).inc()
 
     def _count_outputs(self, progress: _Progress, count: int, now: float) -> None:
         """Counts a request's new output tokens and, after its first, their inter-token latency."""

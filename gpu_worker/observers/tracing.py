@@ -96,6 +96,12 @@ class TracingObserver(EngineObserver):
                 "gen_ai.usage.output_tokens": event.num_output_tokens,
             }
         )
+        if event.num_draft_tokens:  # speculative decoding
+            span.set_attributes({
+                "hybridserve.spec_decode.num_draft_tokens": event.num_draft_tokens,
+                "hybridserve.spec_decode.num_accepted_tokens": event.num_accepted_tokens,
+                "hybridserve.spec_decode.acceptance_rate": event.num_accepted_tokens / event.num_draft_tokens,
+            })  # fmt: skip
         if event.error is not None:
             span.set_status(Status(StatusCode.ERROR, f"{type(event.error).__name__}: {event.error}"))
         span.end()
@@ -202,6 +208,13 @@ def step_attributes(record: StepRecord) -> Attributes:
     }
     if plan.preempted_request_ids:
         attrs[PREFIX + "preempted_request_ids"] = list(plan.preempted_request_ids)
+    if record.drafts:  # speculative decoding: drafted, accepted and rejected tokens, and of which requests
+        drafted, accepted = record.num_draft_tokens, record.num_accepted_tokens
+        attrs[PREFIX + "num_draft_tokens"] = drafted
+        attrs[PREFIX + "num_accepted_tokens"] = accepted
+        attrs[PREFIX + "num_rejected_tokens"] = drafted - accepted
+        attrs[PREFIX + "drafted_request_ids"] = [rid for rid, _, _ in record.drafts]
+        attrs[PREFIX + "drafts_accepted"] = [a for _, _, a in record.drafts]
     step_input = record.step_input
     if step_input is not None:
         attrs[PREFIX + "num_running"] = len(step_input.running)

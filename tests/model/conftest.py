@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from transformers.utils import logging as hf_logging
 
+from scheduler_svc.server import create_server
 from tests.model.model_helpers import FAMILY_SPECS, SPECS, make_hf_model, save_hf_model
 
 hf_logging.set_verbosity_error()
@@ -40,3 +42,12 @@ def family_checkpoint(
 ) -> tuple[object, Path]:
     """One checkpoint per family (Bamba, Granite dense and MoE, Nemotron-H dense and MoE)."""
     return checkpoints[request.param]
+
+
+@pytest.fixture(scope="module")
+def scheduler_address() -> Iterator[str]:
+    """A Scheduler service on a free port, for the module's workers."""
+    server, port, _ = create_server("127.0.0.1", 0)
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,43 +16,41 @@ from gpu_worker.api.server import build_prefix_cache
 from gpu_worker.api.service import GenerationServicer, add_to_server
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.settings import EngineSettings
-from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.model_process import ProcessRunner, build_runner
 from gpu_worker.runner.settings import RunnerConfig
 from hybridserve import grpc_server
 from hybridserve.v1 import generation_pb2 as pb
 from hybridserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.client import SchedulerClient
-from scheduler_svc.server import create_server
 from tests.model.model_helpers import FAMILY_SPECS
 from tests.worker.conftest import SCHEDULER, budget_for_pages, collect, greedy_request, hf_greedy
-
-
-@pytest.fixture(scope="module")
-def scheduler_address() -> Iterator[str]:
-    server, port, _ = create_server("127.0.0.1", 0)
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(None)
 
 
 class Served:
     """A worker (runner + engine + Generation service on port 0) for one checkpoint; stopped by `close`."""
 
-    def __init__(self, path: Path, scheduler: str, prefix_caching: bool = False, num_kv_pages: int | None = None):
+    def __init__(
+        self, path: Path, scheduler: str, prefix_caching: bool = False, num_kv_pages: int | None = None,
+        speculative_tokens: int = 0, runner: dict[str, object] | None = None, **engine: object,
+    ) -> None:  # fmt: skip
         config = replace(SCHEDULER, stop_at_last_boundary=prefix_caching)
         runner_config = RunnerConfig(
             memory_budget_bytes=16 << 20, kv_page_size_tokens=config.kv_page_size, max_num_seqs=config.max_num_seqs,
-            num_checkpoint_slots=16, device="cpu", dtype="float32",
+            num_checkpoint_slots=16, device="cpu", dtype="float32", num_draft_rows=speculative_tokens * 8,
         )  # fmt: skip
         if num_kv_pages is not None:
             budget = budget_for_pages(runner_config, path, num_kv_pages)
             runner_config = replace(runner_config, memory_budget_bytes=budget)
-        settings = EngineSettings(scheduler=config, runner=runner_config, scheduler_addresses=(scheduler,))
+        runner_config = replace(runner_config, **(runner or {}))  # type: ignore[arg-type]
+        settings = EngineSettings(
+            scheduler=config, runner=runner_config, scheduler_addresses=(scheduler,),
+            num_speculative_tokens=speculative_tokens, speculative_max_rows=8, **engine,  # type: ignore[arg-type]
+        )  # fmt: skip
         self.client = SchedulerClient((scheduler,), deadline_s=settings.scheduler_deadline_s,
                                       give_up_after_s=settings.scheduler_give_up_s)  # fmt: skip
-        runner = ModelRunner.from_model_dir(path, runner_config)
-        prefix = build_prefix_cache(runner, settings, prefix_caching)
-        self.engine = Engine(runner, self.client.plan, settings, prefix=prefix)
+        model = build_runner(path, runner_config)  # in process unless `runner` asks for model processes
+        prefix = build_prefix_cache(model, settings, prefix_caching)
+        self.engine = Engine(model, self.client.plan, settings, prefix=prefix)
         self.engine.start()
         self.server, port, _ = grpc_server.create_server([add_to_server(GenerationServicer(self.engine, path.name))])
         self.server.start()
@@ -70,6 +67,8 @@ class Served:
         self.server.stop(None)
         self.engine.stop()
         self.client.close()
+        if isinstance(self.engine.runner, ProcessRunner):
+            self.engine.runner.close()
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:

@@ -72,7 +72,8 @@ class Worker:
 def budget_for_pages(runner_config: RunnerConfig, checkpoint: Path, num_pages: int) -> int:
     """The memory budget that leaves exactly num_pages KV pages."""
     probe = ModelRunner.from_model_dir(checkpoint, runner_config)
-    state = probe.state_bytes_per_request * (runner_config.max_num_seqs + runner_config.num_checkpoint_slots)
+    slots = runner_config.max_num_seqs + runner_config.num_checkpoint_slots + runner_config.num_draft_rows
+    state = probe.state_bytes_per_request * slots
     return state + num_pages * probe.kv_bytes_per_token * runner_config.kv_page_size_tokens
 
 
