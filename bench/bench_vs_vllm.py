@@ -149,7 +149,7 @@ def compare(ours: list[list[int]], theirs: list[list[int]]) -> str:
 
 
 def start_vllm_server(
-    python: Path, model: Path, max_len: int, max_seqs: int, dtype: str = "float32"
+    python: Path, model: Path, max_len: int, max_seqs: int, dtype: str = "float32", extra: tuple[str, ...] = ()
 ) -> tuple[Any, str]:
     from http_load import wait_http_ready
 
@@ -159,7 +159,7 @@ def start_vllm_server(
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
                "--port", str(port), "--dtype", dtype, "--skip-tokenizer-init", "--enforce-eager",
                "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs), "--no-enable-prefix-caching",
-               "--served-model-name", SERVED_NAME, "--seed", "0"]  # fmt: skip
+               "--served-model-name", SERVED_NAME, "--seed", "0", *extra]  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": str(SERVER_CACHE_MB // 1024), "TOKENIZERS_PARALLELISM": "false"}
     server = Child("vllm-server", command, env=env, keep_lines=400)
     url = f"http://127.0.0.1:{port}"
