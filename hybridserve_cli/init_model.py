@@ -1,7 +1,8 @@
-"""`hybridserve init-model DIR [--random | --arch bamba|granitemoehybrid|nemotron_h [--moe]] [--chat-template
-granite]`: write the default model (a small Bamba trained on the Python standard library, see
-`hybridserve_cli.demo_model`), or a tiny seeded random checkpoint of a family for tests (`--random`; `--arch`
-and `--moe` imply it); `--chat-template granite` writes a Granite-4.0-style chat template with tools.
+"""`hybridserve init-model DIR [--random | --arch bamba|granitemoehybrid|nemotron_h [--moe] [--mtp]]
+[--chat-template granite]`: write the default model (a small Bamba trained on the Python standard library,
+see `hybridserve_cli.demo_model`), or a tiny seeded random checkpoint of a family for tests (`--random`;
+`--arch`, `--moe` and `--mtp` imply it; `--mtp` adds Nemotron-H's multi-token-prediction layers);
+`--chat-template granite` writes a Granite-4.0-style chat template with tools.
 
 The output is a regular Hugging Face checkpoint folder (config.json, model.safetensors,
 generation_config.json, tokenizer.json) that transformers' `from_pretrained` of the family also loads.
@@ -52,12 +53,15 @@ class ModelSpec:
     moe: bool = False  # MoE layers instead of dense MLPs (granitemoehybrid, nemotron_h)
     num_experts: int = 4
     num_experts_per_tok: int = 2
+    mtp: bool = False  # a multi-token-prediction head (nemotron_h: `mtp.*`, for speculative decoding)
 
     def to_hf_config(self) -> dict[str, Any]:
         """config.json contents, in the layout transformers 5.x writes."""
         family = family_named(self.arch)
         if self.moe and family.name == "bamba":
             raise InvalidArgumentError("--moe needs an architecture with MoE layers (granitemoehybrid, nemotron_h)")
+        if self.mtp and family.name != "nemotron_h":
+            raise InvalidArgumentError("--mtp needs an architecture with multi-token-prediction layers (nemotron_h)")
         return family.tiny_hf_config(self) | {
             "pad_token_id": PAD_ID,
             "bos_token_id": BOS_ID,
@@ -142,6 +146,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arch", choices=sorted(BY_NAME), default=None, help="family of the random model (implies --random; bamba)"
     )
     parser.add_argument("--moe", action="store_true", help="MoE layers (implies --random)")
+    parser.add_argument(
+        "--mtp", action="store_true",
+        help="a multi-token-prediction head, for --speculative-method mtp (nemotron_h; implies --random)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="weight seed of a random model (default 0)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing checkpoint in DIR")
     parser.add_argument(
@@ -158,9 +166,10 @@ def run(args: argparse.Namespace) -> int:
     if (root / "config.json").exists() and not args.force:
         print(f"error: {root} already holds a checkpoint; pass --force to overwrite it", file=sys.stderr)
         return 2
-    random = args.random or args.arch is not None or args.moe
+    random = args.random or args.arch is not None or args.moe or args.mtp
     if random:
-        write_random_checkpoint(root, ModelSpec(arch=args.arch or "bamba", moe=args.moe), seed=args.seed)
+        spec = ModelSpec(arch=args.arch or ("nemotron_h" if args.mtp else "bamba"), moe=args.moe, mtp=args.mtp)
+        write_random_checkpoint(root, spec, seed=args.seed)
     else:
         from hybridserve_cli.demo_model.default import write_default_checkpoint  # it builds on this module
 
@@ -171,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load_model(root, device="cpu", dtype="float32")
     n_params = sum(p.numel() for p in loaded.model.parameters())
-    arch = f"{loaded.config.architecture}{' (MoE)' if args.moe else ''}"
+    arch = f"{loaded.config.architecture}{' (MoE)' if args.moe else ''}{' with an MTP head' if args.mtp else ''}"
     # named as asked: `--random` says so, `--arch` names the family, the default names its family and that it is trained
     kind = f"random model ({arch})" if args.random else f"{arch} model" if random else f"{arch} model (trained default)"
     print(f"wrote {kind} to {root} ({n_params} parameters, fingerprint {loaded.fingerprint[:16]})")

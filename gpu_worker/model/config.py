@@ -86,6 +86,9 @@ class ModelConfig:
     # the longest sequence (tokens) the checkpoint says it serves; 0 = it names none. A serving limit, not a
     # shape: it is left out of the fingerprint (two checkpoints that differ only here compute the same)
     max_position_embeddings: int = 0
+    # a multi-token-prediction head (Nemotron-H's `mtp.*`): its residual blocks, after a fusion of the next
+    # token's embedding with the model's last hidden state (gpu_worker.model.model.MtpHead); () = none
+    mtp_blocks: tuple[BlockKind, ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -114,10 +117,17 @@ class ModelConfig:
     def num_mamba_layers(self) -> int:
         return self.blocks.count("mamba")
 
+    @property
+    def num_mtp_attention_layers(self) -> int:
+        """Attention blocks of the multi-token-prediction head (their KV sits after the model's)."""
+        return self.mtp_blocks.count("attention")
+
     def to_canonical_json(self) -> str:
         """A stable serialisation (sorted keys, inf spelled out) for fingerprints."""
         fields = asdict(self)
         del fields["max_position_embeddings"]
+        if not self.mtp_blocks:  # a field added later: configs without it keep their fingerprint
+            del fields["mtp_blocks"]
         return json.dumps(fields, sort_keys=True, default=str, allow_nan=True)
 
 
@@ -128,7 +138,7 @@ def _validate(c: ModelConfig) -> None:
         return InvalidArgumentError(f"config.json: {msg}")
 
     positive = ["vocab_size", "hidden_size"]
-    if c.num_attention_layers:
+    if c.num_attention_layers or c.num_mtp_attention_layers:
         positive += ["num_attention_heads", "num_key_value_heads", "head_dim"]
     if c.num_mamba_layers:
         positive += ["mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
@@ -143,7 +153,7 @@ def _validate(c: ModelConfig) -> None:
     unknown = sorted(set(c.blocks) - set(BLOCK_KINDS))
     if unknown or not c.blocks:
         raise bad(f"layer types {unknown or 'empty'} are not supported (supported: {', '.join(BLOCK_KINDS)})")
-    if c.num_attention_layers and c.num_attention_heads % c.num_key_value_heads:
+    if (c.num_attention_layers or c.num_mtp_attention_layers) and c.num_attention_heads % c.num_key_value_heads:
         raise bad(
             f"num_attention_heads={c.num_attention_heads} is not a multiple of "
             f"num_key_value_heads={c.num_key_value_heads}"
@@ -154,8 +164,13 @@ def _validate(c: ModelConfig) -> None:
         raise bad(f"mamba_n_heads={c.mamba_n_heads} is not divisible by mamba_n_groups={c.mamba_n_groups}")
     if not c.time_step_min <= c.time_step_max:
         raise bad(f"time_step_limit min {c.time_step_min} exceeds max {c.time_step_max}")
-    if "moe" in c.blocks:
+    if "moe" in c.blocks or "moe" in c.mtp_blocks:
         _validate_moe(c.moe, bad)
+    if "mamba" in c.mtp_blocks:
+        raise bad("mtp_hybrid_override_pattern: Mamba layers (M) in the multi-token-prediction head are not"
+                  " supported; only * (attention), - (MLP) and E (MoE)")  # fmt: skip
+    if "mlp" in c.mtp_blocks and c.intermediate_size <= 0:
+        raise bad("intermediate_size must be positive for the MTP head's MLP layers")
 
 
 def _validate_moe(m: MoEConfig | None, bad: Callable[[str], InvalidArgumentError]) -> None:

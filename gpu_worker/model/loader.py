@@ -187,7 +187,7 @@ def build_model(
     with torch.device("meta"):
         model = HybridForCausalLM(config)
     ours = weight_sources(family, config, model)
-    given = {n: t for name, t in tensors.items() if (n := family.normalise(name)) is not None}
+    given = {n: t for name, t in tensors.items() if (n := family.normalise(name, config)) is not None}
     if config.tie_word_embeddings:
         given.pop("lm_head.weight", None)
     wanted = {

@@ -45,6 +45,23 @@ class Block(nn.Module):
             self.mixer = MoE(config.hidden_size, config.moe)
 
 
+class MtpHead(nn.Module):
+    """A multi-token-prediction head (Nemotron-H's `mtp.*`): from the model's last hidden state h_i at
+    position i (after the final norm) and the embedding of token i + 1, it predicts token i + 2:
+    x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), then its residual blocks (attention over KV of its
+    own, at the same positions and pages as the model's), then `final_norm`; the logits are the model's
+    LM head over that. Run again on its own output it predicts further (gpu_worker.runner.mtp)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.mtp_blocks)
+        self.final_norm = RMSNorm(h, config.rms_norm_eps)
+
+
 class HybridForCausalLM(nn.Module):
     """The whole model. Weights are placed by `gpu_worker.model.loader`; `lm_head` may be tied."""
 
@@ -55,6 +72,7 @@ class HybridForCausalLM(nn.Module):
         self.blocks = nn.ModuleList(Block(config, kind) for kind in config.blocks)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MtpHead(config) if config.mtp_blocks else None
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.inv_freq: torch.Tensor
@@ -70,12 +88,36 @@ class HybridForCausalLM(nn.Module):
         hidden = self.embed(input_ids)  # [T, hidden]
         if c.embedding_multiplier != 1.0:
             hidden = hidden * c.embedding_multiplier
+        hidden = self._blocks(self.blocks, hidden, ctx, kv_caches, states, self.between_blocks)
+        out: torch.Tensor = self.final_norm(hidden)
+        return out
+
+    def mtp_forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, kv_caches: KVCaches
+    ) -> torch.Tensor:
+        """The MTP head (`MtpHead`): next tokens [T] and the hidden states [T, hidden] at the positions
+        before them (the model's, or the head's own output) -> the head's output [T, hidden]; `kv_caches`
+        are its attention blocks' (k, v)."""
+        head = self.mtp
+        if head is None:
+            raise RuntimeError(f"{self.config.architecture}: this checkpoint has no multi-token-prediction layers")
+        embedded = self.embed(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            embedded = embedded * self.config.embedding_multiplier
+        x = head.eh_proj(torch.cat([head.enorm(embedded), head.hnorm(hidden)], dim=-1))
+        out: torch.Tensor = head.final_norm(self._blocks(head.blocks, x, ctx, kv_caches, [], None))
+        return out
+
+    def _blocks(
+        self, blocks: nn.ModuleList, hidden: torch.Tensor, ctx: ForwardContext, kv_caches: KVCaches,
+        states: StateTensors, between: Callable[[], None] | None,
+    ) -> torch.Tensor:  # fmt: skip
+        c = self.config
         cos = sin = None
         if c.rotary_dim:
             cos, sin = rope_cos_sin(ctx.positions, self.inv_freq, hidden.dtype)  # [T, rotary_dim]
         attn_i = mamba_i = 0
-        between = self.between_blocks
-        for module in self.blocks:
+        for module in blocks:
             if between is not None:
                 between()
             block = cast(Block, module)
@@ -91,8 +133,7 @@ class HybridForCausalLM(nn.Module):
             else:
                 h = block.mixer(h)
             hidden = hidden + (h if c.residual_multiplier == 1.0 else h * c.residual_multiplier)
-        out: torch.Tensor = self.final_norm(hidden)
-        return out
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] -> logits [n, vocab] (float32), divided by `logits_scaling`."""

@@ -189,8 +189,9 @@ def test_init_model_rejects_moe_for_bamba(tmp_path: Path) -> None:
 
 
 def test_nemotron_mtp_weights_and_model_prefix_are_accepted(checkpoints, tmp_path: Path) -> None:
-    """A checkpoint with multi-token-prediction layers (not served: their weights are skipped) and the
-    `model.` prefix transformers uses in memory loads and gives the same logits."""
+    """A checkpoint with multi-token-prediction tensors that its config names no layers for (skipped; a
+    served head: tests/model/test_mtp_runner.py) and the `model.` prefix transformers uses in memory loads
+    and gives the same logits."""
     from safetensors.torch import load_file, save_file
 
     hf, path = checkpoints["nemotron_moe"]
@@ -200,7 +201,7 @@ def test_nemotron_mtp_weights_and_model_prefix_are_accepted(checkpoints, tmp_pat
     tensors["mtp.layers.0.norm.weight"] = torch.ones(hf.config.hidden_size)
     save_file(tensors, str(variant / "model.safetensors"))
     raw = json.loads((variant / "config.json").read_text())
-    raw["num_nextn_predict_layers"] = 1
+    raw["num_nextn_predict_layers"] = 0
     (variant / "config.json").write_text(json.dumps(raw))
     ids = _prompt(hf.config.vocab_size, 20, 8)
     got = run_schedule(make_runner(variant), ids, [20])

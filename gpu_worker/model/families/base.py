@@ -85,6 +85,9 @@ class SpecLike(Protocol):
     @property
     def num_experts_per_tok(self) -> int: ...
 
+    @property
+    def mtp(self) -> bool: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Family:
@@ -98,11 +101,16 @@ class Family:
     tiny_hf_config: Callable[[SpecLike], dict[str, Any]]  # a small config.json for init-model and tests
     ignored: tuple[str, ...] = ()  # regexes of checkpoint tensors that are not served (and why, in the module)
     renames: tuple[tuple[str, str], ...] = ()  # (regex, replacement) applied to checkpoint names first
+    # checkpoint names of the multi-token-prediction head: served when the config has one, else ignored
+    head_prefix: str | None = None
 
-    def normalise(self, name: str) -> str | None:
-        """The canonical checkpoint name, or None for a tensor that is not served."""
+    def normalise(self, name: str, config: ModelConfig | None = None) -> str | None:
+        """The canonical checkpoint name, or None for a tensor that is not served (the MTP head's, when
+        `config` has none)."""
         for pattern, repl in self.renames:
             name = re.sub(pattern, repl, name)
+        if self.head_prefix and name.startswith(self.head_prefix) and config is not None and not config.mtp_blocks:
+            return None
         return None if any(re.search(p, name) for p in self.ignored) else name
 
 

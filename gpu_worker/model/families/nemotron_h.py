@@ -1,7 +1,10 @@
 """Nemotron-H (`NemotronHForCausalLM`): every layer is one residual block whose mixer is Mamba2 (with a
 grouped gated RMS norm), attention without positional embedding, a relu² MLP, or an MoE (sigmoid
 group-limited routing with a correction bias, relu² experts, a relu² shared expert). Layer L is our
-block L. Multi-token-prediction (`mtp.*`) weights are not served: generation is one token per step."""
+block L. A checkpoint with multi-token-prediction layers (`num_nextn_predict_layers` 1, `mtp.layers.i` for
+each letter of `mtp_hybrid_override_pattern`) has them served as the MTP head (gpu_worker.model.model.MtpHead):
+layer 0 also holds the fusion (`enorm`, `hnorm`, `eh_proj`), the last one `final_layernorm`; the embedding
+and the LM head are the model's. With `num_nextn_predict_layers` 0 any `mtp.*` tensors are ignored."""
 
 from __future__ import annotations
 
@@ -39,6 +42,23 @@ def _blocks(get: Getter) -> tuple[BlockKind, ...]:
     return tuple(PATTERN[c] for c in pattern)
 
 
+def _mtp_blocks(get: Getter) -> tuple[BlockKind, ...]:
+    layers = get.integer("num_nextn_predict_layers", default=0)
+    if layers == 0:
+        return ()
+    if layers != 1:
+        raise InvalidArgumentError(f"{get.source}: num_nextn_predict_layers={layers} is not supported (0 or 1)")
+    pattern = get.raw.get("mtp_hybrid_override_pattern")
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidArgumentError(f"{get.source}: num_nextn_predict_layers 1 needs mtp_hybrid_override_pattern "
+                                   f"(a string of *, -, E)")  # fmt: skip
+    unknown = sorted(set(pattern) - set(PATTERN))
+    if unknown:
+        raise InvalidArgumentError(f"{get.source}: mtp_hybrid_override_pattern has {unknown}; supported: "
+                                   f"* (attention), - (MLP), E (MoE)")  # fmt: skip
+    return tuple(PATTERN[c] for c in pattern)
+
+
 def _moe(get: Getter) -> MoEConfig:
     if get.raw.get("moe_latent_size") is not None:
         raise InvalidArgumentError(f"{get.source}: moe_latent_size={get.raw['moe_latent_size']} (latent MoE "
@@ -64,6 +84,7 @@ def parse(raw: dict[str, Any], source: str) -> ModelConfig:
     get.require("mlp_hidden_act", ("relu2",), "relu2")
     get.require("mamba_hidden_act", ("silu",), "silu")
     blocks = _blocks(get)
+    mtp = _mtp_blocks(get)
     n_heads = get.integer("num_attention_heads", default=32)
     head_dim = get.integer("head_dim", "attention_head_dim", default=128)
     return ModelConfig(
@@ -89,28 +110,43 @@ def parse(raw: dict[str, Any], source: str) -> ModelConfig:
         # The mixer clamps dt to [time_step_min, inf); time_step_limit itself is not read by the reference.
         time_step_min=get.number("time_step_min", "mamba_dt_min", default=0.001),
         time_step_max=math.inf,
-        intermediate_size=get.integer("intermediate_size", default=21504) if "mlp" in blocks else 0,
+        intermediate_size=get.integer("intermediate_size", default=21504) if "mlp" in blocks + mtp else 0,
         mlp_activation="relu2",
         mlp_bias=get.flag("mlp_bias", default=False),
-        moe=_moe(get) if "moe" in blocks else None,
+        moe=_moe(get) if "moe" in blocks + mtp else None,
         rms_norm_eps=get.number("layer_norm_epsilon", "rms_norm_eps", default=1e-5),
         tie_word_embeddings=get.flag("tie_word_embeddings", default=False),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=get.eos_ids(),
         pad_token_id=raw.get("pad_token_id"),
         max_position_embeddings=get.integer("max_position_embeddings", default=0),
+        mtp_blocks=mtp,
     )
+
+
+MTP_FUSION = {"mtp.enorm.weight": "enorm.weight", "mtp.hnorm.weight": "hnorm.weight",
+              "mtp.eh_proj.weight": "eh_proj.weight"}  # fmt: skip
 
 
 def source_of(name: str, config: ModelConfig) -> Source:
     if name in TOP_LEVEL:
         return Source((TOP_LEVEL[name],))
+    if name in MTP_FUSION:
+        return Source(("mtp.layers.0." + MTP_FUSION[name],))
+    if name == "mtp.final_norm.weight":
+        return Source((f"mtp.layers.{len(config.mtp_blocks) - 1}.final_layernorm.weight",))
+    if name.startswith("mtp."):
+        block, rest = split_block_name(name.removeprefix("mtp."))
+        return _block_source(f"mtp.layers.{block}.", config.mtp_blocks[block], rest, config)
     block, rest = split_block_name(name)
-    layer = f"backbone.layers.{block}."
+    return _block_source(f"backbone.layers.{block}.", config.blocks[block], rest, config)
+
+
+def _block_source(layer: str, kind: BlockKind, rest: str, config: ModelConfig) -> Source:
     if rest == "norm.weight":
         return Source((layer + "norm.weight",))
     rest = rest.removeprefix("mixer.")
-    if config.blocks[block] == "moe":
+    if kind == "moe":
         if rest in ("experts_up", "experts_down"):
             assert config.moe is not None
             proj = "up_proj" if rest == "experts_up" else "down_proj"
@@ -145,13 +181,13 @@ def tiny_hf_config(spec: SpecLike) -> dict[str, Any]:
         "moe_shared_expert_intermediate_size": spec.intermediate_size,
         "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
         "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 8192,
-        "num_nextn_predict_layers": 0,
-    }  # fmt: skip
+        "num_nextn_predict_layers": 1 if spec.mtp else 0,
+    } | ({"mtp_hybrid_override_pattern": "*" + ffn} if spec.mtp else {})  # fmt: skip
 
 
 FAMILY = Family(
     name="nemotron_h", architecture="NemotronHForCausalLM", model_type="nemotron_h", parse=parse,
     source_of=source_of, tiny_hf_config=tiny_hf_config,
-    ignored=(r"^mtp\.", r"rotary_emb\.inv_freq$"),  # multi-token-prediction layers: not served
+    ignored=(r"rotary_emb\.inv_freq$",), head_prefix="mtp.",
     renames=((r"^model\.", "backbone."),),  # transformers' in-memory prefix
 )  # fmt: skip
