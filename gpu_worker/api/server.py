@@ -92,7 +92,10 @@ FLAGS = {
         "speculative decoding: draft tokens a decode verifies per step at most (the output stays that of plain"
         " decoding; a request whose drafts all miss backs off); 0 = off"
     ),
-    "speculative_method": Flag("where drafts come from: ngram (prompt lookup in the request's own tokens)"),
+    "speculative_method": Flag(
+        "where drafts come from: ngram (prompt lookup in the request's own tokens) | mtp (the checkpoint's"
+        " multi-token-prediction layers: Nemotron-H's mtp.*)"
+    ),
     "ngram_min": Flag("prompt lookup: the shortest suffix of the request's tokens whose earlier occurrence drafts"),
     "ngram_max": Flag("prompt lookup: the longest suffix tried"),
     "speculative_max_rows": Flag(
@@ -243,6 +246,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         RunnerConfig, args, kv_page_size_tokens=scheduler.kv_page_size, max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         num_draft_rows=draft_rows_for(args.num_speculative_tokens, args.speculative_max_rows),
+        mtp_draft_tokens=args.num_speculative_tokens if args.speculative_method == "mtp" else 0,
     )  # fmt: skip
     return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner)
 

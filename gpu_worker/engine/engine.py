@@ -351,6 +351,8 @@ class Engine:
         if sampled.drafts and self.speculator is not None:  # the accepted drafts first (speculation)
             drafted, tokens = self.speculator.apply(self.outputs, prepared, sampled, now)
         endings, firsts = self.outputs.append_step(*tokens, now)
+        if sampled.proposals and self.speculator is not None:  # the MTP head's drafts for the next step
+            self.speculator.proposed(prepared.rows, sampled.proposals)
         endings = drafted + endings if drafted else endings
         for request in firsts:
             self.observer.request_first_token(FirstToken(request.request_id, request.arrival_time, now))

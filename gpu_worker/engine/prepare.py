@@ -67,12 +67,14 @@ _new = tuple.__new__
 
 
 def make_row(
-    request: Request, planned: Slice, checkpoints: list[PendingCheckpoint], yields: bool, drafts: tuple[int, ...] = ()
-) -> Row:
+    request: Request, planned: Slice, checkpoints: list[PendingCheckpoint], yields: bool, drafts: tuple[int, ...] = (),
+    mtp: int = -1,
+) -> Row:  # fmt: skip
     """The row of `planned` for a request whose pages already cover the chunk; `yields`: the chunk
     ends at the last known token. A checkpoint at the chunk's end is copied from the state slot
     after the forward; those inside it, by the mixers. `drafts`: a decode's draft tokens, after its
-    newest token (gpu_worker.engine.speculation)."""
+    newest token (gpu_worker.engine.speculation). `mtp`: SequenceChunk.mtp_drafts of a yielding row (the
+    MTP head; a row that does not yield asks none, and names the token after its chunk)."""
     # Positional construction: this runs for every row of every step.
     start = request.num_computed_tokens
     end = start + planned.num_tokens - len(drafts)
@@ -88,6 +90,8 @@ def make_row(
     if request.scoring:
         prompt = request.prompt_token_ids
         score, next_token = start < len(prompt), prompt[end] if end < len(prompt) else -1
+    if mtp >= 0 and not yields:
+        mtp, next_token = 0, request.tokens(end, end + 1)[0]
     # tuple.__new__(cls, fields) is cls(*fields) without the NamedTuple's Python constructor.
     chunk = _new(SequenceChunk, (
         request.tokens(start, end) + drafts if drafts else request.tokens(start, end),
@@ -99,6 +103,7 @@ def make_row(
         score,
         next_token,
         len(drafts),
+        mtp,
     ))  # fmt: skip
     return _new(Row, (request, planned, chunk, yields, tuple(checkpoints) if checkpoints else ()))
 
@@ -127,10 +132,12 @@ def prepare_step(
     rows: list[Row] = []
     running, page_size = table.running, allocator.kv_pool.page_size_tokens
     checkpoints_for = allocator.checkpoints_for
+    heads = speculator is not None and speculator.mtp  # the MTP head proposes each yielding row's drafts
     for planned in plan.slices:  # every row of every step: attribute reads kept in locals
         request = running.get(planned.request_id) or admit(table, allocator, planned.request_id)
         if request is None:
             continue
+        mtp = speculator.head_drafts(request, len(running)) if heads else -1  # type: ignore[union-attr]
         start = request.num_computed_tokens
         end = start + planned.num_tokens
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
@@ -138,7 +145,7 @@ def prepare_step(
             if speculator is None or start != num_tokens - 1:
                 continue
             # a decode granted drafts: a row with those it has, else a plain decode
-            row = _drafted_row(request, planned, speculator, allocator, block_size)
+            row = _drafted_row(request, planned, speculator, allocator, block_size, mtp)
             if row is not None:
                 rows.append(row)
                 request.num_computed_tokens = start + 1  # its drafts count rejected until verified
@@ -153,15 +160,36 @@ def prepare_step(
         # Checkpoints sit on the block grid: a chunk that reaches no boundary in (start, end]
         # (most decodes) has none to ask for.
         checkpoints = checkpoints_for(request, start, end) if end // block_size > start // block_size else []
-        rows.append(make_row(request, planned, checkpoints, end == num_tokens))
+        rows.append(make_row(request, planned, checkpoints, end == num_tokens, (), mtp))
         request.num_computed_tokens = end
+    if heads:
+        _chain_room(rows, allocator, speculator.k)  # type: ignore[union-attr]
     for request in requeue:
         enqueue(request)
     return PreparedStep(tuple(rows), tuple(r.request_id for r in requeue))
 
 
+def _chain_room(rows: list[Row], allocator: Allocator, k: int) -> None:
+    """Pages for the MTP head's chained drafts past each drafting row's chunk (gpu_worker.runner.mtp), from
+    the pages the step left free (no row of the plan goes short, no cached block is evicted); a row that
+    gets none drafts as far as its pages reach."""
+    pool = allocator.kv_pool
+    for i, row in enumerate(rows):
+        chunk, request = row.chunk, row.request
+        if chunk.mtp_drafts < 2:
+            continue
+        upto = min(
+            chunk.start_pos + len(chunk.token_ids) + k - 1, len(request.prompt_token_ids) + request.params.max_tokens
+        )
+        need = pool.pages_for_tokens(upto) - len(request.page_ids)
+        if need <= 0 or not pool.can_allocate(need):
+            continue
+        request.page_ids.extend(pool.allocate(need))
+        rows[i] = row._replace(chunk=chunk._replace(page_ids=request.page_table()))
+
+
 def _drafted_row(
-    request: Request, planned: Slice, speculator: Speculator, allocator: Allocator, block_size: int
+    request: Request, planned: Slice, speculator: Speculator, allocator: Allocator, block_size: int, mtp: int = -1
 ) -> Row | None:
     """The row of a decode with drafts (its newest token, then those proposed now, at most the plan's
     grant, short of a block boundary the prefix cache checkpoints at), or None when it has none to
@@ -174,7 +202,7 @@ def _drafted_row(
     end = start + 1 + len(drafts)
     if end > len(request.page_ids) * allocator.kv_pool.page_size_tokens and not allocator.ensure_pages(request, end):
         return None
-    return make_row(request, planned._replace(num_tokens=1 + len(drafts)), [], True, drafts)
+    return make_row(request, planned._replace(num_tokens=1 + len(drafts)), [], True, drafts, mtp)
 
 
 def admit(table: RequestTable, allocator: Allocator, request_id: str) -> Request | None:

@@ -162,6 +162,9 @@ class Request:
     grammar: Constraint | None = None  # the structured output's matcher (gpu_worker.engine.grammar), if any
     num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted (gpu_worker.engine.speculation)
     num_accepted_tokens: int = 0
+    # the MTP head's drafts after the request's first `mtp_drafts_at` tokens (gpu_worker.runner.mtp)
+    mtp_drafts: tuple[int, ...] = ()
+    mtp_drafts_at: int = -1
     events: queue.SimpleQueue[RequestOutput] = field(default_factory=queue.SimpleQueue)
     # page_ids as a tuple (the batch row's page table), rebuilt only when page_ids grew or was replaced:
     # a long request's table is hundreds of pages, and a decode step rebuilds every row.

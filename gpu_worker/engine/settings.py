@@ -26,7 +26,8 @@ class EngineSettings:
     idle_wait_s: float = 0.05  # how long the loop sleeps when there is no work
     # speculative decoding (gpu_worker/engine/speculation.py): drafts per decode at most; 0 = off
     num_speculative_tokens: int = 0
-    speculative_method: str = "ngram"  # where drafts come from: ngram (prompt lookup)
+    # where drafts come from: ngram (prompt lookup) | mtp (the checkpoint's multi-token-prediction head)
+    speculative_method: str = "ngram"
     ngram_min: int = 2  # prompt lookup: the shortest suffix match that drafts
     ngram_max: int = 4  # ... and the longest one tried
     speculative_max_rows: int = 4  # steps of more running requests decode without drafts (bench_spec)
@@ -53,8 +54,17 @@ class EngineSettings:
         k = self.num_speculative_tokens
         if k < 0:
             raise InvalidArgumentError(f"--num-speculative-tokens must be >= 0 (0 = off), got {k}")
-        if self.speculative_method != "ngram":
-            raise InvalidArgumentError(f"--speculative-method {self.speculative_method!r} is not supported; use ngram")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise InvalidArgumentError(
+                f"--speculative-method {self.speculative_method!r} is not supported; use one of"
+                f" {', '.join(SPECULATIVE_METHODS)}"
+            )
+        mtp = k if self.speculative_method == "mtp" else 0
+        if self.runner.mtp_draft_tokens != mtp:
+            raise InvalidArgumentError(
+                f"--speculative-method {self.speculative_method} with --num-speculative-tokens {k} needs the"
+                f" runner's mtp_draft_tokens = {mtp}, got {self.runner.mtp_draft_tokens}"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidArgumentError(
                 f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: need 1 <= min <= max"
@@ -67,6 +77,9 @@ class EngineSettings:
                 f" {self.runner.num_draft_rows}) to hold at least {k}: set num_draft_rows ="
                 " num_speculative_tokens * speculative_max_rows (draft_rows_for)"
             )
+
+
+SPECULATIVE_METHODS = ("ngram", "mtp")
 
 
 def draft_rows_for(num_speculative_tokens: int, max_rows: int) -> int:

@@ -159,14 +159,19 @@ def speculator_for(settings: EngineSettings) -> Speculator | None:
     if not k:
         return None
     rows = settings.runner.num_draft_rows // k
-    return Speculator(k, settings.ngram_min, settings.ngram_max, rows, settings.scheduler.kv_page_size)
+    return Speculator(
+        k, settings.ngram_min, settings.ngram_max, rows, settings.scheduler.kv_page_size, settings.speculative_method
+    )
 
 
 class Speculator:
     """The engine's drafts: who proposes, what, and what each verification says (module docstring)."""
 
-    def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int, max_rows: int, page_size: int) -> None:
+    def __init__(
+        self, num_tokens: int, ngram_min: int, ngram_max: int, max_rows: int, page_size: int, method: str = "ngram"
+    ) -> None:
         self.k, self.n_min, self.n_max = num_tokens, ngram_min, ngram_max
+        self.mtp = method == "mtp"  # drafts from the runner's MTP head (StepOutput.proposals), not prompt lookup
         self.max_rows = max_rows  # rows drafting in one step at most (the runner's draft rows / k)
         self.page_size = page_size
         self._states: dict[str, DraftState] = {}
@@ -194,7 +199,25 @@ class Speculator:
         state = self._state(request)
         if self.step < state.resume_at:
             return []
+        if self.mtp:  # the head's proposal after exactly these tokens
+            return list(request.mtp_drafts[:limit]) if request.mtp_drafts_at == upto else []
         return propose_ngram(state.sync(request, upto), min(limit, self.k), self.n_min, self.n_max)
+
+    def head_drafts(self, request: Request, num_running: int) -> int:
+        """SequenceChunk.mtp_drafts of a row of `request` that yields: -1 when the MTP head does not serve
+        it (prompt lookup, or a request that never drafts), 0 when its next step will not draft (backing
+        off, or more running requests than draft), else k. A row that does not yield takes 0 (its KV)."""
+        if not self.mtp or not self.may_draft(request):
+            return -1
+        if num_running > self.max_rows or self.step < self._state(request).resume_at:
+            return 0
+        return self.k
+
+    def proposed(self, rows: Sequence[Row], proposals: Sequence[tuple[int, tuple[int, ...]]]) -> None:
+        """The MTP head's drafts of the step's rows (StepOutput.proposals), after their tokens were applied."""
+        for row, drafts in proposals:
+            request = rows[row].request
+            request.mtp_drafts, request.mtp_drafts_at = drafts, request.num_tokens
 
     def with_drafts(self, running: tuple[RequestState, ...], requests: Sequence[Request]) -> tuple[RequestState, ...]:
         """`running` (in `requests`' order) with each decode's ready drafts (module docstring, snapshot), for
@@ -207,9 +230,13 @@ class Speculator:
         for i, (state, request) in enumerate(zip(running, requests, strict=True)):
             if state.num_computed_tokens < state.num_prompt_tokens:
                 continue
-            drafts = self.propose(request, request.num_tokens, state.max_tokens - state.num_output_tokens - 1)
-            if drafts:
-                out[i] = state._replace(num_draft_tokens=len(drafts))
+            limit = state.max_tokens - state.num_output_tokens - 1
+            if self.mtp and request.num_computed_tokens >= request.num_tokens:  # in flight: its proposal comes
+                n = min(limit, self.k) if self.may_draft(request) and self.step >= self._state(request).resume_at else 0
+            else:
+                n = len(self.propose(request, request.num_tokens, limit))
+            if n > 0:
+                out[i] = state._replace(num_draft_tokens=n)
         return tuple(out)
 
     def drafts_for(self, request: Request, granted: int, checkpoint_at: int | None) -> tuple[int, ...]:

@@ -39,6 +39,12 @@ class SequenceChunk(NamedTuple):
     # then the drafts); the step verifies them and keeps the state after the last accepted one
     # (gpu_worker.runner.speculation)
     num_draft_tokens: int = 0
+    # multi-token prediction (gpu_worker.runner.mtp): -1 = the row does not use the MTP head; else the head
+    # runs over the positions the step computes for it (its KV kept complete), with the token after each,
+    # and proposes this many drafts to follow the row's next token (0: none, the head's KV only). The
+    # token after the chunk's last position is `next_token` when the chunk ends inside the known tokens,
+    # else the one the step samples.
+    mtp_drafts: int = -1
 
 
 _TOKEN_IDS = attrgetter("token_ids")
@@ -74,6 +80,10 @@ class ForwardOutput:
     draft_logits: tuple[tuple[int, torch.Tensor], ...] = ()
     # speculation on CPU: each Mamba layer's short spans, to rebuild a rejected row's state (None: draft rows)
     draft_records: tuple[Any, ...] | None = None
+    # multi-token prediction (SequenceChunk.mtp_drafts): the final hidden states [T, hidden] of every packed
+    # token and each row's first packed index, for the MTP head after sampling; None when no row uses it
+    hidden: torch.Tensor | None = None
+    token_start: tuple[int, ...] = ()
 
 
 def score_targets(seq: SequenceChunk) -> list[int]:

@@ -52,11 +52,12 @@ from hybridserve.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from gpu_worker.model.loader import LoadedModel
 
-PROTOCOL_VERSION = 4  # 2: the sampling controls' parameters and history, prompt scores (or the masks); 3: both;
-# 4: a row's draft tokens (speculation), and the drafts' verifications back
+PROTOCOL_VERSION = 5  # 2: the sampling controls' parameters and history, prompt scores (or the masks); 3: both;
+# 4: a row's draft tokens (speculation), and the drafts' verifications back; 5: a row's MTP drafts asked, the
+# MTP head's proposals back
 # Step.rows' columns
 SLOT, START, NUM_TOKENS, NUM_PAGES, SAVE_CHECKPOINT, YIELDS, SPECIAL, MASKED, SCORE, NEXT_TOKEN, DRAFTS = range(11)
-ROW_FIELDS = 11
+ROW_FIELDS = 12
 _NO_CHECKPOINT = -1
 
 
@@ -123,6 +124,7 @@ class StepDone:
     all_logits: list[np.ndarray[Any, Any]] | None = None
     prompt_scores: PromptScores = ()  # (row of the part, log-probabilities) of the rows that score
     drafts: tuple[Verified, ...] = ()  # the drafted rows' verifications, rows of the part
+    proposals: tuple[tuple[int, tuple[int, ...]], ...] = ()  # the MTP head's drafts (row of the part, drafts)
 
 
 # ---- the shared tables ---------------------------------------------------------------------------------
@@ -236,7 +238,7 @@ def encode_step(batch: Batch, part: list[int] | None, sampling: StepSampling, wa
         [
             (s.state_slot, s.start_pos, len(s.token_ids), len(s.page_ids),
              _NO_CHECKPOINT if s.save_checkpoint_id is None else s.save_checkpoint_id, i in yielding, i in special,
-             i in masked, s.score, s.next_token, s.num_draft_tokens)
+             i in masked, s.score, s.next_token, s.num_draft_tokens, s.mtp_drafts)
             for s, i in zip(seqs, indices, strict=True)
         ],
         dtype=np.int64,
@@ -280,14 +282,14 @@ class TableReader:
         masked: list[int] = []
         slots: list[int] = []
         offset = 0
-        for r, (slot, start, n, num_pages, save, yields, is_special, is_masked, score, next_token, drafts) in enumerate(
-            step.rows.tolist()
-        ):
+        for r, row in enumerate(step.rows.tolist()):
+            slot, start, n, num_pages, save, yields, is_special, is_masked, score, next_token, drafts, mtp = row
             if not 0 <= slot < self.tables.num_slots or not 0 <= num_pages <= self.tables.max_pages:
                 raise InvalidArgumentError(f"step: state slot {slot} with {num_pages} pages is outside the tables")
             chunks.append(SequenceChunk(
                 tuple(tokens[offset : offset + n]), start, tuple(pages[slot, :num_pages].tolist()), slot,
                 None if save == _NO_CHECKPOINT else save, tuple(inner.get(r, ())), bool(score), next_token, drafts,
+                mtp,
             ))  # fmt: skip
             offset += n
             if yields:
@@ -317,7 +319,7 @@ class TableReader:
 
 # ---- replies into the runner's output --------------------------------------------------------------
 def step_output(done: StepDone) -> StepOutput:
-    return StepOutput(done.token_ids, done.logprobs, done.top_logprobs, done.prompt_scores, done.drafts)
+    return StepOutput(done.token_ids, done.logprobs, done.top_logprobs, done.prompt_scores, done.drafts, done.proposals)
 
 
 def step_logits(done: StepDone) -> ForwardOutput:
@@ -330,6 +332,7 @@ def joined_output(parts: list[list[int]], done: list[StepDone], sampling: StepSa
     """The parts' tokens in `sampling.rows` order (each part's are its yielding rows, ascending)."""
     scores = tuple(sorted((part[r], v) for part, d in zip(parts, done, strict=True) for r, v in d.prompt_scores))
     drafts = tuple(sorted(v._replace(row=part[v.row]) for part, d in zip(parts, done, strict=True) for v in d.drafts))
+    proposals = tuple(sorted((part[r], p) for part, d in zip(parts, done, strict=True) for r, p in d.proposals))
     if not sampling.rows:
         return StepOutput([], [], None, scores) if scores else EMPTY_OUTPUT
     yielding = set(sampling.rows)
@@ -340,7 +343,9 @@ def joined_output(parts: list[list[int]], done: list[StepDone], sampling: StepSa
     picked = [where[row] for row in sampling.rows]
     asked = any(d.top_logprobs is not None for d in done)
     top = [d.top_logprobs[j] if d.top_logprobs is not None else () for d, j in picked] if asked else None
-    return StepOutput([d.token_ids[j] for d, j in picked], [d.logprobs[j] for d, j in picked], top, scores, drafts)
+    return StepOutput(
+        [d.token_ids[j] for d, j in picked], [d.logprobs[j] for d, j in picked], top, scores, drafts, proposals
+    )
 
 
 def joined_logits(parts: list[list[int]], done: list[StepDone]) -> ForwardOutput:

@@ -144,6 +144,8 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step, conn: Connection
         if out.draft_logits:  # speculation: the drafts checked, the states rolled back to the accepted ones
             sampled = verify_drafts(out, batch, sampling, sampled)
             roll_back(runner.state_pool, batch, sampled.drafts, out.draft_records)
+        if out.hidden is not None:  # the MTP head's drafts for the next step
+            sampled = replace(sampled, proposals=runner.propose_mtp(batch, out, sampling, sampled))
     except InvalidArgumentError as exc:
         return Failed(str(exc), invalid=True)
     except Exception as exc:
@@ -155,7 +157,7 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step, conn: Connection
     all_logits = [_array(a) for a in out.all_logits] if step.want_logits and out.all_logits is not None else None
     return StepDone(
         sampled.token_ids, sampled.logprobs, sampled.top_logprobs, time.perf_counter() - started, widened, status,
-        logits, all_logits, out.prompt_scores, sampled.drafts,
+        logits, all_logits, out.prompt_scores, sampled.drafts, sampled.proposals,
     )  # fmt: skip
 
 

@@ -207,7 +207,15 @@ class LogitsRunner:
         if out.draft_logits:  # speculation: the drafts checked, the states rolled back to the accepted ones
             sampled = verify_drafts(out, batch, sampling, sampled)
             roll_back(self.pools.state_pool, batch, sampled.drafts, out.draft_records)  # type: ignore[attr-defined]
+        if out.hidden is not None:  # the MTP head's drafts for the next step (gpu_worker.runner.mtp)
+            sampled = replace(sampled, proposals=self.propose_mtp(batch, out, sampling, sampled))
         return replace(sampled, prompt_scores=out.prompt_scores) if out.prompt_scores else sampled
+
+    def propose_mtp(
+        self, batch: Batch, out: ForwardOutput, sampling: StepSampling, sampled: StepOutput
+    ) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """The MTP head's drafts (gpu_worker.runner.mtp); a runner without the head has none."""
+        return ()
 
     def runs_elsewhere(self, batch: Batch) -> bool:
         return False

@@ -34,14 +34,17 @@ from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from gpu_worker.runner.input_builder import build_inputs
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.memory import MemorySplit, PoolShape, size_pools
+from gpu_worker.runner.mtp import MtpProposer, Proposals
 from gpu_worker.runner.profile import activation_budget, bound_step_memory, device_memory, weights_bytes
 from gpu_worker.runner.protocol import LogitsRunner, PoolSet
+from gpu_worker.runner.sampling import StepOutput, StepSampling
 from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.shared_memory import Allocator
 from gpu_worker.runner.speculation import check_drafted, draft_logits, keeps_short_spans, with_draft_rows
 from gpu_worker.runner.state_pool import MambaStatePool, state_shapes
 from gpu_worker.runner.tuning import StepThreads, set_cpu_threads
 from gpu_worker.runner.warmup import WarmupTimes, scratch_steps
+from hybridserve.errors import InvalidArgumentError
 
 CPU_MEMORY_BUDGET_BYTES = 256 << 20  # the pools' memory on CPU unless --memory-budget-mb says otherwise
 log = logging.getLogger("hybridserve.worker")
@@ -76,11 +79,23 @@ class PoolPlan:
     def num_pages(self) -> int:
         return self.memory.num_kv_pages
 
+    @property
+    def num_kv_layers(self) -> int:
+        """The model's attention layers, and the MTP head's when it runs (their KV in the same pages)."""
+        c = self.loaded.config
+        return c.num_attention_layers + (c.num_mtp_attention_layers if self.config.mtp_draft_tokens else 0)
+
     @classmethod
     def of(cls, loaded: LoadedModel, config: RunnerConfig) -> PoolPlan:
         """Sizes the pools (see gpu_worker.runner.memory); on CUDA this profiles a worst-case step first."""
         c = loaded.config
-        kv_bytes = KVPagePool.bytes_per_token(c.num_attention_layers, c.num_key_value_heads, c.head_dim, loaded.dtype)
+        if config.mtp_draft_tokens and loaded.model.mtp is None:
+            raise InvalidArgumentError(
+                f"--speculative-method mtp: {loaded.model_dir} has no multi-token-prediction layers "
+                "(config.json num_nextn_predict_layers is 0); use --speculative-method ngram"
+            )
+        layers = c.num_attention_layers + (c.num_mtp_attention_layers if config.mtp_draft_tokens else 0)
+        kv_bytes = KVPagePool.bytes_per_token(layers, c.num_key_value_heads, c.head_dim, loaded.dtype)
         state_bytes = MambaStatePool.bytes_per_slot(c.num_mamba_layers, *state_shapes(c), loaded.dtype)
         shape = PoolShape(
             kv_bytes, config.kv_page_size_tokens, state_bytes, config.max_num_seqs, config.num_checkpoint_slots,
@@ -104,7 +119,7 @@ class PoolPlan:
     def build(self, alloc: Allocator | None = None) -> tuple[KVPagePool, MambaStatePool]:
         c, cfg, loaded = self.loaded.config, self.config, self.loaded
         kv_pool = KVPagePool(
-            self.num_pages, cfg.kv_page_size_tokens, c.num_attention_layers, c.num_key_value_heads, c.head_dim,
+            self.num_pages, cfg.kv_page_size_tokens, self.num_kv_layers, c.num_key_value_heads, c.head_dim,
             loaded.dtype, loaded.device, alloc,
         )  # fmt: skip
         state_pool = MambaStatePool(
@@ -217,8 +232,15 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         plan = PoolPlan.of(loaded, config)
         self._set_plan(plan, pools if pools is not None else plan.build(alloc))
         self.step_memory = bound_step_memory(self.model, self.memory, self.device)  # gpu_worker.runner.profile
-        self._kv_caches = self.kv_pool.layer_caches()
+        caches = self.kv_pool.layer_caches()
+        self._kv_caches = caches[: self.config.num_attention_layers]
         self._states = self.state_pool.layer_states()
+        self.mtp: MtpProposer | None = None  # the MTP head's drafts (gpu_worker.runner.mtp)
+        if self.runner_config.mtp_draft_tokens:
+            self.mtp = MtpProposer(
+                self.model, caches[self.config.num_attention_layers :], self.kv_page_size_tokens,
+                self.state_pool.num_slots, self.runner_config.mtp_draft_tokens, self.device,
+            )  # fmt: skip
         self._graphs_s = 0.0  # the CUDA graph capture's seconds
         self.decode_graphs = self._capture_decode_graphs()
         self.decode_compiler = self._start_decode_compile()
@@ -333,6 +355,9 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         if while_waiting is not None:
             while_waiting()
         scoring = any(seq.score for seq in batch.sequences)
+        heads = self.mtp is not None and any(seq.mtp_drafts >= 0 for seq in batch.sequences)
+        if heads:  # the MTP head reads every position's hidden state: the eager forward keeps them
+            scoring = True
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(batch):
             return self._forward_graphed(batch)
         if self.decode_compiler is not None:  # between steps: switch to the compiled decode once built
@@ -364,6 +389,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         logits_of = self.model.compute_logits
         self._save_checkpoints(batch)
         scores = prompt_scores(hidden, packed.token_start, batch, logits_of) if scoring else ()
+        kept_hidden = hidden if heads else None
         drafts = draft_logits(hidden, packed.token_start, batch, logits_of) if drafting else ()
         kept = None
         if records is not None:
@@ -372,7 +398,10 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             kept = tuple(records)
         if not batch.return_all_logits:
             last = logits_of(hidden.index_select(0, packed.last_index))
-            return ForwardOutput(logits=last, prompt_scores=scores, draft_logits=drafts, draft_records=kept)
+            return ForwardOutput(
+                logits=last, prompt_scores=scores, draft_logits=drafts, draft_records=kept, hidden=kept_hidden,
+                token_start=packed.token_start,
+            )  # fmt: skip
         all_logits = logits_of(hidden)  # [T, vocab] float32
         per_seq = tuple(
             all_logits[start : start + len(seq.token_ids)]
@@ -383,7 +412,14 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             all_logits=per_seq,
             prompt_scores=scores,
             draft_logits=drafts,
+            draft_records=kept,
+            hidden=kept_hidden,
+            token_start=packed.token_start,
         )
+
+    def propose_mtp(self, batch: Batch, out: ForwardOutput, sampling: StepSampling, sampled: StepOutput) -> Proposals:
+        assert self.mtp is not None
+        return self.mtp.propose(batch, out, sampling, sampled)
 
     def _forward_graphed(self, batch: Batch) -> ForwardOutput:
         """A decode-only step replayed from its bucket's CUDA graph; inputs are packed on the host and

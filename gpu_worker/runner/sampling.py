@@ -166,6 +166,9 @@ class StepOutput:
     # the drafted rows' verifications (gpu_worker.runner.speculation): their accepted drafts come before
     # their token here
     drafts: tuple[Verified, ...] = ()
+    # multi-token prediction (gpu_worker.runner.mtp): (batch row, drafts) of each row that asked for them
+    # (SequenceChunk.mtp_drafts > 0): the tokens the MTP head proposes after the row's token of this step
+    proposals: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 EMPTY_OUTPUT = StepOutput([], [], None)

@@ -10,7 +10,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from scheduler_svc.server import create_server
-from tests.model.model_helpers import FAMILY_SPECS, SPECS, make_hf_model, save_hf_model
+from tests.model.model_helpers import FAMILY_SPECS, MTP_SPECS, SPECS, add_mtp_head, make_hf_model, save_hf_model
 
 hf_logging.set_verbosity_error()
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -42,6 +42,20 @@ def family_checkpoint(
 ) -> tuple[object, Path]:
     """One checkpoint per family (Bamba, Granite dense and MoE, Nemotron-H dense and MoE)."""
     return checkpoints[request.param]
+
+
+@pytest.fixture(scope="session")
+def mtp_checkpoints(
+    checkpoints: dict[str, tuple[object, Path]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[object, Path]]:
+    """The Nemotron-H checkpoints with an MTP head added, trained on the model's own greedy continuations
+    (model_helpers.add_mtp_head): name -> (the HF model of the checkpoint, which leaves the head unread,
+    the folder)."""
+    out = {}
+    for name in MTP_SPECS:
+        hf, path = checkpoints[name]
+        out[name] = (hf, add_mtp_head(path, tmp_path_factory.mktemp(name + "_mtp") / "model", hf))
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,14 @@ class Served:
 
     def __init__(
         self, path: Path, scheduler: str, prefix_caching: bool = False, num_kv_pages: int | None = None,
-        speculative_tokens: int = 0, runner: dict[str, object] | None = None, **engine: object,
+        speculative_tokens: int = 0, runner: dict[str, object] | None = None, speculative_method: str = "ngram",
+        **engine: object,
     ) -> None:  # fmt: skip
         config = replace(SCHEDULER, stop_at_last_boundary=prefix_caching)
         runner_config = RunnerConfig(
             memory_budget_bytes=16 << 20, kv_page_size_tokens=config.kv_page_size, max_num_seqs=config.max_num_seqs,
             num_checkpoint_slots=16, device="cpu", dtype="float32", num_draft_rows=speculative_tokens * 8,
+            mtp_draft_tokens=speculative_tokens if speculative_method == "mtp" else 0,
         )  # fmt: skip
         if num_kv_pages is not None:
             budget = budget_for_pages(runner_config, path, num_kv_pages)
@@ -44,7 +46,8 @@ class Served:
         runner_config = replace(runner_config, **(runner or {}))  # type: ignore[arg-type]
         settings = EngineSettings(
             scheduler=config, runner=runner_config, scheduler_addresses=(scheduler,),
-            num_speculative_tokens=speculative_tokens, speculative_max_rows=8, **engine,  # type: ignore[arg-type]
+            num_speculative_tokens=speculative_tokens, speculative_max_rows=8, speculative_method=speculative_method,
+            **engine,  # type: ignore[arg-type]
         )  # fmt: skip
         self.client = SchedulerClient((scheduler,), deadline_s=settings.scheduler_deadline_s,
                                       give_up_after_s=settings.scheduler_give_up_s)  # fmt: skip

@@ -25,7 +25,7 @@ from gpu_worker.observers.metrics import MetricsObserver
 from gpu_worker.observers.tracing import TracingObserver
 from hybridserve.metrics import WorkerMetrics
 from hybridserve.v1 import generation_pb2 as pb
-from tests.model.model_helpers import FAMILY_SPECS
+from tests.model.model_helpers import FAMILY_SPECS, MTP_SPECS
 from tests.model.test_families_serving import Served
 from tests.worker.conftest import SCHEDULER, collect, greedy_request, hf_greedy
 
@@ -62,8 +62,21 @@ def _assert_drafted(served: Served) -> None:
 @pytest.mark.parametrize("name", FAMILY_SPECS)
 def test_greedy_with_drafts_is_transformers_greedy(checkpoints, scheduler_address, name) -> None:
     hf, path = checkpoints[name]
+    _greedy_runs(hf, path, scheduler_address, "ngram")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MTP_SPECS)
+def test_greedy_with_mtp_drafts_is_transformers_greedy(mtp_checkpoints, scheduler_address, name) -> None:
+    """The MTP head's drafts (Nemotron-H checkpoints with a head): the same runs as prompt lookup's."""
+    hf, path = mtp_checkpoints[name]
+    _greedy_runs(hf, path, scheduler_address, "mtp")
+
+
+def _greedy_runs(hf, path, scheduler_address: str, method: str) -> None:  # type: ignore[no-untyped-def]
     vocab, block = hf.config.vocab_size, SCHEDULER.block_size
-    served = Served(path, scheduler_address, prefix_caching=True, speculative_tokens=K, runner=SPLIT)
+    served = Served(path, scheduler_address, prefix_caching=True, speculative_tokens=K, runner=SPLIT,
+                    speculative_method=method)  # fmt: skip
     try:
         alone = _repeating(vocab, 12, 1)
         assert served.generate(alone, 64)[0] == hf_greedy(hf, alone, 64), "alone"
@@ -79,7 +92,8 @@ def test_greedy_with_drafts_is_transformers_greedy(checkpoints, scheduler_addres
     finally:
         served.close()
 
-    tight = Served(path, scheduler_address, num_kv_pages=30, speculative_tokens=K, async_scheduling=False)
+    tight = Served(path, scheduler_address, num_kv_pages=30, speculative_tokens=K, async_scheduling=False,
+                   speculative_method=method)  # fmt: skip
     jobs = [_repeating(vocab, 16 + 2 * i, 10 + i) for i in range(4)]  # 4 requests of ~55 tokens in 120 of KV
     try:
         results = _run_all(tight, jobs, 30)

@@ -9,14 +9,16 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
+from gpu_worker.engine.prepare import Row, _chain_room
 from gpu_worker.engine.request import GenerationParams, Request, StopChecker
 from gpu_worker.engine.settings import EngineSettings, draft_rows_for
 from gpu_worker.engine.speculation import MAX_BACKOFF_STEPS, Payoff, Speculator, propose_ngram
-from gpu_worker.runner.protocol import SamplingParams, Verified
+from gpu_worker.runner.protocol import KVPagePool, SamplingParams, SequenceChunk, Verified
 from gpu_worker.runner.settings import RunnerConfig
 from hybridserve.errors import InvalidArgumentError
-from scheduler_svc.core import SchedulerConfig
+from scheduler_svc.core import SchedulerConfig, Slice
 
 
 def ngram(tokens: list[int], k: int = 4, lo: int = 2, hi: int = 4) -> list[int]:
@@ -93,16 +95,20 @@ def test_settings_refuse_what_cannot_run() -> None:
     def settings(**kw: object) -> EngineSettings:
         k = int(kw.get("num_speculative_tokens", 0))  # type: ignore[call-overload]
         rows = int(kw.pop("draft_rows", draft_rows_for(max(k, 0), 4)))  # type: ignore[call-overload]
+        mtp = int(kw.pop("mtp_draft_tokens", 0))  # type: ignore[call-overload]
         return EngineSettings(
-            scheduler=SchedulerConfig(), runner=RunnerConfig(num_draft_rows=rows), scheduler_addresses=("x:1",),
-            **kw,  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(), runner=RunnerConfig(num_draft_rows=rows, mtp_draft_tokens=mtp),
+            scheduler_addresses=("x:1",), **kw,  # type: ignore[arg-type]
         )  # fmt: skip
 
     assert settings(num_speculative_tokens=4).num_speculative_tokens == 4
     with pytest.raises(InvalidArgumentError, match="num-speculative-tokens must be >= 0"):
         settings(num_speculative_tokens=-1)
-    with pytest.raises(InvalidArgumentError, match="speculative-method 'mtp' is not supported"):
-        settings(num_speculative_tokens=4, speculative_method="mtp")
+    with pytest.raises(InvalidArgumentError, match="speculative-method 'eagle' is not supported; use one of ngram"):
+        settings(num_speculative_tokens=4, speculative_method="eagle")
+    assert settings(num_speculative_tokens=2, speculative_method="mtp", mtp_draft_tokens=2).speculative_method == "mtp"
+    with pytest.raises(InvalidArgumentError, match="needs the runner's mtp_draft_tokens = 2, got 0"):
+        settings(num_speculative_tokens=2, speculative_method="mtp")
     with pytest.raises(InvalidArgumentError, match="ngram-min 3 and --ngram-max 2"):
         settings(num_speculative_tokens=4, ngram_min=3, ngram_max=2)
     with pytest.raises(InvalidArgumentError, match="draft rows"):
@@ -119,3 +125,51 @@ def test_drafting_stops_where_its_steps_cost_more_than_they_yield_and_is_tried_a
     payoff.observe(2, 0.003, drafted=False, accepted=0)
     payoff.observe(2, 0.006, drafted=True, accepted=6)  # 4 tokens a row for two plain steps' time
     assert all(payoff.pays(2, step) for step in range(100))
+
+
+def test_mtp_drafts_are_the_heads_proposal_after_exactly_the_known_tokens() -> None:
+    """--speculative-method mtp: a request drafts what the runner's MTP head proposed after its tokens of
+    the last step (StepOutput.proposals), cut to the grant; a request in flight counts k ready (its
+    proposal comes with its token); rows ask the head for k drafts, 0 while backing off or above the
+    row limit, -1 for a request that never drafts."""
+    spec = Speculator(3, 2, 4, max_rows=2, page_size=16, method="mtp")
+    request = make_request("r", [5, 6, 7])
+    request.output_token_ids.append(9)
+    request.num_computed_tokens = 3
+    assert spec.propose(request, request.num_tokens, 3) == []  # nothing proposed yet
+    row = Row(request, Slice("r", 1, False, False), SequenceChunk((9,), 3, (), 0), True, ())
+    spec.proposed([row], [(0, (1, 2, 3))])
+    assert (request.mtp_drafts, request.mtp_drafts_at) == ((1, 2, 3), 4)
+    assert spec.propose(request, 4, 3) == [1, 2, 3] and spec.propose(request, 4, 2) == [1, 2]
+    assert spec.propose(request, 5, 3) == []  # a proposal after other tokens: stale
+    state = request.sched_state()
+    assert spec.with_drafts((state,), [request])[0].num_draft_tokens == 3
+    request.num_computed_tokens = 4  # its newest token is in the step in flight
+    assert spec.with_drafts((request.sched_state(),), [request])[0].num_draft_tokens == 3
+    assert spec.head_drafts(request, 2) == 3 and spec.head_drafts(request, 3) == 0
+    assert spec.head_drafts(make_request("p", [5, 6], presence_penalty=0.5), 1) == -1
+    spec.verified(request, Verified(0, 3, (), (), ()))  # every draft rejected: backs off
+    assert spec.head_drafts(request, 1) == 0 and spec.propose(request, 4, 3) == []
+    assert Speculator(3, 2, 4, max_rows=2, page_size=16).head_drafts(request, 1) == -1  # prompt lookup
+
+
+def test_a_drafting_row_gets_pages_for_the_heads_chain_from_what_the_step_left() -> None:
+    """prepare's chain room (gpu_worker.engine.prepare._chain_room): pages past the chunk for k - 1 chained
+    positions, only from free pages (a row that finds none keeps its own and drafts as far as they reach)."""
+    pool = KVPagePool(4, 4, 1, 1, 2, torch.float32, torch.device("cpu"))
+    a, b = make_request("a", list(range(7))), make_request("b", list(range(7)))
+    a.page_ids, b.page_ids = pool.allocate(2), pool.allocate(1)
+    chunk = SequenceChunk((6,), 6, tuple(a.page_ids), 0, mtp_drafts=4)
+    rows = [Row(a, Slice("a", 1, False, False), chunk, True, ()), Row(b, Slice("b", 1, False, False), chunk._replace(mtp_drafts=0), True, ())]
+
+    class _Allocator:
+        kv_pool = pool
+
+    _chain_room(rows, _Allocator(), 4)  # type: ignore[arg-type]
+    assert len(a.page_ids) == 3 and rows[0].chunk.page_ids == tuple(a.page_ids)  # positions up to 9: 3 pages
+    assert len(b.page_ids) == 1 and rows[1].chunk.mtp_drafts == 0
+    c = make_request("c", list(range(7)))
+    c.page_ids = []
+    rows = [Row(c, Slice("c", 1, False, False), chunk._replace(start_pos=12), True, ())]  # needs 4 pages, 0 free
+    _chain_room(rows, _Allocator(), 4)  # type: ignore[arg-type]
+    assert c.page_ids == [] and pool.num_free_pages == 0
