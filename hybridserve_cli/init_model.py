@@ -150,6 +150,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mtp", action="store_true",
         help="a multi-token-prediction head, for --speculative-method mtp (nemotron_h; implies --random)",
     )  # fmt: skip
+    parser.add_argument(
+        "--mtp-train-steps", type=int, default=0, metavar="N",
+        help="with --mtp: train the head N steps on the model's own greedy continuations (seconds on CPU), so"
+        " that its drafts are accepted often; 0 (default) leaves it random",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="weight seed of a random model (default 0)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing checkpoint in DIR")
     parser.add_argument(
@@ -170,6 +175,12 @@ def run(args: argparse.Namespace) -> int:
     if random:
         spec = ModelSpec(arch=args.arch or ("nemotron_h" if args.mtp else "bamba"), moe=args.moe, mtp=args.mtp)
         write_random_checkpoint(root, spec, seed=args.seed)
+        if args.mtp and args.mtp_train_steps > 0:
+            from hybridserve_cli.demo_model.mtp_head import train_mtp_head  # it loads the checkpoint just written
+
+            loss = train_mtp_head(root, args.mtp_train_steps, seed=args.seed)
+            print(f"trained the MTP head {args.mtp_train_steps} steps on the model's greedy continuations (loss"
+                  f" {loss:.3f})")  # fmt: skip
     else:
         from hybridserve_cli.demo_model.default import write_default_checkpoint  # it builds on this module
 

@@ -54,7 +54,7 @@ def mtp_checkpoints(
     out = {}
     for name in MTP_SPECS:
         hf, path = checkpoints[name]
-        out[name] = (hf, add_mtp_head(path, tmp_path_factory.mktemp(name + "_mtp") / "model", hf))
+        out[name] = (hf, add_mtp_head(path, tmp_path_factory.mktemp(name + "_mtp") / "model", train_steps=150))
     return out
 
 

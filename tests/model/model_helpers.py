@@ -210,17 +210,18 @@ def run_schedule(runner: ModelRunner, token_ids: list[int], chunk_lens: list[int
 MTP_SPECS = ("nemotron_dense", "nemotron_moe")  # the family whose checkpoints may carry an MTP head
 
 
-def add_mtp_head(src: Path, dst: Path, hf_model: PreTrainedModel | None = None, seed: int = 0) -> Path:
+def add_mtp_head(src: Path, dst: Path, train_steps: int = 0, seed: int = 0) -> Path:
     """A copy of the Nemotron-H checkpoint `src` in `dst` with a multi-token-prediction head
     (`num_nextn_predict_layers` 1, `mtp.layers.*`: attention, then the checkpoint's MLP or MoE kind), as
-    `hybridserve init-model --mtp` writes one: seeded random, or with `hf_model` (the checkpoint's model)
-    trained on that model's greedy continuations (`train_mtp_head`) so that its drafts are often
+    `hybridserve init-model --mtp` writes one: seeded random, then trained `train_steps` steps on the
+    model's own greedy continuations (hybridserve_cli.demo_model.mtp_head) so that its drafts are often
     accepted. transformers' Nemotron-H leaves the head's tensors unread."""
     import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
+    from hybridserve_cli.demo_model.mtp_head import train_mtp_head
     from hybridserve_cli.init_model import random_weights
 
     shutil.copytree(src, dst)
@@ -232,77 +233,6 @@ def add_mtp_head(src: Path, dst: Path, hf_model: PreTrainedModel | None = None, 
     tensors = load_file(str(src / "model.safetensors"))
     head = {k: v for k, v in random_weights(raw, seed, 0.05).items() if k.startswith("mtp.")}
     save_file(tensors | head, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    if hf_model is not None:
-        trained = train_mtp_head(dst, hf_model, seed)
-        save_file(tensors | trained, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if train_steps:
+        train_mtp_head(dst, train_steps, seed)
     return dst
-
-
-def dense_mtp_head(model: object, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """The MTP head of our model (gpu_worker.model.model.MtpHead) over positions 0..n-1 at once, causal
-    attention by hand: tokens [n] (each position's next token) and hidden [n, hidden] (the model's final
-    hidden states there) -> the head's output [n, hidden]. A reference, and what training runs."""
-    import torch.nn.functional as F
-
-    head = model.mtp  # type: ignore[attr-defined]
-    x = head.eh_proj(torch.cat([head.enorm(model.embed(tokens)), head.hnorm(hidden)], dim=-1))  # type: ignore[attr-defined]
-    n = len(tokens)
-    for block in head.blocks:
-        h = block.norm(x)
-        if block.kind == "attention":
-            att = block.mixer
-            q = att.q_proj(h).view(n, att.num_heads, att.head_dim).transpose(0, 1)
-            k = att.k_proj(h).view(n, att.num_kv_heads, att.head_dim).transpose(0, 1)
-            v = att.v_proj(h).view(n, att.num_kv_heads, att.head_dim).transpose(0, 1)
-            k, v = k.repeat_interleave(att.group, 0), v.repeat_interleave(att.group, 0)
-            scores = (q @ k.transpose(1, 2)) * att.scale
-            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-            h = att.o_proj((F.softmax(scores, -1) @ v).transpose(0, 1).reshape(n, -1))
-        else:
-            h = block.mixer(h)
-        x = x + h
-    out: torch.Tensor = head.final_norm(x)
-    return out
-
-
-def train_mtp_head(path: Path, hf_model: PreTrainedModel, seed: int = 0, steps: int = 150) -> dict[str, torch.Tensor]:
-    """The head of the checkpoint at `path` trained (Adam, a few seconds on CPU) to predict the token two
-    ahead on greedy continuations of random prompts by `hf_model`, from our model's final hidden states;
-    returns its tensors under the checkpoint's names."""
-    import torch.nn.functional as F
-
-    from gpu_worker.model.loader import checkpoint_tensors
-
-    runner = make_runner(path, mtp_draft_tokens=1)
-    model, vocab = runner.model, runner.config.vocab_size
-    g = torch.Generator().manual_seed(seed)
-    sequences = []
-    for _ in range(12):
-        prompt = torch.randint(3, vocab, (1, 12), generator=g)
-        with torch.no_grad():
-            out = hf_model.generate(prompt, max_new_tokens=36, do_sample=False, eos_token_id=None, pad_token_id=0)  # type: ignore[operator]
-        ids = out[0].tolist()
-        req = Request(runner, ids)
-        hidden = runner.forward(Batch((req.chunk(len(ids))._replace(mtp_drafts=0),))).hidden
-        req.release()
-        assert hidden is not None
-        sequences.append((torch.tensor(ids), hidden.detach().clone()))
-    head = model.mtp
-    assert head is not None
-    params = list(head.parameters())
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=3e-3)
-    with torch.enable_grad():
-        for step in range(steps):
-            ids, hidden = sequences[step % len(sequences)]
-            y = dense_mtp_head(model, ids[1:-1], hidden[:-2])  # position i: h_i and t_{i+1} -> t_{i+2}
-            loss = F.cross_entropy(model.compute_logits(y), ids[2:])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    for p in params:
-        p.requires_grad_(False)
-    family = runner.loaded.family
-    return {k: v.detach().clone().contiguous() for k, v in checkpoint_tensors(family, runner.config, model).items()
-            if k.startswith("mtp.")}  # fmt: skip

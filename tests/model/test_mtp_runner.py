@@ -18,7 +18,8 @@ from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.sampling import StepOutput, StepSampling
 from gpu_worker.runner.settings import RunnerConfig
 from hybridserve.errors import InvalidArgumentError
-from tests.model.model_helpers import MTP_SPECS, Request, dense_mtp_head, hf_logits, run_schedule
+from hybridserve_cli.demo_model.mtp_head import dense_mtp_head
+from tests.model.model_helpers import MTP_SPECS, Request, hf_logits, run_schedule
 
 K = 4
 

@@ -105,12 +105,16 @@ def _greedy_runs(hf, path, scheduler_address: str, method: str) -> None:  # type
 
 
 @pytest.mark.slow
-def test_a_seeded_sampled_request_gives_the_same_text_with_drafts(checkpoints, scheduler_address, monkeypatch) -> None:
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_a_seeded_sampled_request_gives_the_same_text_with_drafts(
+    checkpoints, mtp_checkpoints, scheduler_address, monkeypatch, method
+) -> None:
     """The runner draws each position from the random stream of the position it would have in a plain
-    decode, so a seeded request's tokens and log-probabilities are the same with speculation on or off.
-    At temperature 0.1 this model's samples still differ from its greedy tokens at most positions, and
-    fall into loops that the drafts follow. The drafts show in the metrics, GetInfo and the spans."""
-    hf, path = checkpoints["gqa_groups2"]
+    decode, so a seeded request's tokens and log-probabilities are the same with speculation on or off,
+    whether prompt lookup or the MTP head (its argmax: point-mass drafts) proposes. At temperature 0.1
+    these models' samples still differ from their greedy tokens, and fall into loops that the drafts
+    follow. The drafts show in the metrics, GetInfo and the spans."""
+    hf, path = checkpoints["gqa_groups2"] if method == "ngram" else mtp_checkpoints["nemotron_dense"]
     prompt = _repeating(hf.config.vocab_size, 12, 1)
     request = greedy_request(prompt, 96, temperature=0.1, seed=3, logprobs=2)
     monkeypatch.setenv("OTEL_SDK_DISABLED", "false")
@@ -118,7 +122,7 @@ def test_a_seeded_sampled_request_gives_the_same_text_with_drafts(checkpoints, s
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     outputs = []
     for k in (0, K):
-        served = Served(path, scheduler_address, speculative_tokens=k)
+        served = Served(path, scheduler_address, speculative_tokens=k, speculative_method=method)
         if k:  # before its first request: the engine reads its observer per event
             served.engine.observer = FanOut([TracingObserver(provider), MetricsObserver(WorkerMetrics(registry))])
         try:

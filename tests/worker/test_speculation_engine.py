@@ -160,7 +160,10 @@ def test_a_drafting_row_gets_pages_for_the_heads_chain_from_what_the_step_left()
     a, b = make_request("a", list(range(7))), make_request("b", list(range(7)))
     a.page_ids, b.page_ids = pool.allocate(2), pool.allocate(1)
     chunk = SequenceChunk((6,), 6, tuple(a.page_ids), 0, mtp_drafts=4)
-    rows = [Row(a, Slice("a", 1, False, False), chunk, True, ()), Row(b, Slice("b", 1, False, False), chunk._replace(mtp_drafts=0), True, ())]
+    rows = [
+        Row(a, Slice("a", 1, False, False), chunk, True, ()),
+        Row(b, Slice("b", 1, False, False), chunk._replace(mtp_drafts=0), True, ()),
+    ]
 
     class _Allocator:
         kv_pool = pool
