@@ -1,9 +1,12 @@
-"""Speculative decoding (n-gram prompt lookup) on vs off, side by side in one run, at 1, 8 and 32 clients.
+"""Speculative decoding (n-gram prompt lookup, or the MTP head) on vs off, side by side in one run, at 1,
+8 and 32 clients.
 
 Two stacks on the same checkpoint (the benchmark model of bench_vs_vllm.py: random, hidden 256, 8
-layers, vocabulary 512), one with `--num-speculative-tokens K`, each a worker and a gateway, both up for
-the whole run; each cell drives them in turn (who goes first alternating, each run once both are idle)
-with the same closed-loop streamed /v1/completions load (bench/http_load.py), EOS ignored:
+layers, vocabulary 512; with `--method mtp` a Nemotron-H of that size with an MTP head trained on the
+model's own greedy continuations, `init-model --mtp --mtp-train-steps`), one with
+`--num-speculative-tokens K`, each a worker and a gateway, both up for the whole run; each cell drives
+them in turn (who goes first alternating, each run once both are idle) with the same closed-loop streamed
+/v1/completions load (bench/http_load.py), EOS ignored:
 
     repeat  prompts whose second half repeats their first, greedy: this model's greedy output falls into
             a loop within a few tokens (a greedy loop, as a code edit re-emits its context)
@@ -14,12 +17,12 @@ Printed per cell: output tokens/s, TTFT p50, ITL p50 for both sides with the rat
 acceptance rate (accepted / drafted tokens, from the worker's GetInfo counters over the cell's runs).
 
 Then, with `--vllm-python` (or $HYBRIDSERVE_VLLM_PYTHON, or ~/.cache/hybridserve/vllm-venv), vLLM's CPU
-server at one client with its own n-gram speculation (`--speculative-config`, the same K and n-gram
-sizes) against our speculating stack, on both workloads; when vLLM's CPU build refuses speculation, its
-plain decode, said so.
+server at one client with its own speculation of the same method (`--speculative-config`: n-gram with
+the same K and n-gram sizes, or MTP with the same K) against our speculating stack, on both workloads;
+when vLLM's CPU build refuses speculation, its plain decode, said so.
 
-    python bench/bench_spec.py [--clients 1,8,32] [--rounds 3] [--k 4] [--max-tokens 128]
-        [--worker-args='--compile-step-sizes auto'] [--skip-vllm]
+    python bench/bench_spec.py [--method ngram|mtp] [--clients 1,8,32] [--rounds 3] [--k 4]
+        [--max-tokens 128] [--worker-args='--compile-step-sizes auto'] [--skip-vllm]
 """
 
 from __future__ import annotations
@@ -130,10 +133,12 @@ def vllm_cell(args: argparse.Namespace, model: Path, ours: tuple[str, str], root
         print("\nvLLM: its interpreter was not found (--vllm-python, $HYBRIDSERVE_VLLM_PYTHON, "
               "~/.cache/hybridserve/vllm-venv): no comparison", flush=True)  # fmt: skip
         return
-    config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.ngram_min,
-              "prompt_lookup_max": args.ngram_max}  # fmt: skip
+    config: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": args.k}
+    if args.method == "ngram":
+        config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.ngram_min,
+                  "prompt_lookup_max": args.ngram_max}  # fmt: skip
     max_len = args.prompt_len + args.max_tokens + 8
-    server, mode = None, "n-gram speculation"
+    server, mode = None, f"{'n-gram' if args.method == 'ngram' else 'MTP'} speculation"
     try:
         try:
             server, url = start_vllm_server(
@@ -171,6 +176,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", default="1,8,32", help="closed-loop client counts")
     parser.add_argument("--rounds", type=int, default=3, help="runs a cell on each side (median)")
+    parser.add_argument("--method", default="ngram", choices=("ngram", "mtp"), help="--speculative-method")
+    parser.add_argument("--mtp-train-steps", type=int, default=300, help="--method mtp: the head's training steps")
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens of the speculating side")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
@@ -196,14 +203,21 @@ def main() -> int:
 
     args = parse_args()
     max_seqs = max(int(c) for c in args.clients.split(","))
-    spec = ("--num-speculative-tokens", str(args.k), "--ngram-min", str(args.ngram_min),
-            "--ngram-max", str(args.ngram_max))  # fmt: skip
+    spec = ("--num-speculative-tokens", str(args.k), "--speculative-method", args.method, "--ngram-min",
+            str(args.ngram_min), "--ngram-max", str(args.ngram_max))  # fmt: skip
     with Stack() as base, tempfile.TemporaryDirectory() as tmp:
         scheduler = base.scheduler()
-        model = write_model("granitemoehybrid", args, Path(tmp))
+        if args.method == "mtp":
+            from hybridserve_cli.demo_model.mtp_head import train_mtp_head
+
+            model = write_model("nemotron_h", args, Path(tmp), mtp=True)
+            loss = train_mtp_head(model, args.mtp_train_steps)
+            about = f"Nemotron-H with an MTP head ({args.mtp_train_steps} training steps, loss {loss:.2f})"
+        else:
+            model = write_model("granitemoehybrid", args, Path(tmp))
+            about = f"Granite; n-gram {args.ngram_min}..{args.ngram_max}"
         print(f"model: hidden {args.hidden_size}, {args.layers} layers, vocab {args.vocab_size}; prompts of "
-              f"{args.prompt_len} tokens, {args.max_tokens} new; K = {args.k}, n-gram "
-              f"{args.ngram_min}..{args.ngram_max}; "
+              f"{args.prompt_len} tokens, {args.max_tokens} new; K = {args.k}, {about}; "
               f"{args.rounds} round(s) a cell, who goes first alternating; worker flags: {args.worker_args or '-'}",
               flush=True)  # fmt: skip
         stacks: dict[str, Any] = {}

@@ -22,14 +22,15 @@ SERVER_CACHE_MB = 2048  # both servers' cache memory: vLLM's KV space (GiB), our
 COMPILED_LINE = "compiled the Mamba decode step"  # gpu_worker.model.backends.cpu.compiled_decode logs it when ready
 
 
-def write_model(label: str, args: argparse.Namespace, tmp: Path) -> Path:
+def write_model(label: str, args: argparse.Namespace, tmp: Path, mtp: bool = False) -> Path:
+    """The random checkpoint of the benchmark size; `mtp`: with a multi-token-prediction head (nemotron_h)."""
     from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
     arch, moe = FAMILIES[label]
     spec = ModelSpec(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
                      num_hidden_layers=args.layers, attn_layer_indices=(3, args.layers - 1), num_attention_heads=4,
                      num_key_value_heads=2, mamba_n_heads=8, mamba_d_state=64, mamba_chunk_size=256, arch=arch,
-                     moe=moe, num_experts=8, num_experts_per_tok=2, init_std=args.init_std)  # fmt: skip
+                     moe=moe, num_experts=8, num_experts_per_tok=2, init_std=args.init_std, mtp=mtp)  # fmt: skip
     return write_random_checkpoint(tmp / label, spec, seed=0, with_tokenizer=False)
 
 

@@ -27,7 +27,7 @@ from hybridserve.errors import InvalidArgumentError
 from hybridserve.v1 import scheduler_pb2 as pb
 from scheduler_svc import convert
 from scheduler_svc.core import MambaCacheMode, SchedulerConfig, StepPlan, plan_step
-from scheduler_svc.step_records import read_records
+from scheduler_svc.step_records import read_steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,8 @@ class Replayed:
     step_index: int
     recorded: pb.PlanStepResponse | None  # None when the record has no plan
     replayed: pb.PlanStepResponse
+    # (request id, draft tokens verified, accepted) of the step's drafted rows, as the worker recorded them
+    drafts: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def is_identical(self) -> bool:
@@ -78,9 +80,10 @@ def replay_one(request: pb.PlanStepRequest, overrides: dict[str, Any]) -> pb.Pla
 
 def replay_file(path: Path, step: int | None = None, overrides: dict[str, Any] | None = None) -> list[Replayed]:
     results = []
-    for step_index, request, recorded in read_records(path):
-        if step is None or step_index == step:
-            results.append(Replayed(step_index, recorded, replay_one(request, overrides or {})))
+    for recorded in read_steps(path):
+        if step is None or recorded.step_index == step:
+            replayed = replay_one(recorded.request, overrides or {})
+            results.append(Replayed(recorded.step_index, recorded.plan, replayed, recorded.drafts()))
     if step is not None and not results:
         raise InvalidArgumentError(f"{path} has no record of step {step}")
     return results
@@ -105,15 +108,25 @@ def plan_table(step_index: int, msg: pb.PlanStepResponse) -> str:
     return "\n".join(lines) + "\n"
 
 
+def drafts_line(drafts: tuple[tuple[str, int, int], ...]) -> str:
+    """What the step's verifications kept, as the worker recorded them ("" when it verified none)."""
+    if not drafts:
+        return ""
+    drafted, accepted = sum(d for _, d, _ in drafts), sum(a for _, _, a in drafts)
+    rows = ", ".join(f"{rid} {a}/{d}" for rid, d, a in drafts)
+    return f"  drafts verified: {drafted} drafted, {accepted} accepted, {drafted - accepted} rejected ({rows})\n"
+
+
 def render(result: Replayed, show_plan: bool) -> str:
-    """The plan (show_plan), else one line when identical, else a unified diff of the plan tables."""
+    """The plan (show_plan) with the recorded verifications of its drafts, else one line when identical,
+    else a unified diff of the plan tables."""
     replayed = plan_table(result.step_index, result.replayed)
     if result.recorded is None:
-        return replayed
+        return replayed + drafts_line(result.drafts)
     if result.is_identical:
-        return (
-            replayed if show_plan else f"step {result.step_index}: identical ({len(result.replayed.slices)} slices)\n"
-        )
+        if show_plan:
+            return replayed + drafts_line(result.drafts)
+        return f"step {result.step_index}: identical ({len(result.replayed.slices)} slices)\n"
     recorded = plan_table(result.step_index, result.recorded)
     diff = difflib.unified_diff(
         recorded.splitlines(keepends=True),

@@ -5,7 +5,8 @@ One JSON object per line, each one engine step:
 
     {"step_index": N, "request": base64(PlanStepRequest), "plan": base64(PlanStepResponse),
      "plan_latency_s": float, "time_unix_s": float,
-     "wall_s": float, "trace_id": hex, "request_events": [...]}   # optional, for the timeline
+     "wall_s": float, "trace_id": hex, "request_events": [...],   # optional, for the timeline
+     "drafts": [[request_id, drafted, accepted], ...]}            # optional: speculation's verifications
 
 `request` and `plan` may also be written in their JSON form (an object, as
 google.protobuf.json_format writes it); `plan` may be missing (the reader replays it then). Both
@@ -144,6 +145,7 @@ def step_line(
     plan_latency_s: float,
     wall_s: float | None = None,
     trace_id: str = "",
+    drafts: Sequence[tuple[str, int, int]] = (),
 ) -> tuple[dict[str, Any], bytes]:
     """One step's line without its request events, and the serialized PlanStepRequest (for a span
     event). Its time is now: the step's end, taken before encoding."""
@@ -160,6 +162,8 @@ def step_line(
         line["wall_s"] = round(wall_s, 6)
     if trace_id:
         line["trace_id"] = trace_id
+    if drafts:
+        line["drafts"] = [[rid, drafted, accepted] for rid, drafted, accepted in drafts]
     return line, request
 
 
@@ -247,6 +251,10 @@ class RecordedStep:
 
     def events(self) -> tuple[RequestEvent, ...]:
         return tuple(RequestEvent.from_json(e) for e in self.raw.get("request_events") or ())
+
+    def drafts(self) -> tuple[tuple[str, int, int], ...]:
+        """(request id, draft tokens verified, accepted) of each drafted row the step verified."""
+        return tuple((str(rid), int(drafted), int(accepted)) for rid, drafted, accepted in self.raw.get("drafts") or ())
 
 
 def _decode(value: Any, cls: type[M]) -> M:

@@ -115,7 +115,8 @@ class Payoff:
     the tokens per row it yields, times a plain step's time, exceed a drafted step's time. Both times and
     the yield are moving averages (a fifth of the way a step) over decode-only steps of n rows. Unmeasured,
     drafting is tried; where it did not pay it is tried again after 16 steps, then 32, ... 1024 (doubling
-    while it still does not pay), so a workload that changes is noticed and a losing one costs little."""
+    while it still does not pay), each time until a drafted step of that size was measured, so a workload
+    that changes is noticed and a losing one costs little."""
 
     FIRST_RETRY, LAST_RETRY = 16, 1024
 
@@ -124,11 +125,22 @@ class Payoff:
         self._drafted: dict[int, float] = {}  # rows -> seconds of a decode step with drafts
         self._yield: dict[int, float] = {}  # rows -> tokens a row of those steps yielded
         self._retry: dict[int, tuple[int, int]] = {}  # rows -> (the step from which to try again, the interval)
+        self._trial: set[int] = set()  # sizes tried again, not measured drafting since
+        self._last: dict[int, bool] = {}  # rows -> what `pays` said last
 
     def pays(self, rows: int, step: int) -> bool:
         plain, drafted = self._plain.get(rows), self._drafted.get(rows)
-        if plain is None or drafted is None or self._yield[rows] * plain > drafted:
+        if plain is None or drafted is None or self._yield[rows] * plain > drafted or rows in self._trial:
+            self._last[rows] = True
             return True
+        self._last[rows] = self._decide(rows, step)
+        return self._last[rows]
+
+    def paid(self, rows: int) -> bool:
+        """What `pays` last said at `rows` (True before it was asked)."""
+        return self._last.get(rows, True)
+
+    def _decide(self, rows: int, step: int) -> bool:
         retry = self._retry.get(rows)
         if retry is None:  # it stopped paying: try again later
             self._retry[rows] = (step + self.FIRST_RETRY, self.FIRST_RETRY)
@@ -138,11 +150,14 @@ class Payoff:
             return False
         interval = min(2 * interval, self.LAST_RETRY)
         self._retry[rows] = (step + interval, interval)
+        self._trial.add(rows)  # drafting is on again until a drafted step of this size is measured
         return True
 
     def observe(self, rows: int, seconds: float, drafted: bool, accepted: int) -> None:
         """A decode-only step of `rows` rows took `seconds`; `drafted`: it verified drafts, `accepted` of them."""
         times = self._drafted if drafted else self._plain
+        if drafted:
+            self._trial.discard(rows)
         old = times.get(rows)
         times[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if drafted:
@@ -204,12 +219,16 @@ class Speculator:
         return propose_ngram(state.sync(request, upto), min(limit, self.k), self.n_min, self.n_max)
 
     def head_drafts(self, request: Request, num_running: int) -> int:
-        """SequenceChunk.mtp_drafts of a row of `request` that yields: -1 when the MTP head does not serve
-        it (prompt lookup, or a request that never drafts), 0 when its next step will not draft (backing
-        off, or more running requests than draft), else k. A row that does not yield takes 0 (its KV)."""
-        if not self.mtp or not self.may_draft(request):
+        """SequenceChunk.mtp_drafts of a row of `request` that yields: -1 when the MTP head does not run for
+        it (prompt lookup, a request that never drafts, more running requests than draft, or a batch size
+        where drafting does not pay: `Payoff`), 0 when it backs off (the head keeps its KV), else k. A row
+        that does not yield takes 0 (its KV). Where the head did not run, its KV has holes: drafts there
+        are worse when it runs again, never the output."""
+        if not self.mtp or not self.may_draft(request) or num_running > self.max_rows:
             return -1
-        if num_running > self.max_rows or self.step < self._state(request).resume_at:
+        if not self.payoff.paid(num_running):
+            return -1
+        if self.step < self._state(request).resume_at:
             return 0
         return self.k
 

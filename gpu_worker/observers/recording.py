@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +104,13 @@ class StepRecorder:
         return request
 
     def prepare(
-        self, step_index: int, step_input: StepInput, plan: StepPlan, plan_latency_s: float, wall_s: float | None = None
-    ) -> tuple[dict[str, Any], bytes]:
+        self, step_index: int, step_input: StepInput, plan: StepPlan, plan_latency_s: float,
+        wall_s: float | None = None, drafts: Sequence[tuple[str, int, int]] = (),
+    ) -> tuple[dict[str, Any], bytes]:  # fmt: skip
         """One step's line without its request events, and the serialized PlanStepRequest. Called
-        inside the step's span, whose trace id goes on the line; `write` adds the events."""
-        return step_line(step_index, step_input, plan, plan_latency_s, wall_s, trace_id_of())
+        inside the step's span, whose trace id goes on the line; `write` adds the events. `drafts`:
+        the step's verifications (StepRecord.drafts)."""
+        return step_line(step_index, step_input, plan, plan_latency_s, wall_s, trace_id_of(), drafts)
 
     def write(self, line: dict[str, Any]) -> None:
         """Writes a prepared line with the request events seen since the last one."""
@@ -140,7 +143,7 @@ class RecordingObserver(EngineObserver):
         self._last = None
         if record.step_input is not None and self.recorder.should_record():
             self._held, sent = self.recorder.prepare(
-                record.step_index, record.step_input, record.plan, record.plan_latency_s, record.wall_s
+                record.step_index, record.step_input, record.plan, record.plan_latency_s, record.wall_s, record.drafts
             )
             self._last = (record.step_index, sent)
 

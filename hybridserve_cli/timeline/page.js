@@ -33,6 +33,7 @@ function flags(s) {
 function stepTip(s) {
   return [`step ${s.step_index}  ${sec(s.start_s)} .. ${sec(s.end_s)} (${ms(s.end_s - s.start_s)})`,
     `decode ${s.num_decode_tokens} + prefill ${s.num_prefill_tokens} of ${s.budget_tokens} tokens`,
+    ...(s.num_draft_tokens ? [`drafts ${s.num_draft_tokens}: ${s.num_accepted_tokens} accepted, ${s.num_draft_tokens - s.num_accepted_tokens} rejected`] : []),
     `prefill budget ${s.prefill_budget_tokens}, micro budget ${s.micro_budget_tokens || "off"}, quantum ${s.quantum}`,
     ...(s.prefill_share_target >= 0 ? [`prefill share ${s.prefill_share.toFixed(3)} of target ${s.prefill_share_target.toFixed(3)}`] : []),
     `running ${s.num_running}, waiting ${s.num_waiting}, free KV pages ${s.num_free_kv_pages}`,

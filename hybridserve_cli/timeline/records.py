@@ -3,7 +3,7 @@
 The file is read by the step-record module's reader (scheduler_svc/step_records.py: the format, its
 writer and its reader), and the replay is `scheduler_svc.replay`'s own (`replay_one`, `render`), so
 the plan text a step shows is byte for byte what `hybridserve replay FILE --step N` prints for it.
-The optional keys a newer recorder writes (`wall_s`, `trace_id`, `request_events`) are read too;
+The optional keys a newer recorder writes (`wall_s`, `trace_id`, `request_events`, `drafts`) are read too;
 files without them still load.
 """
 
@@ -33,6 +33,7 @@ class StepRecord:
     events: tuple[RequestEvent, ...]  # request events seen since the previous recorded step
     plan_text: str  # the step as `hybridserve replay FILE --step N` prints it
     reproduces: bool | None  # replay gives the identical plan; None when nothing was recorded to compare
+    drafts: tuple[tuple[str, int, int], ...] = ()  # (request id, drafted, accepted) of the drafted rows verified
 
 
 def load_records(path: Path) -> list[StepRecord]:
@@ -44,7 +45,7 @@ def load_records(path: Path) -> list[StepRecord]:
             end_unix_s = step.end_unix_s
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"{path}: step {step.step_index}: bad timeline fields: {exc!r}") from None
-        replayed = Replayed(step.step_index, step.plan, replay_one(step.request, {}))
+        replayed = Replayed(step.step_index, step.plan, replay_one(step.request, {}), step.drafts())
         executed = step.plan if step.plan is not None else replayed.replayed
         records.append(
             StepRecord(
@@ -56,6 +57,7 @@ def load_records(path: Path) -> list[StepRecord]:
                 plan_latency_s=step.plan_latency_s,
                 trace_id=step.trace_id,
                 events=events,
+                drafts=replayed.drafts,
                 plan_text=render(replayed, show_plan=True),
                 reproduces=replayed.is_identical if step.plan is not None else None,
             )

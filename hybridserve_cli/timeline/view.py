@@ -33,6 +33,8 @@ class StepView:
     end_s: float
     num_decode_tokens: int  # executed decode tokens
     num_prefill_tokens: int  # executed prefill tokens
+    num_draft_tokens: int  # speculative decoding: draft tokens the step verified, and accepted
+    num_accepted_tokens: int
     budget_tokens: int  # max_num_batched_tokens
     prefill_budget_tokens: int  # what prefills could use after decodes
     micro_budget_tokens: int  # max_num_prefill_tokens_per_step (0 = off)
@@ -261,6 +263,8 @@ def step_view(
         end_s=span[1],
         num_decode_tokens=sum(s.token_end - s.token_start for s in executed if s.kind == "decode"),
         num_prefill_tokens=sum(s.token_end - s.token_start for s in executed if s.kind == "prefill"),
+        num_draft_tokens=sum(d for _, d, _ in record.drafts),
+        num_accepted_tokens=sum(a for _, _, a in record.drafts),
         budget_tokens=config.max_num_batched_tokens,
         prefill_budget_tokens=stats.prefill_budget_tokens,
         micro_budget_tokens=config.max_num_prefill_tokens_per_step,

@@ -62,7 +62,10 @@ def start_stack(model_dir, monkeypatch) -> Iterator[Callable[..., Stack]]:
     monkeypatch.setenv("OTEL_SDK_DISABLED", "false")  # tests/conftest.py turns the SDK off by default
     stacks: list[Stack] = []
 
-    def start(record: Path | None = None, traced: bool = True, scheduler: SchedulerConfig = SCHEDULER) -> Stack:
+    def start(
+        record: Path | None = None, traced: bool = True, scheduler: SchedulerConfig = SCHEDULER,
+        speculative_tokens: int = 0,
+    ) -> Stack:  # fmt: skip
         exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -73,9 +76,13 @@ def start_stack(model_dir, monkeypatch) -> Iterator[Callable[..., Stack]]:
         runner_config = RunnerConfig(
             memory_budget_bytes=16 << 20, kv_page_size_tokens=scheduler.kv_page_size,
             max_num_seqs=scheduler.max_num_seqs, num_checkpoint_slots=4, device="cpu", dtype="float32",
+            num_draft_rows=4 * speculative_tokens,
         )  # fmt: skip
         address = f"127.0.0.1:{sched_port}"
-        settings = EngineSettings(scheduler=scheduler, runner=runner_config, scheduler_addresses=(address,))
+        settings = EngineSettings(
+            scheduler=scheduler, runner=runner_config, scheduler_addresses=(address,),
+            num_speculative_tokens=speculative_tokens,
+        )  # fmt: skip
         client = SchedulerClient([address], tracer_provider=use)
         observer = build_observers(
             tracer_provider=use,

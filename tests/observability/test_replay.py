@@ -47,6 +47,32 @@ def test_recorded_run_replays_byte_for_byte_and_differs_under_a_changed_config(s
     assert "+step 0: quantum 8," in out  # the sub-block exception now holds: quantum = mamba_block_size
 
 
+def test_recorded_drafts_show_in_replay_and_the_timeline(start_stack, tmp_path, capsys):
+    """A speculating worker's record: the plans with their draft grants replay byte for byte, and each
+    step's verifications (drafted, accepted, rejected) show in `replay --step N` and the timeline."""
+    from hybridserve_cli.timeline.records import load_records
+    from hybridserve_cli.timeline.view import build_timeline
+
+    record = tmp_path / "steps.jsonl"
+    stack = start_stack(record=record, traced=False, speculative_tokens=4)
+    head = prompt_of(24, 3)
+    list(stack.stub.Generate(greedy(head + head, 64), timeout=60))  # its greedy output loops: drafts accepted
+    stack.stop()
+    counters = stack.engine.counters
+    assert counters.num_draft_tokens > 0
+    results = replay_file(record)
+    assert all(r.is_identical for r in results)
+    assert sum(d for r in results for _, d, _ in r.drafts) == counters.num_draft_tokens
+    assert sum(a for r in results for _, _, a in r.drafts) == counters.num_accepted_tokens
+    drafted = next(r for r in results if r.drafts)
+    assert cli.main(["replay", str(record), "--step", str(drafted.step_index)]) == 0
+    (_, d, a), *_ = drafted.drafts
+    assert f"drafts verified: {d} drafted, {a} accepted, {d - a} rejected" in capsys.readouterr().out
+    steps = build_timeline(load_records(record)).steps
+    assert sum(s.num_draft_tokens for s in steps) == counters.num_draft_tokens
+    assert sum(s.num_accepted_tokens for s in steps) == counters.num_accepted_tokens
+
+
 def test_seed_livelock_step_replays_and_json_records_are_read(tmp_path, capsys):
     """The livelock's step (three prefills, 4096 budget, 2048 grid): recorded in the JSON form, it
     replays identically; without micro-slicing the plan differs."""

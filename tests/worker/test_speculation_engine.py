@@ -120,8 +120,18 @@ def test_drafting_stops_where_its_steps_cost_more_than_they_yield_and_is_tried_a
     assert payoff.pays(1, 0), "unmeasured: tried"
     payoff.observe(1, 0.002, drafted=False, accepted=0)
     payoff.observe(1, 0.012, drafted=True, accepted=4)  # 5 tokens for 6 plain steps' time
-    tries = [step for step in range(2000) if payoff.pays(1, step)]
+    tries = []
+    for step in range(2000):
+        if payoff.pays(1, step):
+            tries.append(step)
+            payoff.observe(1, 0.012, drafted=True, accepted=4)  # the try measured: it still does not pay
     assert tries == [16, 48, 112, 240, 496, 1008, 2032][: len(tries)] and len(tries) == 6
+    assert not payoff.paid(1)
+    # a try stays on until a drafted step of its size was measured (a step whose requests drafted nothing
+    # does not count): the MTP head must run a step before drafts exist to measure
+    assert [payoff.pays(1, step) for step in (2032, 2033, 2034)] == [True, True, True] and payoff.paid(1)
+    payoff.observe(1, 0.012, drafted=True, accepted=4)
+    assert not payoff.pays(1, 2035)
     payoff.observe(2, 0.003, drafted=False, accepted=0)
     payoff.observe(2, 0.006, drafted=True, accepted=6)  # 4 tokens a row for two plain steps' time
     assert all(payoff.pays(2, step) for step in range(100))
@@ -146,11 +156,15 @@ def test_mtp_drafts_are_the_heads_proposal_after_exactly_the_known_tokens() -> N
     assert spec.with_drafts((state,), [request])[0].num_draft_tokens == 3
     request.num_computed_tokens = 4  # its newest token is in the step in flight
     assert spec.with_drafts((request.sched_state(),), [request])[0].num_draft_tokens == 3
-    assert spec.head_drafts(request, 2) == 3 and spec.head_drafts(request, 3) == 0
+    assert spec.head_drafts(request, 2) == 3 and spec.head_drafts(request, 3) == -1  # above the row limit: off
     assert spec.head_drafts(make_request("p", [5, 6], presence_penalty=0.5), 1) == -1
     spec.verified(request, Verified(0, 3, (), (), ()))  # every draft rejected: backs off
     assert spec.head_drafts(request, 1) == 0 and spec.propose(request, 4, 3) == []
     assert Speculator(3, 2, 4, max_rows=2, page_size=16).head_drafts(request, 1) == -1  # prompt lookup
+    spec.step = 100
+    spec.payoff.observe(1, 0.002, drafted=False, accepted=0)
+    spec.payoff.observe(1, 0.012, drafted=True, accepted=0)
+    assert not spec.payoff.pays(1, spec.step) and spec.head_drafts(request, 1) == -1  # where it does not pay: off
 
 
 def test_a_drafting_row_gets_pages_for_the_heads_chain_from_what_the_step_left() -> None:
