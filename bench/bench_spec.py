@@ -208,6 +208,8 @@ def main() -> int:
     with Stack() as base, tempfile.TemporaryDirectory() as tmp:
         scheduler = base.scheduler()
         if args.method == "mtp":
+            # dense: vLLM's CPU build serves no Nemotron-H MoE (its non-gated experts are CUDA-only), and its
+            # MTP head implements attention and MoE layers only, so its side falls back to plain decode
             from hybridserve_cli.demo_model.mtp_head import train_mtp_head
 
             model = write_model("nemotron_h", args, Path(tmp), mtp=True)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -112,7 +113,8 @@ def run_vllm(
 
 def root_cause(lines: list[str]) -> str:
     """The first exception message in vLLM's log (its engine processes log theirs before the generic one)."""
-    errors = [line.split("] ", 1)[-1].strip() for line in lines if "Error: " in line or "Exception: " in line]
+    messages = (line.split("] ", 1)[-1].strip() for line in lines)
+    errors = [m for m in messages if re.match(r"[\w.]*(Error|Exception): ", m)]  # not a warning that names one
     return errors[0] if errors else (lines[-1] if lines else "no output")
 
 
@@ -163,7 +165,7 @@ def start_vllm_server(
     env = {"VLLM_CPU_KVCACHE_SPACE": str(SERVER_CACHE_MB // 1024), "TOKENIZERS_PARALLELISM": "false"}
     server = Child("vllm-server", command, env=env, keep_lines=400)
     url = f"http://127.0.0.1:{port}"
-    if not wait_http_ready(url, VLLM_TIMEOUT_S):
+    if not wait_http_ready(url, VLLM_TIMEOUT_S, alive=lambda: server.proc.poll() is None):
         server.stop()
         raise RuntimeError(f"vLLM's server did not become ready: {root_cause(list(server.lines))}")
     return server, url

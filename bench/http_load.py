@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -92,10 +92,10 @@ def run_http_load(url: str, model: str, prompts: Sequence[list[int]], clients: i
     return summary_of(record, clients)
 
 
-async def _ready(url: str, timeout_s: float) -> bool:
+async def _ready(url: str, timeout_s: float, alive: Callable[[], bool]) -> bool:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and alive():
             try:
                 async with session.get(f"{url}/v1/models") as resp:
                     if resp.status == 200:
@@ -106,6 +106,7 @@ async def _ready(url: str, timeout_s: float) -> bool:
     return False
 
 
-def wait_http_ready(url: str, timeout_s: float) -> bool:
-    """Polls GET /v1/models until it answers 200 (True) or timeout_s passes (False)."""
-    return asyncio.run(_ready(url, timeout_s))
+def wait_http_ready(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
+    """Polls GET /v1/models until it answers 200 (True), or timeout_s passes or `alive()` turns False (the
+    server's process ended: False)."""
+    return asyncio.run(_ready(url, timeout_s, alive))

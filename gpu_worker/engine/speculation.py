@@ -22,8 +22,9 @@ Under async scheduling step N+1 is planned while step N runs, before its accepta
 planned as if every draft of step N is rejected, and the pages that accepting them all could need more
 (`page_reserve`) are held back from the free pages the planner is told.
 
-Which requests draft: those whose sampling needs no token history (no penalties or min_tokens), with
-no grammar, past their prompt. Speculation stops itself where it does not pay, two ways. A request whose
+Which requests draft: those with no grammar and no prompt scoring, past their prompt (penalties and
+min_tokens are applied at each verified position with the drafts before it counted:
+gpu_worker.runner.speculation.DraftHistories). Speculation stops itself where it does not pay, two ways. A request whose
 drafts were all rejected proposes nothing for the next 2, 4, 8 or 16 steps (doubling with each further
 miss, reset by an accepted draft), so a workload whose text does not repeat drafts almost never. And a
 step drafts only where drafting has paid at its batch size (`Payoff`: a verify step's time against the
@@ -195,8 +196,7 @@ class Speculator:
 
     @staticmethod
     def may_draft(request: Request) -> bool:
-        sampling = request.params.sampling
-        return not (sampling.needs_history or request.grammar is not None or request.scoring)
+        return not (request.grammar is not None or request.scoring)
 
     def _state(self, request: Request) -> DraftState:
         state = self._states.get(request.request_id)

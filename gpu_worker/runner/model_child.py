@@ -142,7 +142,7 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step, conn: Connection
         bitmask = reader.masks_of(slots) if masked else None
         sampled = sample_step(out.logits, batch, sampling, reader.tables.history, bitmask)
         if out.draft_logits:  # speculation: the drafts checked, the states rolled back to the accepted ones
-            sampled = verify_drafts(out, batch, sampling, sampled)
+            sampled = verify_drafts(out, batch, sampling, sampled, reader.tables.history)
             roll_back(runner.state_pool, batch, sampled.drafts, out.draft_records)
         if out.hidden is not None:  # the MTP head's drafts for the next step
             sampled = replace(sampled, proposals=runner.propose_mtp(batch, out, sampling, sampled))

@@ -205,7 +205,7 @@ class LogitsRunner:
         tables = self._history.tables if self._history is not None else None
         sampled = sample_step(out.logits, batch, sampling, tables, bitmask)
         if out.draft_logits:  # speculation: the drafts checked, the states rolled back to the accepted ones
-            sampled = verify_drafts(out, batch, sampling, sampled)
+            sampled = verify_drafts(out, batch, sampling, sampled, tables)
             roll_back(self.pools.state_pool, batch, sampled.drafts, out.draft_records)  # type: ignore[attr-defined]
         if out.hidden is not None:  # the MTP head's drafts for the next step (gpu_worker.runner.mtp)
             sampled = replace(sampled, proposals=self.propose_mtp(batch, out, sampling, sampled))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -36,6 +36,9 @@ from gpu_worker.model.backends.cpu.short_scan import SHORT_SPAN_TOKENS
 from gpu_worker.runner.batch import Batch, ForwardOutput
 from gpu_worker.runner.sampling import SamplingParams, StepOutput, StepSampling, TopLogprobs, sample_rows
 from gpu_worker.runner.state_pool import MambaStatePool
+
+if TYPE_CHECKING:
+    from gpu_worker.runner.history import HistoryTables
 from hybridserve.errors import InvalidArgumentError
 
 _GREEDY = SamplingParams()
@@ -109,10 +112,54 @@ def draft_logits(
     return tuple(out)
 
 
-def verify_drafts(out: ForwardOutput, batch: Batch, sampling: StepSampling, sampled: StepOutput) -> StepOutput:
+class DraftHistories:
+    """The penalties' and min_tokens' history (HistoryTables.rows) at each position of the drafted rows
+    that need it: position i of a row [t, d_1 .. d_k] samples after d_1 .. d_i, so its history is the
+    slot's (the tokens before t's, and t's, as published for the step) plus those drafts, generated.
+    `rows(indices)` answers for stacked position indices, as HistoryTables.rows does for slots."""
+
+    def __init__(self, tables: HistoryTables) -> None:
+        self.tables = tables
+        self._at: dict[int, tuple[int, tuple[int, ...]]] = {}  # stacked position -> (slot, drafts before it)
+
+    def add(self, index: int, slot: int, before: tuple[int, ...]) -> None:
+        self._at[index] = (slot, before)
+
+    def rows(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        per = []
+        for index in indices:
+            slot, before = self._at[index]
+            ids, counts, valid, generated = self.tables.rows([slot])
+            seen = ids[0][valid[0]].tolist()
+            counted = counts[0][valid[0]].tolist()
+            where = {t: c for c, t in enumerate(seen)}
+            for token in before:
+                column = where.get(token)
+                if column is None:
+                    column = where[token] = len(seen)
+                    seen.append(token)
+                    counted.append(0.0)
+                counted[column] += 1.0
+            per.append((seen, counted, generated[0] + len(before)))
+        width = max(1, max(len(seen) for seen, _, _ in per))
+        ids_out = torch.zeros(len(per), width, dtype=torch.int64)
+        counts_out = torch.zeros(len(per), width, dtype=torch.float32)
+        valid_out = torch.zeros(len(per), width, dtype=torch.bool)
+        for r, (seen, counted, _) in enumerate(per):
+            ids_out[r, : len(seen)] = torch.tensor(seen, dtype=torch.int64)
+            counts_out[r, : len(seen)] = torch.tensor(counted)
+            valid_out[r, : len(seen)] = True
+        return ids_out, counts_out, valid_out, [g for _, _, g in per]
+
+
+def verify_drafts(
+    out: ForwardOutput, batch: Batch, sampling: StepSampling, sampled: StepOutput, history: HistoryTables | None = None
+) -> StepOutput:
     """`sampled` (the step's tokens, one per yielding row) with each drafted row's token replaced by its
     verification's: the model's token after the accepted drafts, those drafts in `StepOutput.drafts`
-    (see the module docstring). One sampler call checks every drafted row's positions."""
+    (see the module docstring). One sampler call checks every drafted row's positions; a row whose
+    controls read its history (penalties, min_tokens) is checked with the drafts before each position
+    counted as generated (`DraftHistories`, over the step's `history` tables)."""
     if not out.draft_logits:
         return sampled
     seqs = batch.sequences
@@ -122,22 +169,33 @@ def verify_drafts(out: ForwardOutput, batch: Batch, sampling: StepSampling, samp
     params: list[SamplingParams] = []
     positions: list[int] = []
     spans: list[tuple[int, int]] = []  # (batch row, first index into the stacked positions)
+    histories: DraftHistories | None = None
     for row, row_logits in out.draft_logits:
         if row not in index_of:
             raise InvalidArgumentError(f"batch: drafted row {row} does not yield a token")
         seq, p = seqs[row], params_of.get(row, _GREEDY)
+        n = len(seq.token_ids)
         if p.needs_history:
-            raise InvalidArgumentError(f"batch: drafted row {row} has penalties or min_tokens; those rows draft none")
+            if history is None:
+                raise InvalidArgumentError(f"batch: drafted row {row} has penalties or min_tokens but no history")
+            histories = histories or DraftHistories(history)
+            drafts = seq.token_ids[1:]
+            for i in range(n):
+                histories.add(len(positions) + i, seq.state_slot, drafts[:i])
         spans.append((row, len(positions)))
         logits.append(row_logits)
-        n = len(seq.token_ids)
         params.extend([p] * n)
         positions.extend(range(seq.start_pos + 1, seq.start_pos + 1 + n))
     stacked = torch.cat(logits)
     special = [i for i, p in enumerate(params) if not p.is_plain]
     drawn = sample_rows(
-        stacked, special, [params[i] for i in special], [positions[i] for i in special]
-    )  # every position's token, as a plain decode would draw it there
+        stacked,
+        special,
+        [params[i] for i in special],
+        [positions[i] for i in special],
+        slots=special if histories is not None else (),
+        history=histories,  # type: ignore[arg-type]
+    )  # every position's token, as a plain decode would draw it there (fmt: skip)
     token_ids, logprobs = list(sampled.token_ids), list(sampled.logprobs)
     tops = list(sampled.top_logprobs) if sampled.top_logprobs is not None else None
     verified: list[Verified] = []

@@ -128,6 +128,53 @@ def test_seeded_sampled_rows_draw_the_tokens_of_a_plain_decode(checkpoints) -> N
     assert all(len(t) == 2 for t in verified.top_logprobs)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_with_penalties_verify_with_the_drafts_before_each_position_counted(checkpoints, temperature) -> None:
+    """Presence, frequency and repetition penalties and min_tokens read the tokens generated so far: at
+    each drafted position they count the drafts before it, so the drafts a plain decode (greedy, or
+    seeded sampled) chose are accepted with its log-probabilities, and its next token follows them."""
+    hf, path = checkpoints["gqa_groups2"]
+    plain, spec = _runner(path, 0), _runner(path, 4)
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    first = plain.execute(Batch((Request(plain, prompt).chunk(7),)), StepSampling((0,))).token_ids[0]
+    params = SamplingParams(
+        temperature=temperature, seed=3, presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.4,
+        min_tokens=5, held_token_ids=(first,),
+    )  # fmt: skip
+
+    def decode(runner, steps: int):  # type: ignore[no-untyped-def]
+        outputs: list[int] = []
+        req = Request(runner, prompt)
+        sampling = StepSampling.of((0,), [params], [(prompt, outputs)])
+        out = runner.execute(Batch((req.chunk(7),)), sampling)
+        outputs.append(out.token_ids[0])
+        lps = []
+        for _ in range(steps):
+            req.token_ids.append(outputs[-1])
+            out = runner.execute(Batch((req.chunk(1),)), sampling)
+            outputs.append(out.token_ids[0])
+            lps.append(out.logprobs[0])
+        return req, outputs, lps, sampling
+
+    _, tokens, logprobs, _ = decode(plain, 6)
+    assert first not in tokens[:5], "min_tokens held the model's own first choice"
+    req, outputs, _, sampling = decode(spec, 0)  # the prompt, then a verify step of the plain decode's drafts
+    req.token_ids.append(outputs[-1])
+    out = spec.execute(Batch((_drafted(req, tokens[1:5]),)), sampling)
+    (verified,) = out.drafts
+    assert list(verified.token_ids) == tokens[1:5] and out.token_ids[0] == tokens[5]
+    assert verified.logprobs == pytest.approx(logprobs[:4], abs=1e-5)
+    assert out.logprobs[0] == pytest.approx(logprobs[4], abs=1e-5)
+    # a wrong second draft: the first is kept, and the token after it is the plain decode's
+    outputs.extend(tokens[1:6])
+    req.num_computed += 4  # what the engine does with the accepted drafts
+    req.token_ids.append(tokens[5])
+    _, tokens2, _, _ = decode(plain, 8)
+    out = spec.execute(Batch((_drafted(req, [tokens2[6], (tokens2[7] + 1) % 97]),)), sampling)
+    (verified,) = out.drafts
+    assert list(verified.token_ids) == [tokens2[6]] and out.token_ids[0] == tokens2[7]
+
+
 def test_a_step_drafting_more_than_the_draft_rows_is_refused(checkpoints, monkeypatch) -> None:
     monkeypatch.setattr("gpu_worker.runner.runner.keeps_short_spans", lambda batch, device: False)
     _, path = checkpoints["gqa_groups2"]

@@ -154,3 +154,30 @@ def test_a_seeded_sampled_request_gives_the_same_text_with_drafts(
                - a["hybridserve.step.num_accepted_tokens"] for a in steps)  # fmt: skip
     (done,) = [s.attributes for s in spans if s.name == "hybridserve.request"]
     assert done["hybridserve.spec_decode.acceptance_rate"] == pytest.approx(accepted / num_drafted)
+
+
+@pytest.mark.slow
+def test_requests_with_penalties_give_the_same_text_with_drafts(checkpoints, scheduler_address) -> None:
+    """Presence, frequency and repetition penalties and min_tokens (with EOS held) draft: at each verified
+    position the runner counts the drafts before it as generated (in process and across two model
+    processes), so the text and log-probabilities are those of speculation off."""
+    hf, path = checkpoints["gqa_groups2"]
+    prompt = _repeating(hf.config.vocab_size, 12, 1)
+    request = greedy_request(prompt, 64, presence_penalty=0.1, frequency_penalty=0.05, repetition_penalty=1.05,
+                             min_tokens=8, logprobs=1)  # fmt: skip
+    seeded = greedy_request(prompt, 64, temperature=0.1, seed=5, presence_penalty=0.1, repetition_penalty=1.05)
+    outputs = []
+    for k, runner in ((0, None), (K, None), (K, SPLIT)):
+        served = Served(path, scheduler_address, speculative_tokens=k, runner=runner)
+        try:
+            runs = [collect(served.stub.Generate(r, timeout=120)) for r in (request, seeded)]
+            texts = [(tokens, [lp for m in messages for lp in m.logprobs]) for tokens, messages in runs]
+            outputs.append((texts, served.engine.counters.num_accepted_tokens))
+        finally:
+            served.close()
+    (plain, _), *drafted = outputs
+    for texts, accepted in drafted:
+        assert accepted > 0, "no draft was accepted: plain decoding was checked only"
+        for (tokens, logprobs), (want, want_lp) in zip(texts, plain, strict=True):
+            assert tokens == want
+            assert logprobs == pytest.approx(want_lp, abs=1e-5)

@@ -51,11 +51,19 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 64, **sampling: 
 LOOP = [7, 8, 9] * 4
 
 
-def test_requests_whose_controls_read_their_history_never_draft() -> None:
+def test_requests_with_a_grammar_or_prompt_scores_never_draft() -> None:
+    """Penalties and min_tokens draft (the runner counts the drafts in their history at each position);
+    a grammar's mask and prompt scoring are not applied to drafts, so those requests draft none."""
     spec = Speculator(4, 2, 4, max_rows=4, page_size=16)
     assert spec.propose(make_request("a", LOOP), len(LOOP), 4) == [7, 8, 9, 7]
-    assert spec.propose(make_request("b", LOOP, presence_penalty=0.5), len(LOOP), 4) == []
-    assert spec.propose(make_request("c", LOOP, min_tokens=3, held_token_ids=(0,)), len(LOOP), 4) == []
+    assert spec.propose(make_request("b", LOOP, presence_penalty=0.5), len(LOOP), 4) == [7, 8, 9, 7]
+    assert spec.propose(make_request("c", LOOP, min_tokens=3, held_token_ids=(0,)), len(LOOP), 4) == [7, 8, 9, 7]
+    constrained = make_request("g", LOOP)
+    constrained.grammar = object()  # type: ignore[assignment]
+    assert spec.propose(constrained, len(LOOP), 4) == []
+    scoring = make_request("s", LOOP)
+    scoring.scoring = True
+    assert spec.propose(scoring, len(LOOP), 4) == []
     assert spec.propose(make_request("d", LOOP), len(LOOP), 2) == [7, 8]  # the limit cuts
     assert spec.propose(make_request("e", LOOP), len(LOOP), 0) == []
 
@@ -157,7 +165,9 @@ def test_mtp_drafts_are_the_heads_proposal_after_exactly_the_known_tokens() -> N
     request.num_computed_tokens = 4  # its newest token is in the step in flight
     assert spec.with_drafts((request.sched_state(),), [request])[0].num_draft_tokens == 3
     assert spec.head_drafts(request, 2) == 3 and spec.head_drafts(request, 3) == -1  # above the row limit: off
-    assert spec.head_drafts(make_request("p", [5, 6], presence_penalty=0.5), 1) == -1
+    scoring = make_request("p", [5, 6])
+    scoring.scoring = True
+    assert spec.head_drafts(scoring, 1) == -1
     spec.verified(request, Verified(0, 3, (), (), ()))  # every draft rejected: backs off
     assert spec.head_drafts(request, 1) == 0 and spec.propose(request, 4, 3) == []
     assert Speculator(3, 2, 4, max_rows=2, page_size=16).head_drafts(request, 1) == -1  # prompt lookup
