@@ -102,6 +102,10 @@ FLAGS = {
         "drafts only in steps of at most this many running requests (a larger batch is cheap per token already);"
         " the runner keeps a state per draft token of each"
     ),
+    "speculative_payoff": Flag(
+        "measure whether drafting pays at each batch size and stop drafting where it does not (retried after"
+        " 16, 32, ... 1024 steps); --no-speculative-payoff drafts whenever there are drafts"
+    ),
     "scheduler_give_up_s": Flag("fail in-flight requests when no scheduler answers for this long"),
     "prefix_caching": Flag("reuse cached prefixes (KV + Mamba state at block boundaries)"),
     "memory_budget_bytes": Flag(
@@ -190,7 +194,7 @@ SECURITY_FIELDS = ("api_key_file", "checkpoint_key_file", "cluster_token_file")
 ENGINE_FIELDS = (
     "scheduler_addresses", "cache_address", "async_scheduling", "max_queue_len", "default_max_tokens",
     "max_model_len", "scheduler_deadline_s", "scheduler_give_up_s", "num_speculative_tokens", "speculative_method",
-    "ngram_min", "ngram_max", "speculative_max_rows",
+    "ngram_min", "ngram_max", "speculative_max_rows", "speculative_payoff",
 )  # fmt: skip
 RUNNER_FIELDS = (
     "memory_budget_bytes", "gpu_memory_utilization", "num_checkpoint_slots", "checkpoint_memory_bytes", "device",

@@ -31,6 +31,9 @@ class EngineSettings:
     ngram_min: int = 2  # prompt lookup: the shortest suffix match that drafts
     ngram_max: int = 4  # ... and the longest one tried
     speculative_max_rows: int = 4  # steps of more running requests decode without drafts (bench_spec)
+    # measure whether drafting pays at each batch size and stop where it does not (speculation.Payoff); off:
+    # draft whenever there are drafts (what a timing-independent test, or a benchmark of the raw path, wants)
+    speculative_payoff: bool = True
 
     def __post_init__(self) -> None:
         if self.scheduler.kv_page_size != self.runner.kv_page_size_tokens:

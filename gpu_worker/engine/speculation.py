@@ -121,7 +121,8 @@ class Payoff:
 
     FIRST_RETRY, LAST_RETRY = 16, 1024
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled  # False (--no-speculative-payoff): drafting always counts as paying
         self._plain: dict[int, float] = {}  # rows -> seconds of a decode step without drafts
         self._drafted: dict[int, float] = {}  # rows -> seconds of a decode step with drafts
         self._yield: dict[int, float] = {}  # rows -> tokens a row of those steps yielded
@@ -130,6 +131,8 @@ class Payoff:
         self._last: dict[int, bool] = {}  # rows -> what `pays` said last
 
     def pays(self, rows: int, step: int) -> bool:
+        if not self.enabled:
+            return True
         plain, drafted = self._plain.get(rows), self._drafted.get(rows)
         if plain is None or drafted is None or self._yield[rows] * plain > drafted or rows in self._trial:
             self._last[rows] = True
@@ -175,9 +178,11 @@ def speculator_for(settings: EngineSettings) -> Speculator | None:
     if not k:
         return None
     rows = settings.runner.num_draft_rows // k
-    return Speculator(
+    speculator = Speculator(
         k, settings.ngram_min, settings.ngram_max, rows, settings.scheduler.kv_page_size, settings.speculative_method
     )
+    speculator.payoff.enabled = settings.speculative_payoff
+    return speculator
 
 
 class Speculator:

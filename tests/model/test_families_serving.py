@@ -27,7 +27,8 @@ from tests.worker.conftest import SCHEDULER, budget_for_pages, collect, greedy_r
 
 
 class Served:
-    """A worker (runner + engine + Generation service on port 0) for one checkpoint; stopped by `close`."""
+    """A worker (runner + engine + Generation service on port 0) for one checkpoint; stopped by `close`.
+    Speculation drafts without `Payoff` (its stop depends on measured step times: tests assert behaviour)."""
 
     def __init__(
         self, path: Path, scheduler: str, prefix_caching: bool = False, num_kv_pages: int | None = None,
@@ -47,7 +48,7 @@ class Served:
         settings = EngineSettings(
             scheduler=config, runner=runner_config, scheduler_addresses=(scheduler,),
             num_speculative_tokens=speculative_tokens, speculative_max_rows=8, speculative_method=speculative_method,
-            **engine,  # type: ignore[arg-type]
+            speculative_payoff=False, **engine,  # type: ignore[arg-type]
         )  # fmt: skip
         self.client = SchedulerClient((scheduler,), deadline_s=settings.scheduler_deadline_s,
                                       give_up_after_s=settings.scheduler_give_up_s)  # fmt: skip

@@ -140,6 +140,10 @@ def test_drafting_stops_where_its_steps_cost_more_than_they_yield_and_is_tried_a
     assert [payoff.pays(1, step) for step in (2032, 2033, 2034)] == [True, True, True] and payoff.paid(1)
     payoff.observe(1, 0.012, drafted=True, accepted=4)
     assert not payoff.pays(1, 2035)
+    off = Payoff(enabled=False)  # --no-speculative-payoff: drafting always counts as paying
+    off.observe(1, 0.002, drafted=False, accepted=0)
+    off.observe(1, 0.012, drafted=True, accepted=0)
+    assert all(off.pays(1, step) for step in range(100)) and off.paid(1)
     payoff.observe(2, 0.003, drafted=False, accepted=0)
     payoff.observe(2, 0.006, drafted=True, accepted=6)  # 4 tokens a row for two plain steps' time
     assert all(payoff.pays(2, step) for step in range(100))
