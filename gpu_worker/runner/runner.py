@@ -65,6 +65,12 @@ LONE_STEP_MIN_TOKENS = 64
 WIDEN_MIN_TOKENS = 512
 
 
+def kv_layers(model: ModelConfig, config: RunnerConfig) -> int:
+    """Layers of the KV pool: the model's attention layers, and the MTP head's when it runs (their KV in
+    the same pages, after the model's)."""
+    return model.num_attention_layers + (model.num_mtp_attention_layers if config.mtp_draft_tokens else 0)
+
+
 @dataclass(frozen=True, slots=True)
 class PoolPlan:
     """The pools' sizes for a model and a config (the worker and its model process compute the same)."""
@@ -81,9 +87,7 @@ class PoolPlan:
 
     @property
     def num_kv_layers(self) -> int:
-        """The model's attention layers, and the MTP head's when it runs (their KV in the same pages)."""
-        c = self.loaded.config
-        return c.num_attention_layers + (c.num_mtp_attention_layers if self.config.mtp_draft_tokens else 0)
+        return kv_layers(self.loaded.config, self.config)
 
     @classmethod
     def of(cls, loaded: LoadedModel, config: RunnerConfig) -> PoolPlan:
@@ -94,8 +98,7 @@ class PoolPlan:
                 f"--speculative-method mtp: {loaded.model_dir} has no multi-token-prediction layers "
                 "(config.json num_nextn_predict_layers is 0); use --speculative-method ngram"
             )
-        layers = c.num_attention_layers + (c.num_mtp_attention_layers if config.mtp_draft_tokens else 0)
-        kv_bytes = KVPagePool.bytes_per_token(layers, c.num_key_value_heads, c.head_dim, loaded.dtype)
+        kv_bytes = KVPagePool.bytes_per_token(kv_layers(c, config), c.num_key_value_heads, c.head_dim, loaded.dtype)
         state_bytes = MambaStatePool.bytes_per_slot(c.num_mamba_layers, *state_shapes(c), loaded.dtype)
         shape = PoolShape(
             kv_bytes, config.kv_page_size_tokens, state_bytes, config.max_num_seqs, config.num_checkpoint_slots,
@@ -355,10 +358,10 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         if while_waiting is not None:
             while_waiting()
         scoring = any(seq.score for seq in batch.sequences)
+        # the MTP head reads every position's hidden state: only the eager forward keeps them
         heads = self.mtp is not None and any(seq.mtp_drafts >= 0 for seq in batch.sequences)
-        if heads:  # the MTP head reads every position's hidden state: the eager forward keeps them
-            scoring = True
-        if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(batch):
+        eager = scoring or heads
+        if self.decode_graphs is not None and not eager and self.decode_graphs.can_run(batch):
             return self._forward_graphed(batch)
         if self.decode_compiler is not None:  # between steps: switch to the compiled decode once built
             self.decode_compiler.attach_if_ready()
@@ -379,7 +382,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             self.state_pool.zero_slots(packed.fresh_slots)
         if self.step_threads is not None:
             self.step_threads.for_step(len(packed.input_ids), batch.num_prefill_tokens)
-        if self.decode_steps is not None and not packed.ctx.prefills and not scoring and not batch.return_all_logits:
+        if self.decode_steps is not None and not packed.ctx.prefills and not eager and not batch.return_all_logits:
             # (a drafted row is a multi-token chunk: never here)
             compiled = self.decode_steps.run(packed.ctx, packed.input_ids)  # None: no bucket holds it
             if compiled is not None:

@@ -31,14 +31,19 @@ def _blocks(get: Getter) -> tuple[BlockKind, ...]:
             raise InvalidArgumentError(f"{get.source}: layers_block_type {unknown} are not supported "
                                        f"(supported: {', '.join(LAYER_TYPES)})")  # fmt: skip
         return tuple(LAYER_TYPES[t] for t in types)
-    pattern = get.raw.get("hybrid_override_pattern")
+    return _pattern(get, "hybrid_override_pattern", "needs layers_block_type (a list) or hybrid_override_pattern "
+                    "(a string of M, *, -, E)", "M (Mamba2), * (attention), - (MLP), E (MoE)")  # fmt: skip
+
+
+def _pattern(get: Getter, key: str, missing: str, supported: str) -> tuple[BlockKind, ...]:
+    """The block kinds a pattern string (one letter a layer: PATTERN) names; `missing` and `supported`
+    word the errors."""
+    pattern = get.raw.get(key)
     if not isinstance(pattern, str) or not pattern:
-        raise InvalidArgumentError(f"{get.source}: needs layers_block_type (a list) or hybrid_override_pattern "
-                                   f"(a string of M, *, -, E)")  # fmt: skip
+        raise InvalidArgumentError(f"{get.source}: {missing}")
     unknown = sorted(set(pattern) - set(PATTERN))
     if unknown:
-        raise InvalidArgumentError(f"{get.source}: hybrid_override_pattern has {unknown}; supported: M (Mamba2), "
-                                   f"* (attention), - (MLP), E (MoE)")  # fmt: skip
+        raise InvalidArgumentError(f"{get.source}: {key} has {unknown}; supported: {supported}")
     return tuple(PATTERN[c] for c in pattern)
 
 
@@ -48,15 +53,8 @@ def _mtp_blocks(get: Getter) -> tuple[BlockKind, ...]:
         return ()
     if layers != 1:
         raise InvalidArgumentError(f"{get.source}: num_nextn_predict_layers={layers} is not supported (0 or 1)")
-    pattern = get.raw.get("mtp_hybrid_override_pattern")
-    if not isinstance(pattern, str) or not pattern:
-        raise InvalidArgumentError(f"{get.source}: num_nextn_predict_layers 1 needs mtp_hybrid_override_pattern "
-                                   f"(a string of *, -, E)")  # fmt: skip
-    unknown = sorted(set(pattern) - set(PATTERN))
-    if unknown:
-        raise InvalidArgumentError(f"{get.source}: mtp_hybrid_override_pattern has {unknown}; supported: "
-                                   f"* (attention), - (MLP), E (MoE)")  # fmt: skip
-    return tuple(PATTERN[c] for c in pattern)
+    return _pattern(get, "mtp_hybrid_override_pattern", "num_nextn_predict_layers 1 needs "
+                    "mtp_hybrid_override_pattern (a string of *, -, E)", "* (attention), - (MLP), E (MoE)")  # fmt: skip
 
 
 def _moe(get: Getter) -> MoEConfig:
