@@ -10,7 +10,10 @@ prefills prompts of 16..256 tokens, then times decode steps (greedy), split into
 With --compile the same steps also run with the Mamba decode step compiled (gpu_worker.model.
 compiled_decode), interleaved with the eager runs; with --compile-step also as whole compiled decode steps
 (gpu_worker.model.backends.cpu.compiled_step: one program per batch size, each batch its own bucket; the
-per-kind columns are then empty, the program has no per-layer timers); with --scattered the sequences hold every other
+per-kind columns are then empty, the program has no per-layer timers); with --drafts K every row is a verify
+row of speculative decoding (its newest token and K random drafts, rarely accepted, so a step yields about
+a token a row: the cost of a verify step, its verification and rollback included; "step" is then the
+compiled verify program); with --scattered the sequences hold every other
 state slot (not one contiguous run); --prompts 1000..3000 sets the prompt lengths (long contexts);
 --padded-attention also runs every mode with decode attention batched over pages padded to the longest
 context for every sequence in one call (the form before gpu_worker.model.backends.cpu.decode_attention's per-sequence
@@ -20,7 +23,7 @@ unpacked (from 16 rows, F.linear below: the form before gpu_worker.model.backend
 Absolute times depend on the machine and its load; compare rows measured in one run.
 
     .venv/bin/python bench/bench_decode.py [--batches 8,32,64] [--steps 48] [--compile] [--compile-step] [--scattered]
-        [--prompts 16..256] [--padded-attention] [--unpacked] [--dtype float32|bfloat16] [--no-floor]
+        [--prompts 16..256] [--padded-attention] [--unpacked] [--dtype float32|bfloat16] [--no-floor] [--drafts K]
 
 Each row also prints its step time as a multiple of this machine's floor for the step (bench/bench_roofline.py:
 the machine's one-thread gemv bandwidth and matmul rate, measured first; --no-floor skips it).
@@ -48,7 +51,7 @@ from gpu_worker.model.model import Block
 from gpu_worker.runner.batch import Batch, SequenceChunk
 from gpu_worker.runner.input_builder import build_inputs
 from gpu_worker.runner.runner import ModelRunner
-from gpu_worker.runner.sampling import SamplingParams, sample
+from gpu_worker.runner.sampling import SamplingParams, StepSampling, sample
 from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.tuning import keep_freed_memory
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
@@ -88,9 +91,12 @@ def instrument(runner: ModelRunner, clock: Clock) -> None:
 
 
 def run_batch(
-    runner: ModelRunner, clock: Clock, b: int, steps: int, scattered: bool, prompt_range: tuple[int, int]
-) -> dict[str, float]:
-    """Decode `steps` steps of b sequences (the same prompts for every call with this b)."""
+    runner: ModelRunner, clock: Clock, b: int, steps: int, scattered: bool, prompt_range: tuple[int, int],
+    drafts: int = 0,
+) -> dict[str, float]:  # fmt: skip
+    """Decode `steps` steps of b sequences (the same prompts for every call with this b); with `drafts`, each
+    row a verify row of its newest token and that many drafts (random tokens), through runner.execute
+    (verification and rollback included)."""
     g = torch.Generator().manual_seed(b)
     kv, states = runner.kv_pool, runner.state_pool
     lens = torch.randint(prompt_range[0], prompt_range[1] + 1, (b,), generator=g).tolist()
@@ -98,8 +104,10 @@ def run_batch(
     slots = [states.allocate_slot() for _ in range(2 * b if scattered else b)]
     held, slots = slots, slots[1::2] if scattered else slots
     warm = 8
-    pages = [tuple(kv.allocate(kv.pages_for_tokens(len(p) + warm + steps + 1))) for p in prompts]
+    pages = [tuple(kv.allocate(kv.pages_for_tokens(len(p) + (warm + steps + 1) * (1 + drafts)))) for p in prompts]
+    done = [len(p) for p in prompts]  # tokens computed per row
     params, positions = [SamplingParams()] * b, [0] * b
+    greedy = StepSampling(tuple(range(b)))
     batch = Batch(tuple(SequenceChunk(tuple(p), 0, pg, s) for p, pg, s in zip(prompts, pages, slots, strict=True)))
     last = sample(runner.forward(batch).logits, params, positions).token_ids
     total = 0.0
@@ -111,8 +119,10 @@ def run_batch(
         t0 = time.perf_counter()
         batch = Batch(
             tuple(
-                SequenceChunk((t,), len(p) + step, pg, s)
-                for p, t, pg, s in zip(prompts, last, pages, slots, strict=True)
+                SequenceChunk(
+                    (t, *torch.randint(3, 512, (drafts,), generator=g).tolist()), n, pg, s, num_draft_tokens=drafts
+                )
+                for n, t, pg, s in zip(done, last, pages, slots, strict=True)
             )
         )
         if clock.on:
@@ -122,9 +132,16 @@ def run_batch(
             )  # timed copy of the step's own
             clock.seconds["inputs"] += time.perf_counter() - t1
         t1 = time.perf_counter()
-        logits = runner.forward(batch).logits
-        t2 = time.perf_counter()
-        last = sample(logits, params, positions).token_ids
+        if drafts:
+            out = runner.execute(batch, greedy)
+            t2 = time.perf_counter()
+            last = out.token_ids
+            done = [n + 1 + len(v.token_ids) for n, v in zip(done, out.drafts, strict=True)]
+        else:
+            logits = runner.forward(batch).logits
+            t2 = time.perf_counter()
+            last = sample(logits, params, positions).token_ids
+            done = [n + 1 for n in done]
         t3 = time.perf_counter()
         if clock.on:
             clock.seconds["forward"] += t2 - t1
@@ -179,6 +196,7 @@ def main() -> None:
     parser.add_argument("--unpacked", action="store_true", help="also the projections' weights unpacked")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's dtype")
     parser.add_argument("--no-floor", action="store_true", help="skip measuring the machine's floor (bench_roofline)")
+    parser.add_argument("--drafts", type=int, default=0, help="verify steps: each row its token and this many drafts")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.prompts.split(".."))
     keep_freed_memory()
@@ -189,7 +207,8 @@ def main() -> None:
         config = RunnerConfig(
             max_num_seqs=2 * max(batches), num_checkpoint_slots=0, decode_compile="on" if args.compile else "off",
             compile_step_sizes=",".join(map(str, batches)) if args.compile_step else "", dtype=args.dtype,
-            memory_budget_bytes=max(256 << 20, kv_bytes + (128 << 20)),
+            memory_budget_bytes=max(256 << 20, kv_bytes * (1 + args.drafts) + (128 << 20)),
+            num_draft_rows=args.drafts * max(batches), verify_tokens=1 + args.drafts if args.drafts else 0,
         )  # fmt: skip
         t0 = time.perf_counter()
         runner = ModelRunner.from_model_dir(path, config)
@@ -232,11 +251,15 @@ def main() -> None:
                     runner.decode_steps = programs if mode == "step" else None
                     set_padded_attention(runner, "/pad" in mode)
                     set_packed(runner, "/unpacked" not in mode)
-                    runs[mode].append(run_batch(runner, clock, b, args.steps, args.scattered, (lo, hi)))
+                    runs[mode].append(run_batch(runner, clock, b, args.steps, args.scattered, (lo, hi), args.drafts))
             for mode in modes:
                 best = min(runs[mode], key=lambda r: r["step"])
                 row = "".join(f"{best.get(c, 0.0):>10.2f}" for c in cols)
-                floor_ms = None if machine is None else floors(SPEC, b, machine, (lo + hi) // 2).seconds * 1e3
+                floor_ms = (
+                    None
+                    if machine is None
+                    else floors(SPEC, b * (1 + args.drafts), machine, (lo + hi) // 2).seconds * 1e3
+                )
                 times = "" if floor_ms is None else f"{best['step'] / floor_ms:>9.1f}"
                 print(f"{b:>6}{mode:>20}{row}{1000 * b / best['step']:>9.0f}{times}")
         print("forward includes inputs (built again inside it), mixers, norms and logits; mixers are timed by kind")

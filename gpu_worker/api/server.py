@@ -251,6 +251,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         num_draft_rows=draft_rows_for(args.num_speculative_tokens, args.speculative_max_rows),
         mtp_draft_tokens=args.num_speculative_tokens if args.speculative_method == "mtp" else 0,
+        verify_tokens=1 + args.num_speculative_tokens if args.num_speculative_tokens else 0,
     )  # fmt: skip
     return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner)
 

@@ -89,8 +89,9 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def build_inputs(batch: Batch, page_size: int, num_slots: int, device: torch.device) -> PackedInputs:
-    """Validate and pack `batch` (see module docstring). All index math runs on CPU, then moves once."""
+def validate_batch(batch: Batch, page_size: int, num_slots: int) -> None:
+    """Raises InvalidArgumentError for an empty batch, a state slot given twice, or a sequence whose pages,
+    slot or boundary checkpoints do not fit its chunk."""
     seqs = batch.sequences
     if not seqs:
         raise InvalidArgumentError("batch: no sequences")
@@ -98,6 +99,61 @@ def build_inputs(batch: Batch, page_size: int, num_slots: int, device: torch.dev
         raise InvalidArgumentError("batch: a state slot appears in more than one sequence")
     for s in seqs:
         _validate(s, page_size, num_slots)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyInputs:
+    """A step of rows of at most L tokens each (decodes and verify rows) laid out [rows, L] for the
+    compiled verify program (gpu_worker.model.backends.cpu.decode_program.verify_logits), padded to a
+    bucket of rows: the padding rows first, each repeating row 0 (as compiled_step pads decode steps)."""
+
+    input_ids: torch.Tensor  # [bucket, L] int64; a padded position repeats its row's last token
+    positions: torch.Tensor  # [bucket, L] int64
+    write_slots: torch.Tensor  # [bucket, L] int64; a padded position: its row's last real slot
+    lengths: torch.Tensor  # [bucket] int64: real tokens per row
+    state_slots: torch.Tensor  # [bucket] int64
+    page_table: torch.Tensor  # [bucket, W] int64, W >= min_columns (padded with page 0)
+    fresh_slots: torch.Tensor | None  # state slots to zero before the step (a chunk at position 0)
+    num_padding: int  # leading padding rows; batch row i is row num_padding + i
+
+
+def build_verify_inputs(
+    batch: Batch, page_size: int, num_slots: int, length: int, bucket: int, min_columns: int
+) -> VerifyInputs:
+    """Validate and lay out `batch` (every chunk at most `length` tokens, at most `bucket` sequences) as
+    VerifyInputs. Index math in Python, a tensor call per field."""
+    validate_batch(batch, page_size, num_slots)
+    seqs = batch.sequences
+    pad = bucket - len(seqs)
+    order = [0] * pad + list(range(len(seqs)))
+    columns = max(min_columns, max((s.start_pos + len(s.token_ids) - 1) // page_size + 1 for s in seqs))
+    ids, positions, writes, tables = [], [], [], []
+    for i in order:
+        s = seqs[i]
+        n = len(s.token_ids)
+        ids.append(list(s.token_ids) + [s.token_ids[-1]] * (length - n))
+        row = [s.start_pos + t for t in range(length)]
+        positions.append(row)
+        last = s.start_pos + n - 1
+        writes.append([s.page_ids[p // page_size] * page_size + p % page_size for p in (min(p, last) for p in row)])
+        tables.append(list(s.page_ids[:columns]) + [0] * max(0, columns - len(s.page_ids)))
+    fresh = [s.state_slot for s in seqs if s.start_pos == 0]
+    return VerifyInputs(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        write_slots=torch.tensor(writes, dtype=torch.int64),
+        lengths=torch.tensor([len(seqs[i].token_ids) for i in order], dtype=torch.int64),
+        state_slots=torch.tensor([seqs[i].state_slot for i in order], dtype=torch.int64),
+        page_table=torch.tensor(tables, dtype=torch.int64),
+        fresh_slots=torch.tensor(fresh, dtype=torch.int64) if fresh else None,
+        num_padding=pad,
+    )
+
+
+def build_inputs(batch: Batch, page_size: int, num_slots: int, device: torch.device) -> PackedInputs:
+    """Validate and pack `batch` (see module docstring). All index math runs on CPU, then moves once."""
+    seqs = batch.sequences
+    validate_batch(batch, page_size, num_slots)
     decode_ids = sorted((i for i, s in enumerate(seqs) if len(s.token_ids) == 1), key=lambda i: seqs[i].state_slot)
     prefill_ids = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
     token_start = [0] * len(seqs)

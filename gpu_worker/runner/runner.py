@@ -22,16 +22,16 @@ import torch
 
 from gpu_worker.model.backends import kernel_backend
 from gpu_worker.model.backends.cpu.compiled_decode import DecodeCompiler, can_compile, use_persistent_cache
-from gpu_worker.model.backends.cpu.compiled_step import CompiledDecodeSteps, parse_buckets
+from gpu_worker.model.backends.cpu.compiled_step import MIN_PAGE_COLUMNS, CompiledDecodeSteps, parse_buckets
 from gpu_worker.model.backends.cpu.linear import use_onednn_linears, warm_onednn_linears
-from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY
+from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY, StackedSpanRecord
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.runner.batch import Batch, ForwardOutput, score_targets
 from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
-from gpu_worker.runner.input_builder import build_inputs
+from gpu_worker.runner.input_builder import VerifyInputs, build_inputs, build_verify_inputs
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.memory import MemorySplit, PoolShape, size_pools
 from gpu_worker.runner.mtp import MtpProposer, Proposals
@@ -304,7 +304,14 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         if not buckets or self.device.type != "cpu" or not can_compile(self.device):
             return None
         use_persistent_cache()
-        return CompiledDecodeSteps(self.model, self._kv_caches, self._states, self.kv_page_size_tokens, buckets)
+        cfg = self.runner_config
+        # verify steps with the MTP head run eagerly (the head reads every position's hidden state)
+        verify = cfg.verify_tokens if not cfg.mtp_draft_tokens and cfg.verify_tokens > 1 else 0
+        rows = cfg.num_draft_rows // (verify - 1) if verify else 0
+        return CompiledDecodeSteps(
+            self.model, self._kv_caches, self._states, self.kv_page_size_tokens, buckets, verify, rows,
+            self.state_pool.stacked_states(),
+        )  # fmt: skip
 
     @torch.inference_mode()
     def _compile_decode_steps(self, programs: CompiledDecodeSteps, steps: tuple[Batch, ...]) -> float:
@@ -316,8 +323,55 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             return 0.0
         one = Batch(scratch.sequences[:1])
         packed = build_inputs(one, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
-        programs.compile_all(packed.ctx, packed.input_ids)
+
+        def verify_scratch(bucket: int) -> tuple[torch.Tensor, ...]:  # the same row, one real token
+            return self._verify_columns(build_verify_inputs(
+                one, self.kv_page_size_tokens, self.state_pool.num_slots, programs.verify_tokens, bucket,
+                MIN_PAGE_COLUMNS,
+            ))  # fmt: skip
+
+        programs.compile_all(packed.ctx, packed.input_ids, verify_scratch)
         return programs.seconds
+
+    @staticmethod
+    def _verify_columns(inputs: VerifyInputs) -> tuple[torch.Tensor, ...]:
+        return (inputs.input_ids, inputs.positions, inputs.write_slots, inputs.lengths, inputs.state_slots,
+                inputs.page_table)  # fmt: skip
+
+    def _forward_verify(self, batch: Batch, programs: CompiledDecodeSteps) -> ForwardOutput | None:
+        """A step of decode and verify rows through its verify program (compiled_step): every position's
+        logits of the drafted rows, and the short-span records their rollback reads (as the eager
+        short-span scan leaves them); None when no program holds the step (the caller runs eagerly)."""
+        length = programs.verify_tokens
+        bucket = programs.verify_bucket_for(len(batch.sequences))
+        if bucket is None or programs.status != "ready":
+            return None
+        if any(len(s.token_ids) > 1 and len(s.token_ids) != 1 + s.num_draft_tokens for s in batch.sequences):
+            return None  # a prefill chunk: the packed paths
+        if any(len(s.token_ids) > length for s in batch.sequences):
+            return None
+        inputs = build_verify_inputs(
+            batch, self.kv_page_size_tokens, self.state_pool.num_slots, length, bucket, MIN_PAGE_COLUMNS
+        )  # fmt: skip
+        if inputs.fresh_slots is not None:
+            self.state_pool.zero_slots(inputs.fresh_slots)
+        ran = programs.run_verify(*self._verify_columns(inputs))
+        if ran is None:
+            return None
+        logits, spans = ran
+        self._save_checkpoints(batch)
+        real = slice(inputs.num_padding, None)
+        logits = logits[real]  # [rows, L, vocab], batch order
+        last = logits[torch.arange(len(batch.sequences)), inputs.lengths[real] - 1]
+        drafts = tuple((i, logits[i, : 1 + s.num_draft_tokens]) for i, s in enumerate(batch.sequences)
+                       if s.num_draft_tokens)  # fmt: skip
+        records: tuple[StackedSpanRecord, ...] = ()
+        if spans:  # whole, as the rollback's program was compiled on; padding rows answer to no slot
+            slots = (-1,) * inputs.num_padding + tuple(s.state_slot for s in batch.sequences)
+            initial, a, xdt, B, windows = spans
+            conv, ssm = self.state_pool.stacked_states()
+            records = (StackedSpanRecord(conv, ssm, slots, initial, a, xdt, B, windows, programs.restore),)
+        return ForwardOutput(logits=last, draft_logits=drafts, draft_records=records)
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, only on CUDA with the kernels attached (see cuda_graphs)."""
@@ -372,6 +426,11 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         records: list[object] | None = None
         if drafting:  # speculation: a rejected row's state is rebuilt from the short spans, or kept in draft rows
             check_drafted(batch)
+            programs = self.decode_steps
+            if programs is not None and programs.verify_buckets and not eager and not batch.return_all_logits:
+                verified = self._forward_verify(batch, programs)
+                if verified is not None:
+                    return verified
             records = [] if keeps_short_spans(batch, self.device) else None
             if records is None:
                 batch = with_draft_rows(batch, self.state_pool)

@@ -65,6 +65,9 @@ class RunnerConfig:
     # drafts per row the multi-token-prediction head proposes (--speculative-method mtp); 0 = the head, if the
     # checkpoint has one, is not run and has no KV (gpu_worker.runner.mtp)
     mtp_draft_tokens: int = 0
+    # tokens of a verify row (1 + --num-speculative-tokens; the engine sets it); with compile_step_sizes, the
+    # verify steps of up to num_draft_rows / (verify_tokens - 1) rows get compiled programs too (compiled_step)
+    verify_tokens: int = 0
 
     def __post_init__(self) -> None:
         positive = ("kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens", "max_num_batched_tokens")
@@ -78,7 +81,7 @@ class RunnerConfig:
             raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         names = (
             "cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "model_processes", "cpu_warm_rows",
-            "model_process_lone_threads", "num_draft_rows", "mtp_draft_tokens",
+            "model_process_lone_threads", "num_draft_rows", "mtp_draft_tokens", "verify_tokens",
         )  # fmt: skip
         for name in names:
             if getattr(self, name) < 0:

@@ -67,6 +67,10 @@ class MambaStatePool:
         """(conv, ssm) views per Mamba layer, indexed by storage row (live slot ids are rows)."""
         return [(self._conv[i], self._ssm[i]) for i in range(self._conv.shape[0])]
 
+    def stacked_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [layers, rows, conv_dim, K-1], ssm [layers, rows, H, P, N]): the storage layer_states views."""
+        return self._conv, self._ssm
+
     # ---- live slots -------------------------------------------------------------------------------
     @property
     def num_free_slots(self) -> int:

@@ -16,6 +16,7 @@ import torch
 from gpu_worker.model.backends.cpu.compiled_step import parse_buckets
 from gpu_worker.runner.batch import Batch
 from gpu_worker.runner.runner import ModelRunner
+from gpu_worker.runner.sampling import StepSampling
 from gpu_worker.runner.settings import RunnerConfig
 from hybridserve.errors import InvalidArgumentError
 from tests.model.model_helpers import FAMILY_SPECS, Request
@@ -104,3 +105,97 @@ def test_compile_step_sizes_setting() -> None:
     for bad in ("0,2", "one", "2,,x"):
         with pytest.raises(InvalidArgumentError, match="compile_step_sizes"):
             RunnerConfig(compile_step_sizes=bad)
+
+
+def _speculating(path: Path, sizes: str) -> ModelRunner:
+    """A runner whose steps may verify 3 drafts a row, 2 rows a step; with `sizes`, compiled programs."""
+    cfg = RunnerConfig(
+        memory_budget_bytes=8 << 20, kv_page_size_tokens=4, max_num_seqs=4, num_checkpoint_slots=2, device="cpu",
+        dtype="float32", compile_step_sizes=sizes, num_draft_rows=3 * 2, verify_tokens=4,
+    )  # fmt: skip
+    runner = ModelRunner.from_model_dir(path, cfg)
+    runner.warm_up()
+    return runner
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILY_SPECS)
+def test_compiled_verify_steps_equal_the_eager_verify_steps(checkpoints, name: str) -> None:
+    """Verify steps (rows of the newest token and its drafts, beside plain decodes) through the verify
+    program of a bucket of 2 rows: the same tokens and accepted drafts as the eager verify step, logits
+    at every drafted position within 1e-5, and after each step's rollback the same pools, with drafts
+    all accepted, none, and some; a row alone (padded to the bucket); rows of different lengths."""
+    hf, path = checkpoints[name]
+    vocab = hf.config.vocab_size
+    plain = ModelRunner.from_model_dir(path, RunnerConfig(
+        memory_budget_bytes=8 << 20, kv_page_size_tokens=4, max_num_seqs=2, num_checkpoint_slots=0, device="cpu",
+        dtype="float32",
+    ))  # fmt: skip
+    greedy = StepSampling((0,))
+    prompts = [_prompt(vocab, 6 + 3 * i, seed=10 + i) for i in range(2)]
+    continuations = []  # each prompt's greedy continuation, a token a step (what right drafts are)
+    for p in prompts:
+        ref = Request(plain, p)
+        tokens = [plain.execute(Batch((ref.chunk(len(p)),)), greedy).token_ids[0]]
+        for _ in range(12):
+            ref.token_ids.append(tokens[-1])
+            tokens.append(plain.execute(Batch((ref.chunk(1),)), greedy).token_ids[0])
+        continuations.append(tokens)
+        ref.release()
+    eager, compiled = _speculating(path, ""), _speculating(path, "2")
+    programs = compiled.decode_steps
+    assert programs is not None and programs.verify_buckets == (2,), compiled.describe()
+    programs.stance = "fail_on_recompile"  # every verify step below was compiled at warm-up
+    calls = []
+    verify = programs._verify
+    programs._verify = lambda *a: calls.append(a) or verify(*a)  # type: ignore[method-assign]
+    pairs = []
+    for runner in (eager, compiled):
+        forward = runner.forward
+        runner.forwards = []  # type: ignore[attr-defined]
+        runner.forward = lambda batch, w=None, f=forward, r=runner: r.forwards.append(f(batch, w)) or r.forwards[-1]  # type: ignore[method-assign]
+        runner.kv_pool.allocate(3)  # the requests' pages are not the pool's first
+        runner.state_pool.allocate_slot()
+        reqs = [Request(runner, p) for p in prompts]
+        runner.forward(Batch(tuple(r.chunk(len(p)) for r, p in zip(reqs, prompts, strict=True))))
+        for r, tokens in zip(reqs, continuations, strict=True):
+            r.token_ids.append(tokens[0])
+        pairs.append(reqs)
+    done = [0, 0]  # each request's continuation tokens accepted so far (tokens[done] is its newest)
+    # per step: (request, right drafts, wrong drafts) for its rows; -1 right = a plain decode
+    schedule = [[(0, 3, 0), (1, -1, 0)], [(1, 0, 2)], [(0, 1, 1), (1, 2, 0)], [(0, -1, 0), (1, 0, 3)]]
+    for step, rows in enumerate(schedule):
+        outs = []
+        for runner, reqs in zip((eager, compiled), pairs, strict=True):
+            chunks = []
+            for i, right, wrong in rows:
+                req, tokens, k = reqs[i], continuations[i], done[i]
+                if right < 0:
+                    chunks.append(req.chunk(1))
+                    continue
+                drafts = tokens[k + 1 : k + 1 + right] + [(tokens[k + 1 + right] + 1) % vocab] * wrong
+                req.token_ids[req.num_computed + 1 :] = drafts
+                chunks.append(req.chunk(1 + len(drafts))._replace(num_draft_tokens=len(drafts)))
+                req.num_computed -= len(drafts)
+            batch = Batch(tuple(chunks))
+            before = len(calls)
+            outs.append(runner.execute(batch, StepSampling(tuple(range(len(rows))))))
+            assert (len(calls) > before) == (runner is compiled), f"{name}: step {step} took the wrong path"
+        forwards = [r.forwards[-1] for r in (eager, compiled)]
+        for (row, a), (_, b) in zip(forwards[0].draft_logits, forwards[1].draft_logits, strict=True):
+            diff = (a - b).abs().max().item()
+            assert diff <= TOL, f"{name}: step {step} row {row}: drafted positions' logits differ by {diff}"
+        assert (forwards[0].logits - forwards[1].logits).abs().max().item() <= TOL
+        sampled = outs
+        assert sampled[0].token_ids == sampled[1].token_ids, f"{name}: step {step}"
+        assert [v.token_ids for v in sampled[0].drafts] == [v.token_ids for v in sampled[1].drafts]
+        for (i, right, _), token in zip(rows, sampled[1].token_ids, strict=True):
+            accepted = max(right, 0)
+            assert token == continuations[i][done[i] + 1 + accepted], f"{name}: step {step}: not the greedy token"
+            done[i] += 1 + accepted
+            for reqs in pairs:
+                reqs[i].num_computed += accepted
+                reqs[i].token_ids[reqs[i].num_computed :] = [token]
+        for a, b in zip(_pools(eager), _pools(compiled), strict=True):
+            assert torch.allclose(a, b, atol=TOL, rtol=TOL), f"{name}: step {step}: pools differ after the rollback"
+    assert len(calls) == len(schedule)

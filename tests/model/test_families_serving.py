@@ -53,6 +53,8 @@ class Served:
         self.client = SchedulerClient((scheduler,), deadline_s=settings.scheduler_deadline_s,
                                       give_up_after_s=settings.scheduler_give_up_s)  # fmt: skip
         model = build_runner(path, runner_config)  # in process unless `runner` asks for model processes
+        if runner_config.compile_step_sizes:  # the programs compile in the warm-up, as a served worker's do
+            model.warm_up()
         prefix = build_prefix_cache(model, settings, prefix_caching)
         self.engine = Engine(model, self.client.plan, settings, prefix=prefix)
         self.engine.start()

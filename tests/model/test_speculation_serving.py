@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import threading
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -21,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from gpu_worker.engine.observer import FanOut
+from gpu_worker.model.backends.cpu.compiled_step import CompiledDecodeSteps
 from gpu_worker.observers.metrics import MetricsObserver
 from gpu_worker.observers.tracing import TracingObserver
 from hybridserve.metrics import WorkerMetrics
@@ -102,6 +104,39 @@ def _greedy_runs(hf, path, scheduler_address: str, method: str) -> None:  # type
     finally:
         tight.close()
     assert results == {i: hf_greedy(hf, p, 30) for i, p in enumerate(jobs)}
+
+
+@pytest.mark.slow
+def test_greedy_with_drafts_through_the_compiled_verify_programs(checkpoints, scheduler_address, monkeypatch) -> None:
+    """Verify steps through their compiled programs (--compile-step-sizes 2: a bucket of 2 rows, with its
+    verify program of 1 + K tokens a row) serve transformers' greedy tokens, alone (padded to the bucket)
+    and under 6 concurrent streams (steps of 2 rows or fewer: the program; more: the eager forward),
+    prefix hits taken; the program ran verify steps and drafts were accepted."""
+    hf, path = checkpoints["granite_moe"]
+    vocab, block = hf.config.vocab_size, SCHEDULER.block_size
+    ran = []
+    run_verify = CompiledDecodeSteps.run_verify
+
+    def counted(self: CompiledDecodeSteps, *columns: Any) -> Any:
+        out = run_verify(self, *columns)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(CompiledDecodeSteps, "run_verify", counted)
+    served = Served(path, scheduler_address, prefix_caching=True, speculative_tokens=K,
+                    runner={"compile_step_sizes": "2", "verify_tokens": 1 + K})  # fmt: skip
+    try:
+        alone = _repeating(vocab, 12, 1)
+        assert served.generate(alone, 48)[0] == hf_greedy(hf, alone, 48), "alone"
+        prompts = [_repeating(vocab, 2 * block + i, 40 + i) for i in range(3)]
+        expect = {i: hf_greedy(hf, p, 24) for i, p in enumerate(prompts)}
+        results = _run_all(served, prompts * 2, 24)
+        assert results == {i: expect[i % 3] for i in range(6)}, "6 concurrent streams"
+        assert served.engine.prefix.stats().prefix_cache_hits > 0
+        _assert_drafted(served)
+        assert any(ran), "no verify step ran through a compiled program"
+    finally:
+        served.close()
 
 
 @pytest.mark.slow

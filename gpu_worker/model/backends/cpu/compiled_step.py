@@ -19,6 +19,12 @@ prompt scores, more rows than the largest bucket. Calls run under the "eager_on_
 input the warm-up did not foresee (a guard the warm-up did not satisfy) runs the program's Python
 eagerly instead of compiling on the serving path: it never waits for a compile.
 
+Verify steps (speculative decoding: rows of the newest token and up to k drafts, beside plain decodes)
+have programs of their own when `verify_tokens` L = 1 + k is set: `decode_program.verify_logits` per
+bucket of rows, every row padded to L positions (a padded position writes its row's last real K/V again
+and leaves the state as it is). They return every position's logits and what each Mamba layer needs to
+roll a rejected draft back (short_scan.ShortSpanRecord's inputs), as the eager path's short-span scan does.
+
 Sampling stays outside the programs (gpu_worker.runner.sampling runs on their logits)."""
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_worker.model.backends.cpu.decode_program import decode_logits
+from gpu_worker.model.backends.cpu.decode_program import decode_logits, verify_logits
+from gpu_worker.model.backends.cpu.short_scan import restore_rows
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.model.model import HybridForCausalLM, KVCaches, StateTensors
 from hybridserve.errors import InvalidArgumentError
@@ -69,10 +76,22 @@ class CompiledDecodeSteps:
         states: StateTensors,
         page_size: int,
         buckets: tuple[int, ...],
+        verify_tokens: int = 0,
+        verify_rows: int = 0,
+        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """`verify_tokens` L > 1 adds verify programs of L positions a row for the buckets of at most
+        `verify_rows` rows (and the smallest bucket holding that many), and the rollback's program over
+        `stacks`, the conv and SSM storage [layers, rows, ...] that `states` views (short_scan.restore_rows)."""
         self.model, self.kv_caches, self.states, self.page_size = model, kv_caches, states, page_size
         self.buckets = tuple(sorted(buckets))
+        self.verify_tokens = verify_tokens if verify_tokens > 1 and stacks is not None else 0
+        self.stacks = stacks
+        limit = self.bucket_for(verify_rows) or (self.buckets[-1] if self.buckets else 0)
+        self.verify_buckets = tuple(b for b in self.buckets if b <= limit) if self.verify_tokens else ()
         self._program: Callable[..., torch.Tensor] = torch.compile(decode_logits)
+        self._verify: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] = torch.compile(verify_logits)
+        self._restore: Callable[..., None] = torch.compile(restore_rows)
         self.stance = STANCE  # tests use "fail_on_recompile" to prove the warm-up covers serving
         self.status = "compiling"  # compiling | ready | failed: ...
         self.seconds = 0.0
@@ -105,16 +124,46 @@ class CompiledDecodeSteps:
             logits = self._call(ids, pos, write, slots, table)
         return logits[bucket - ctx.num_decode :]
 
-    def compile_all(self, ctx: ForwardContext, input_ids: torch.Tensor) -> None:
+    def verify_bucket_for(self, num_rows: int) -> int | None:
+        """The smallest verify bucket of at least `num_rows` rows; None when there is none."""
+        return next((b for b in self.verify_buckets if b >= num_rows), None)
+
+    def run_verify(self, *columns: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """A verify step's logits [bucket, L, vocab] and the Mamba layers' stacked SpanTensors through its
+        bucket's program, on `columns` (input ids, positions, write slots [bucket, L]; lengths, state slots [bucket];
+        the page table [bucket, W >= MIN_PAGE_COLUMNS]: gpu_worker.runner.input_builder.VerifyInputs); None
+        when the programs are not ready or no bucket holds the rows."""
+        if self.status != "ready" or columns[0].shape[0] not in self.verify_buckets:
+            return None
+        with torch.compiler.set_stance(self.stance):
+            return self._call_verify(*columns)
+
+    def _call_verify(self, *columns: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self._verify(self.model, *columns, self.page_size, self.kv_caches, self.states)
+
+    def compile_all(
+        self,
+        ctx: ForwardContext,
+        input_ids: torch.Tensor,
+        verify_scratch: Callable[[int], tuple[torch.Tensor, ...]] | None = None,
+    ) -> None:
         """Compile every bucket on a scratch decode step (one row on scratch state and pages, repeated to
-        each bucket's size: what it writes nobody reads). Logs and keeps the reason on failure (the steps
+        each bucket's size: what it writes nobody reads), and every verify bucket on `verify_scratch(bucket)`
+        (run_verify's columns, of the same scratch row). Logs and keeps the reason on failure (the steps
         then run eagerly)."""
         started = time.perf_counter()
         # a bucket's batch stays static (no automatic dynamic after the first bucket); one graph per bucket
-        limits = {"automatic_dynamic_shapes": False, "recompile_limit": max(8, 2 * len(self.buckets))}
+        graphs = len(self.buckets) + 3 * len(self.verify_buckets)
+        limits = {"automatic_dynamic_shapes": False, "recompile_limit": max(8, 2 * graphs)}
         try:
             with torch._dynamo.config.patch(limits):
                 self._compile_buckets(ctx, input_ids)
+                if verify_scratch is not None:
+                    for bucket in self.verify_buckets:
+                        columns = verify_scratch(bucket)
+                        torch._dynamo.mark_dynamic(columns[-1], 1)
+                        _, spans = self._call_verify(*columns)
+                        self._compile_restore(spans, columns[4])
             self.status = "ready"
         except Exception as exc:  # a missing toolchain, an inductor limit: decode stays eager
             self.status = f"failed: {type(exc).__name__}: {exc}"[:300]
@@ -122,7 +171,31 @@ class CompiledDecodeSteps:
         self.seconds = time.perf_counter() - started
         if self.status == "ready":
             sizes = ",".join(map(str, self.buckets))
-            log.info("compiled whole decode steps for %s rows in %.1f s", sizes, self.seconds)
+            verify = f" and verify steps of {self.verify_tokens} tokens a row for {self.verify_sizes} rows"
+            log.info("compiled whole decode steps for %s rows%s in %.1f s", sizes,
+                     verify if self.verify_buckets else "", self.seconds)  # fmt: skip
+
+    def restore(self, *args: torch.Tensor) -> None:
+        """short_scan.restore_rows through its program (StackedSpanRecord.program)."""
+        with torch.compiler.set_stance(self.stance), torch.inference_mode():  # as it was compiled
+            self._restore(*args)
+
+    def _compile_restore(self, spans: list[torch.Tensor], state_slots: torch.Tensor) -> None:
+        """The rollback's graphs for the spans of one verify bucket: one rolled-back row, and (from 2 rows)
+        any number (a dynamic count; dynamo specialises a size of 1). The scratch row goes back to the state
+        after its newest token, what it held already."""
+        assert self.stacks is not None
+        spans = [t.detach() for t in spans]
+        for count in (1, 2) if spans[0].shape[1] > 1 else (1,):
+            rows = torch.zeros(count, dtype=torch.int64)
+            args = (*self.stacks, *spans, rows, torch.zeros_like(rows), state_slots[:1].expand(count).clone())
+            if count > 1:
+                for t in args[-3:]:
+                    torch._dynamo.mark_dynamic(t, 0)
+            if spans[0].shape[1] > 1:
+                for t in spans:
+                    torch._dynamo.mark_dynamic(t, 1)
+            self._restore(*args)
 
     def _call(self, *columns: torch.Tensor) -> torch.Tensor:
         return self._program(self.model, *columns, self.page_size, self.kv_caches, self.states)
@@ -133,5 +206,13 @@ class CompiledDecodeSteps:
             torch._dynamo.mark_dynamic(table, 1)
             self._call(ids, pos, write, slots, table)
 
+    @property
+    def verify_sizes(self) -> str:
+        return ",".join(map(str, self.verify_buckets))
+
     def describe(self) -> dict[str, int | str]:
-        return {"compile_step_sizes": ",".join(map(str, self.buckets)), "compile_step": self.status}
+        verify: dict[str, int | str] = {
+            "compile_verify_sizes": self.verify_sizes, "compile_verify_tokens": self.verify_tokens
+        }  # fmt: skip
+        return {"compile_step_sizes": ",".join(map(str, self.buckets)), "compile_step": self.status,
+                **(verify if self.verify_buckets else {})}  # fmt: skip

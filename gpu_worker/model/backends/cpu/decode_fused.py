@@ -57,7 +57,6 @@ def mamba_decode_step(
     rows (contiguous views of the pool, or gathered copies), updated in place. conv_weight [conv_dim, K]."""
     d = dims
     b = zxbcdt.shape[0]
-    dtype = zxbcdt.dtype
     z, xbc, dt = torch.split(zxbcdt, [d.d_inner, d.conv_dim, d.num_heads], dim=-1)
     window = torch.cat([conv_rows, xbc[:, :, None]], dim=-1)  # [b, conv_dim, K]
     conv = (window * conv_weight).sum(dim=-1)  # [b, conv_dim]
@@ -80,7 +79,14 @@ def mamba_decode_step(
     # over it); this way the readout is one read, the update one read and one write in place, no buffer
     y = decay * (ssm_rows * C).sum(dim=-1) + dtx * (B * C).sum(dim=-1) + x * D.float()[None, :, None]  # [b, H, P]
     ssm_rows.copy_(ssm_rows * decay[..., None] + dtx[..., None] * B)  # [b, H, P, N]
-    h = y.view(b, d.d_inner) * F.silu(z.float())
-    g = h.view(b, d.num_groups, d.d_inner // d.num_groups)
+    return gated_norm(y.view(b, d.d_inner), z, norm_weight, dims)
+
+
+def gated_norm(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, dims: MambaDims) -> torch.Tensor:
+    """y [T, d_inner] float32, z [T, d_inner] (the gate, in the model's dtype) -> norm_w * group_rms_norm(y *
+    silu(z)) in z's dtype (the mixer's GatedRMSNorm)."""
+    d = dims
+    h = y * F.silu(z.float())
+    g = h.view(-1, d.num_groups, d.d_inner // d.num_groups)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + d.eps)
-    return norm_weight * g.view(b, d.d_inner).to(dtype)
+    return norm_weight * g.view(-1, d.d_inner).to(z.dtype)

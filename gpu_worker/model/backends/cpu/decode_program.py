@@ -17,7 +17,19 @@ Per layer kind, for b decode rows (row i at position p_i, state row s_i, page ta
     mlp        the dense MLP module
     moe        the router, then each row's k experts' weights gathered and applied (k weight reads per
                row, no host loop over experts); the shared expert
-Equal to the eager forward up to float32 summation order (tests/model/test_compiled_step.py)."""
+Equal to the eager forward up to float32 summation order (tests/model/test_compiled_step.py).
+
+`verify_logits` is the same step for rows of up to L tokens each (speculative decoding's verify rows: the
+newest token and its drafts, gpu_worker.runner.speculation; plain decode rows beside them), padded to L:
+    mamba      the conv over [conv state | the row's L inputs]; the SSD recurrence over the L positions
+               in closed form (short_scan.scan_spans, dt = 0 at padded positions, so they leave the state
+               as it is); the final state written in place, the conv state cut after the row's last real
+               token; the start states and the scan's inputs returned, so that a rejected draft's row is
+               rebuilt without a second forward (short_scan.ShortSpanRecord, as the eager path keeps)
+    attention  K/V of each real position written at its slot; a padded position writes its row's last
+               real position's K/V again, at that slot (the same values: the order of the writes does not
+               matter); then each position attends over its row's pages, keys after it masked
+Logits at every position (verification samples each one)."""
 
 from __future__ import annotations
 
@@ -27,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.model.attention import PagedAttention
-from gpu_worker.model.backends.cpu.decode_fused import mamba_decode_step
+from gpu_worker.model.backends.cpu.decode_fused import gated_norm, mamba_decode_step
+from gpu_worker.model.backends.cpu.short_scan import scan_spans
 from gpu_worker.model.layers import MLP, activate, apply_rope, rope_cos_sin
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.model.model import Block, HybridForCausalLM, KVCaches, StateTensors
@@ -187,3 +200,146 @@ def decode_logits(
     final = model.final_norm(hidden)
     logits = project(final, model.lm_head.weight).float()
     return logits if c.logits_scaling == 1.0 else logits / c.logits_scaling
+
+
+# What a Mamba layer of a verify step returns for the rollback: its start states [b, H, P, N], a [b, H, L],
+# xdt [b, H, L, P], B [b, H, L, N] (short_scan.ShortSpans) and the conv window [b, conv_dim, K-1+L].
+STACK = False
+SpanTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def mamba_verify(
+    mixer: Mamba2Mixer, h: torch.Tensor, lengths: torch.Tensor, state_slots: torch.Tensor, conv: torch.Tensor,
+    ssm: torch.Tensor,
+) -> tuple[torch.Tensor, SpanTensors]:  # fmt: skip
+    """h [b * L, hidden] -> ([b * L, hidden], the layer's SpanTensors); rows of lengths[i] <= L real tokens.
+    Pool rows `state_slots` of conv [rows, conv_dim, K-1] and ssm [rows, H, P, N] end after each row's
+    last real token."""
+    from gpu_worker.model.backends.cpu.compiled_decode import mixer_dims
+
+    d = mixer_dims(mixer)
+    b = state_slots.shape[0]
+    length = h.shape[0] // b
+    zxbcdt = linear(mixer.in_proj, h)
+    z, xbc, dt = torch.split(zxbcdt, [d.d_inner, d.conv_dim, d.num_heads], dim=-1)
+    window = torch.cat([conv.index_select(0, state_slots), xbc.view(b, length, d.conv_dim).transpose(1, 2)], dim=-1)
+    weight = mixer.conv1d.weight[:, 0, :]  # [conv_dim, K]
+    width = weight.shape[1]
+    mixed = sum(window[:, :, k : k + length] * weight[None, :, k : k + 1] for k in range(width))
+    assert isinstance(mixed, torch.Tensor)
+    if mixer.conv1d.bias is not None:
+        mixed = mixed + mixer.conv1d.bias[None, :, None]
+    keep = torch.arange(width - 1, device=h.device)[None, None, :] + lengths[:, None, None]  # after the last real
+    conv.index_copy_(0, state_slots, window.gather(2, keep.expand(b, d.conv_dim, width - 1)))
+    xbc = F.silu(mixed).transpose(1, 2)  # [b, L, conv_dim]
+    gn = d.num_groups * d.state_size
+    per_group = d.num_heads // d.num_groups
+    x = xbc[..., : d.d_inner].float().reshape(b, length, d.num_heads, d.head_dim).transpose(1, 2)  # [b, H, L, P]
+    B, C = (
+        part.float().reshape(b, length, d.num_groups, d.state_size).repeat_interleave(per_group, dim=2).transpose(1, 2)
+        for part in (xbc[..., d.d_inner : d.d_inner + gn], xbc[..., d.d_inner + gn :])
+    )  # [b, H, L, N]
+    real = torch.arange(length, device=h.device)[None, :] < lengths[:, None]  # [b, L]
+    dt = torch.clamp(F.softplus(dt.float() + mixer.dt_bias.float()), d.dt_min, d.dt_max).view(b, length, -1)
+    dts = (dt * real[..., None]).transpose(1, 2)  # [b, H, L]: 0 at padded positions
+    initial = ssm.index_select(0, state_slots)
+    y, final, a, xdt = scan_spans(x, dts, B, C, -torch.exp(mixer.A_log.float()), mixer.D, initial)
+    ssm.index_copy_(0, state_slots, final)
+    out = gated_norm(y.transpose(1, 2).reshape(b * length, d.d_inner), z, mixer.norm.weight, d)
+    return linear(mixer.out_proj, out), (initial, a, xdt, B, window)
+
+
+def attention_verify(
+    attn: PagedAttention,
+    h: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    positions: torch.Tensor,
+    write_slots: torch.Tensor,
+    take: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """h [b * L, hidden] -> [b * L, hidden]. positions and write_slots [b, L]; take [b, L] the position
+    whose K/V each position writes (itself, or its row's last real one)."""
+    b, length = positions.shape
+    kvh, group, dim = attn.num_kv_heads, attn.group, attn.head_dim
+    q = linear(attn.q_proj, h).view(b * length, attn.num_heads, dim)
+    k = linear(attn.k_proj, h).view(b * length, kvh, dim)
+    if cos is not None and sin is not None:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    v = linear(attn.v_proj, h).view(b, length, kvh, dim)
+    pick = take[:, :, None, None].expand(b, length, kvh, dim)
+    slots = write_slots.reshape(-1)
+    k_cache.index_copy_(0, slots, k.view(b, length, kvh, dim).gather(1, pick).view(b * length, kvh, dim))
+    v_cache.index_copy_(0, slots, v.gather(1, pick).view(b * length, kvh, dim))
+    width = page_table.shape[1] * page_size
+    pages = page_table.reshape(-1)
+    keys = k_cache.view(-1, page_size, kvh, dim).index_select(0, pages).view(b, width, kvh, dim)
+    values = v_cache.view(-1, page_size, kvh, dim).index_select(0, pages).view(b, width, kvh, dim)
+    # queries [b, kvh, L * group, d], position-major within a KV head
+    qg = q.view(b, length, kvh, group, dim).permute(0, 2, 1, 3, 4).reshape(b, kvh, length * group, dim)
+    visible = torch.arange(width, device=h.device)[None, None, :] <= positions[:, :, None]  # [b, L, width]
+    mask = visible[:, None, :, None, :].expand(b, 1, length, group, width).reshape(b, 1, length * group, width)
+    out = F.scaled_dot_product_attention(
+        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=attn.scale
+    )  # [b, kvh, L * group, d]
+    out = out.view(b, kvh, length, group, dim).permute(0, 2, 1, 3, 4).reshape(b * length, attn.num_heads * dim)
+    return linear(attn.o_proj, out)
+
+
+def verify_logits(
+    model: HybridForCausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    write_slots: torch.Tensor,
+    lengths: torch.Tensor,
+    state_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    kv_caches: KVCaches,
+    states: StateTensors,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Rows of up to L tokens (module docstring): input_ids, positions, write_slots [b, L] int64 (a padded
+    position: any token, its position, its row's last real slot), lengths and state_slots [b], page_table
+    [b, W] -> (float32 logits [b, L, vocab], the start states and the Mamba layers' SpanTensors stacked on a
+    leading layer dimension: short_scan.StackedSpanRecord's tensors). Pools updated in place, row after row,
+    as decode_logits does."""
+    c = model.config
+    b, length = input_ids.shape
+    steps = torch.arange(length, device=input_ids.device)[None, :]
+    take = torch.minimum(steps, lengths[:, None] - 1)  # [b, L]
+    hidden = F.embedding(input_ids.reshape(-1), model.embed.weight)
+    if c.embedding_multiplier != 1.0:
+        hidden = hidden * c.embedding_multiplier
+    cos = sin = None
+    if c.rotary_dim:
+        cos, sin = rope_cos_sin(positions.reshape(-1), model.inv_freq, hidden.dtype)
+    spans: list[SpanTensors] = []
+    attn_i = mamba_i = 0
+    for module in model.blocks:
+        block = cast(Block, module)
+        h = block.norm(hidden)
+        if block.kind == "mamba":
+            conv, ssm = states[mamba_i]
+            h, kept = mamba_verify(cast(Mamba2Mixer, block.mixer), h, lengths, state_slots, conv, ssm)
+            spans.append(kept)
+            mamba_i += 1
+        elif block.kind == "attention":
+            k_cache, v_cache = kv_caches[attn_i]
+            attn = cast(PagedAttention, block.mixer)
+            h = attention_verify(
+                attn, h, cos, sin, positions, write_slots, take, page_table, page_size, k_cache, v_cache
+            )  # fmt: skip
+            attn_i += 1
+        elif block.kind == "moe":
+            h = moe_decode(cast(MoE, block.mixer), h)
+        else:
+            h = mlp_decode(cast(MLP, block.mixer), h)
+        hidden = hidden + (h if c.residual_multiplier == 1.0 else h * c.residual_multiplier)
+    logits = project(model.final_norm(hidden), model.lm_head.weight).float()
+    if c.logits_scaling != 1.0:
+        logits = logits / c.logits_scaling
+    return logits.view(b, length, -1), [torch.stack(parts) for parts in zip(*spans, strict=True)] if spans else []

@@ -18,6 +18,7 @@ steps have dt = 0 and leave the state as it is."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +45,14 @@ class ShortSpans:
     def states_at(self, spans: list[int], ends: list[int]) -> torch.Tensor:
         """[R, H, P, N] float32: span spans[r]'s state after its token ends[r], all in one product."""
         rows = torch.tensor(spans, device=self.a.device)
-        last = torch.tensor(ends, device=self.a.device)
-        a = self.a[rows]  # [R, H, L]
-        pick = last[:, None, None, None].expand(-1, a.shape[1], 1, a.shape[2])
-        weights = torch.exp(_segment_sum(a).gather(2, pick)[:, :, 0])  # [R, H, u]: exp(a_{u+1} + .. + a_m), 0 past m
-        cum = torch.cumsum(a, dim=-1).gather(2, last[:, None, None].expand(-1, a.shape[1], 1))[..., 0]  # [R, H]
-        carried = torch.exp(cum)[..., None, None] * self.initial[rows]
-        return carried + (self.xdt[rows] * weights[..., None]).transpose(-1, -2) @ self.B[rows]
+        upto = _upto(torch.tensor(ends, device=self.a.device), self.a.shape[-1])  # [R, L]
+        a, xdt = self.a[rows] * upto[:, None, :], self.xdt[rows] * upto[:, None, :, None]
+        return final_states(a, xdt, self.B[rows], self.initial[rows])
+
+
+def _upto(ends: torch.Tensor, length: int) -> torch.Tensor:
+    """[R, L] float32: 1 at the steps up to ends[r], 0 after (those steps are then taken out of a span)."""
+    return (torch.arange(length, device=ends.device)[None, :] <= ends[:, None]).float()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,60 @@ class ShortSpanRecord:
         self.ssm_state.index_copy_(0, torch.tensor(slots, device=states.device), states)
 
 
+@dataclass(frozen=True, slots=True)
+class StackedSpanRecord:
+    """What the compiled verify program (gpu_worker.model.backends.cpu.decode_program.verify_logits) leaves
+    for a rollback: ShortSpanRecord's contents for every Mamba layer at once, stacked on a leading layer
+    dimension, over the state pool's stacked storage; `restore` runs `restore_rows` through `program` (its
+    compiled form, gpu_worker.model.backends.cpu.compiled_step: a few fused loops whatever the number of
+    layers, where a ShortSpanRecord a layer cost 1.1 ms for 6 layers, one row)."""
+
+    conv_state: torch.Tensor  # [layers, rows, conv_dim, K-1]
+    ssm_state: torch.Tensor  # [layers, rows, H, P, N]
+    slots: tuple[int, ...]  # span i's state slot
+    initial: torch.Tensor  # [layers, S, H, P, N]
+    a: torch.Tensor  # [layers, S, H, L]
+    xdt: torch.Tensor  # [layers, S, H, L, P]
+    B: torch.Tensor  # [layers, S, H, L, N]
+    windows: torch.Tensor  # [layers, S, conv_dim, K-1+L]
+    program: Callable[..., None]  # restore_rows, or its compiled form
+
+    def restore(self, slots: list[int], ends: list[int]) -> None:
+        """Each slot's conv and SSM state, in every layer, to those after its span's token ends[r]."""
+        device = self.a.device
+        with torch.inference_mode():  # the index tensors as the program was compiled on
+            rows = torch.tensor([self.slots.index(slot) for slot in slots], device=device)
+            ends_t, target = torch.tensor(ends, device=device), torch.tensor(slots, device=device)
+        self.program(
+            self.conv_state, self.ssm_state, self.initial, self.a, self.xdt, self.B, self.windows, rows, ends_t, target
+        )  # fmt: skip
+
+
+def restore_rows(
+    conv_state: torch.Tensor, ssm_state: torch.Tensor, initial: torch.Tensor, a: torch.Tensor, xdt: torch.Tensor,
+    B: torch.Tensor, windows: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor, target: torch.Tensor,
+) -> None:  # fmt: skip
+    """StackedSpanRecord's rollback, no host decision: slot target[r] of every layer of conv_state and
+    ssm_state to the state after token ends[r] of span rows[r]: the span's recurrence with its tokens after
+    ends[r] taken out (dt = 0 leaves a state as it is), and its window cut there."""
+    upto = _upto(ends, a.shape[-1])  # [R, L]
+    a = a.index_select(1, rows) * upto[:, None, :]
+    xdt = xdt.index_select(1, rows) * upto[:, None, :, None]
+    states = final_states(a, xdt, B.index_select(1, rows), initial.index_select(1, rows))
+    ssm_state.index_copy_(1, target, states.to(ssm_state.dtype))
+    layers, _, channels, keep = conv_state.shape
+    columns = ends[:, None] + 1 + torch.arange(keep, device=ends.device)[None, :]  # [R, K-1]
+    pick = columns[None, :, None, :].expand(layers, rows.shape[0], channels, keep)
+    conv_state.index_copy_(1, target, windows.index_select(1, rows).gather(3, pick))
+
+
+def final_states(a: torch.Tensor, xdt: torch.Tensor, B: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
+    """[..., H, P, N]: the state after the last of the L steps of a [..., H, L] (dt * A), xdt [..., H, L, P]
+    and B [..., H, L, N] from `initial` [..., H, P, N] (a step with a = xdt = 0 leaves it as it is)."""
+    to_end = torch.exp(_segment_sum(a))[..., -1, :]  # [..., H, u]: exp(a_{u+1} + .. + a_{L-1})
+    return torch.exp(a.sum(-1))[..., None, None] * initial + (xdt * to_end[..., None]).transpose(-1, -2) @ B
+
+
 def short_spans_scan(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
     initial: torch.Tensor, lengths: list[int],
@@ -95,13 +151,24 @@ def short_spans_scan(
     dts = (dt.float()[index] * valid[..., None]).transpose(1, 2)  # [S, H, L]; padded steps: dt = 0
     Bs = B.float()[index].repeat_interleave(per_group, dim=2).transpose(1, 2)  # [S, H, L, N]
     Cs = C.float()[index].repeat_interleave(per_group, dim=2).transpose(1, 2)
+    start = initial.float()
+    y, final, a, xdt = scan_spans(xs, dts, Bs, Cs, A, D, start)
+    return y.transpose(1, 2)[valid], final, ShortSpans(start, a, xdt, Bs)
+
+
+def scan_spans(
+    xs: torch.Tensor, dts: torch.Tensor, Bs: torch.Tensor, Cs: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
+    initial: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The closed form on spans laid out [S, H, L, ...]: xs [S, H, L, P], dts [S, H, L] (0 on padded steps),
+    Bs/Cs [S, H, L, N] float32, A/D [H], initial [S, H, P, N] float32 -> (y [S, H, L, P] float32 with the D
+    skip, the final states [S, H, P, N], a [S, H, L] and xdt [S, H, L, P]: with `initial` and Bs, what
+    `ShortSpans.state_at` rebuilds any state from). No host decision: the compiled verify program
+    (gpu_worker.model.backends.cpu.decode_program) calls it too."""
     a = dts * A.float()[None, :, None]  # [S, H, L]
     decay = torch.exp(_segment_sum(a))  # [S, H, t, u]
     xdt = xs * dts[..., None]
-    start = initial.float()
     y = (Cs @ Bs.transpose(-1, -2) * decay) @ xdt  # within the spans
-    y = y + torch.exp(torch.cumsum(a, dim=-1))[..., None] * (Cs @ start.transpose(-1, -2))  # from the start states
+    y = y + torch.exp(torch.cumsum(a, dim=-1))[..., None] * (Cs @ initial.transpose(-1, -2))  # from the start states
     y = y + xs * D.float()[None, :, None, None]
-    to_end = decay[:, :, -1, :]  # [S, H, u]: padded steps keep the state, so row L-1 is every span's end
-    final = torch.exp(a.sum(-1))[..., None, None] * start + (xdt * to_end[..., None]).transpose(-1, -2) @ Bs
-    return y.transpose(1, 2)[valid], final, ShortSpans(start, a, xdt, Bs)
+    return y, final_states(a, xdt, Bs, initial), a, xdt  # padded steps keep the state: L-1 is every span's end
