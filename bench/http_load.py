@@ -92,12 +92,12 @@ def run_http_load(url: str, model: str, prompts: Sequence[list[int]], clients: i
     return summary_of(record, clients)
 
 
-async def _ready(url: str, timeout_s: float, alive: Callable[[], bool]) -> bool:
+async def _ready(url: str, timeout_s: float, alive: Callable[[], bool], path: str) -> bool:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         while time.monotonic() < deadline and alive():
             try:
-                async with session.get(f"{url}/v1/models") as resp:
+                async with session.get(f"{url}{path}") as resp:
                     if resp.status == 200:
                         return True
             except (TimeoutError, aiohttp.ClientError):
@@ -106,7 +106,10 @@ async def _ready(url: str, timeout_s: float, alive: Callable[[], bool]) -> bool:
     return False
 
 
-def wait_http_ready(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
-    """Polls GET /v1/models until it answers 200 (True), or timeout_s passes or `alive()` turns False (the
-    server's process ended: False)."""
-    return asyncio.run(_ready(url, timeout_s, alive))
+def wait_http_ready(
+    url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True, path: str = "/v1/models"
+) -> bool:
+    """Polls GET `path` (/v1/models: the server is up; our gateway's /ready: a worker behind it is ready)
+    until it answers 200 (True), or timeout_s passes or `alive()` turns False (the server's process ended:
+    False)."""
+    return asyncio.run(_ready(url, timeout_s, alive, path))

@@ -88,7 +88,8 @@ def start_ours(
             print(f"hybridserve decode compile ({name}): {wait_decode_compile(child, START_TIMEOUT_S)}", flush=True)
         gateway = stack.gateway(addresses, flags=["--served-model-name", SERVED_NAME])
         url = "http://" + gateway.address
-        if not wait_http_ready(url, START_TIMEOUT_S):
+        # /ready: a worker in rotation (its warm-up, the compiled programs included, is over)
+        if not wait_http_ready(url, START_TIMEOUT_S, path="/ready"):
             raise RuntimeError("the gateway did not become ready")
         offline = addresses[0] if workers == 1 else gateway.grpc_address
     except BaseException:

@@ -16,7 +16,7 @@ from gpu_worker.cache.manager import PrefixCacheManager
 from gpu_worker.cache.remote import SharedTier, SharedTierAccess
 from gpu_worker.engine.admission import max_model_len_limit
 from gpu_worker.engine.engine import Engine
-from gpu_worker.engine.settings import EngineSettings, draft_rows_for
+from gpu_worker.engine.settings import EngineSettings, draft_rows_for, speculative_rows
 from gpu_worker.observers.settings import ObserverSettings, observers_from_settings
 from gpu_worker.runner.checkpoint_io import MIN_KEY_BYTES
 from gpu_worker.runner.memory import check_host_memory
@@ -100,7 +100,8 @@ FLAGS = {
     "ngram_max": Flag("prompt lookup: the longest suffix tried"),
     "speculative_max_rows": Flag(
         "drafts only in steps of at most this many running requests (a larger batch is cheap per token already);"
-        " the runner keeps a state per draft token of each"
+        " the runner keeps a state per draft token of each; 0 = auto: 8 where verify steps are compiled"
+        " (--compile-step-sizes, prompt lookup), else 4"
     ),
     "speculative_payoff": Flag(
         "measure whether drafting pays at each batch size and stop drafting where it does not (retried after"
@@ -246,14 +247,16 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     # Chunks keep the state at every block boundary they cross (gpu_worker/model/boundary_states.py),
     # so the planner need not stop a prompt's last chunk at its last boundary.
     scheduler = config_from_args(args, stop_at_last_boundary=False)
+    buckets = RunnerConfig(max_num_seqs=scheduler.max_num_seqs, compile_step_sizes=args.compile_step_sizes).buckets
+    rows = speculative_rows(args.speculative_max_rows, args.speculative_method, buckets)
     runner = settings_from_args_of(
         RunnerConfig, args, kv_page_size_tokens=scheduler.kv_page_size, max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        num_draft_rows=draft_rows_for(args.num_speculative_tokens, args.speculative_max_rows),
+        num_draft_rows=draft_rows_for(args.num_speculative_tokens, rows),
         mtp_draft_tokens=args.num_speculative_tokens if args.speculative_method == "mtp" else 0,
         verify_tokens=1 + args.num_speculative_tokens if args.num_speculative_tokens else 0,
     )  # fmt: skip
-    return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner)
+    return settings_from_args_of(EngineSettings, args, scheduler=scheduler, runner=runner, speculative_max_rows=rows)
 
 
 def with_chunk_cap(settings: EngineSettings, args: argparse.Namespace, runner: Any) -> EngineSettings:

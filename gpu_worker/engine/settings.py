@@ -30,7 +30,10 @@ class EngineSettings:
     speculative_method: str = "ngram"
     ngram_min: int = 2  # prompt lookup: the shortest suffix match that drafts
     ngram_max: int = 4  # ... and the longest one tried
-    speculative_max_rows: int = 4  # steps of more running requests decode without drafts (bench_spec)
+    # steps of more running requests decode without drafts (bench_spec); 0 = auto: COMPILED_SPECULATIVE_ROWS
+    # where verify steps have compiled programs (prompt lookup on CPU with --compile-step-sizes: the largest
+    # bucket up to that many), else SPECULATIVE_ROWS (speculative_rows; EngineSettings built directly: the latter)
+    speculative_max_rows: int = 0
     # measure whether drafting pays at each batch size and stop where it does not (speculation.Payoff); off:
     # draft whenever there are drafts (what a timing-independent test, or a benchmark of the raw path, wants)
     speculative_payoff: bool = True
@@ -72,8 +75,12 @@ class EngineSettings:
             raise InvalidArgumentError(
                 f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: need 1 <= min <= max"
             )
-        if k and self.speculative_max_rows < 1:
-            raise InvalidArgumentError(f"--speculative-max-rows must be >= 1, got {self.speculative_max_rows}")
+        if self.speculative_max_rows < 0:
+            raise InvalidArgumentError(
+                f"--speculative-max-rows must be >= 0 (0 = auto), got {self.speculative_max_rows}"
+            )
+        if self.speculative_max_rows == 0:
+            object.__setattr__(self, "speculative_max_rows", SPECULATIVE_ROWS)
         if k and self.runner.num_draft_rows < k:
             raise InvalidArgumentError(
                 f"--num-speculative-tokens {k} needs the runner's draft rows (RunnerConfig.num_draft_rows ="
@@ -83,6 +90,20 @@ class EngineSettings:
 
 
 SPECULATIVE_METHODS = ("ngram", "mtp")
+
+
+SPECULATIVE_ROWS = 4  # an eager verify step of 8 rows cost 35 ms against 8.7 for a plain one (bench/RESULTS.md)
+COMPILED_SPECULATIVE_ROWS = 8  # compiled verify programs: 8 clients drafting gave 1.94x on a greedy loop
+
+
+def speculative_rows(max_rows: int, method: str, compiled_buckets: tuple[int, ...]) -> int:
+    """--speculative-max-rows with 0 (auto) resolved: where prompt lookup's verify steps have compiled
+    programs (`compiled_buckets`, RunnerConfig.compile_step_sizes parsed; the MTP head keeps verify steps
+    eager), the largest bucket up to COMPILED_SPECULATIVE_ROWS, else SPECULATIVE_ROWS."""
+    if max_rows:
+        return max_rows
+    fitting = [b for b in compiled_buckets if b <= COMPILED_SPECULATIVE_ROWS]
+    return max(fitting) if method == "ngram" and fitting else SPECULATIVE_ROWS
 
 
 def draft_rows_for(num_speculative_tokens: int, max_rows: int) -> int:

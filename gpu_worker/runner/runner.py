@@ -355,6 +355,8 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         )  # fmt: skip
         if inputs.fresh_slots is not None:
             self.state_pool.zero_slots(inputs.fresh_slots)
+        if self.step_threads is not None:  # a decode step's threads (a verify row is no prefill to widen for)
+            self.step_threads.for_step(sum(len(s.token_ids) for s in batch.sequences), 0)
         ran = programs.run_verify(*self._verify_columns(inputs))
         if ran is None:
             return None

@@ -69,6 +69,13 @@ class RunnerConfig:
     # verify steps of up to num_draft_rows / (verify_tokens - 1) rows get compiled programs too (compiled_step)
     verify_tokens: int = 0
 
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """compile_step_sizes parsed (compiled_step.parse_buckets): the compiled decode steps' batch sizes."""
+        from gpu_worker.model.backends.cpu.compiled_step import parse_buckets
+
+        return parse_buckets(self.compile_step_sizes, self.max_num_seqs)
+
     def __post_init__(self) -> None:
         positive = ("kv_page_size_tokens", "max_num_seqs", "cuda_graph_max_context_tokens", "max_num_batched_tokens")
         for name in positive:
@@ -98,9 +105,7 @@ class RunnerConfig:
             raise InvalidArgumentError(
                 f"decode_compile must be one of {', '.join(DECODE_COMPILE_MODES)}, got {self.decode_compile!r}"
             )
-        from gpu_worker.model.backends.cpu.compiled_step import parse_buckets
-
-        parse_buckets(self.compile_step_sizes, self.max_num_seqs)  # raises on a malformed list
+        _ = self.buckets  # raises on a malformed list
         if self.model_process not in DECODE_COMPILE_MODES:
             raise InvalidArgumentError(
                 f"model_process must be one of {', '.join(DECODE_COMPILE_MODES)}, got {self.model_process!r}"

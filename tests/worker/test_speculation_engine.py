@@ -5,15 +5,23 @@ tests/model/test_speculation_serving.py."""
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from gpu_worker.api.server import add_arguments, settings_from_args
 from gpu_worker.engine.prepare import Row, _chain_room
 from gpu_worker.engine.request import GenerationParams, Request, StopChecker
-from gpu_worker.engine.settings import EngineSettings, draft_rows_for
+from gpu_worker.engine.settings import (
+    COMPILED_SPECULATIVE_ROWS,
+    SPECULATIVE_ROWS,
+    EngineSettings,
+    draft_rows_for,
+    speculative_rows,
+)
 from gpu_worker.engine.speculation import MAX_BACKOFF_STEPS, Payoff, Speculator, propose_ngram
 from gpu_worker.runner.protocol import KVPagePool, SamplingParams, SequenceChunk, Verified
 from gpu_worker.runner.settings import RunnerConfig
@@ -121,6 +129,25 @@ def test_settings_refuse_what_cannot_run() -> None:
         settings(num_speculative_tokens=4, ngram_min=3, ngram_max=2)
     with pytest.raises(InvalidArgumentError, match="draft rows"):
         settings(num_speculative_tokens=4, draft_rows=2)
+    with pytest.raises(InvalidArgumentError, match="speculative-max-rows must be >= 0"):
+        settings(num_speculative_tokens=4, speculative_max_rows=-1)
+    assert settings(num_speculative_tokens=4).speculative_max_rows == SPECULATIVE_ROWS  # auto, built directly
+
+
+def test_the_drafting_row_limit_on_auto_follows_the_compiled_verify_programs() -> None:
+    """8 rows where prompt lookup's verify steps are compiled (the largest bucket up to 8), else 4; a value
+    given is kept. The worker's flags resolve it, and size the draft rows by it."""
+    assert speculative_rows(0, "ngram", ()) == SPECULATIVE_ROWS == 4
+    assert speculative_rows(0, "ngram", (1, 2, 4, 8)) == COMPILED_SPECULATIVE_ROWS == 8
+    assert speculative_rows(0, "ngram", (1, 2, 16)) == 2
+    assert speculative_rows(0, "mtp", (1, 2, 4, 8)) == 4, "the MTP head's verify steps run eagerly"
+    assert speculative_rows(3, "ngram", (1, 2, 4, 8)) == 3
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flags, rows in (([], 4), (["--compile-step-sizes", "auto"], 8), (["--speculative-max-rows", "2"], 2)):
+        args = parser.parse_args(["--model", "m", "--num-speculative-tokens", "3", *flags])
+        got = settings_from_args(args)
+        assert (got.speculative_max_rows, got.runner.num_draft_rows, got.runner.verify_tokens) == (rows, 3 * rows, 4)
 
 
 def test_drafting_stops_where_its_steps_cost_more_than_they_yield_and_is_tried_again_later() -> None:
