@@ -332,7 +332,10 @@ class Engine:
         if not masked:
             return StepSampling(rows, special, params, histories=histories)
         constraints = [g for i in masked if (g := requests[i].grammar) is not None]
-        masks = StepMasks(constraints, [requests[i].output_token_ids for i in masked], self.grammars.words)
+        chunks = [prepared.rows[rows[i]].chunk for i in masked]
+        drafts = [c.token_ids[1:] if c.num_draft_tokens else () for c in chunks]  # a verify row: its newest, drafts
+        outputs = [requests[i].output_token_ids for i in masked]
+        masks = StepMasks(constraints, outputs, self.grammars.words, drafts if any(drafts) else ())
         return StepSampling(rows, special, params, masked, masks, histories)
 
     def _apply(self, prepared: PreparedStep, sampled: StepOutput | None) -> list[Ending]:

@@ -52,6 +52,34 @@ class Constraint:
         """The tokens allowed next, into row `index` of `bitmask` (int32, C-contiguous rows)."""
         fill_next_token_bitmask(self._matcher, bitmask, index)
 
+    def fill_drafted(self, bitmask: np.ndarray[Any, Any], index: int, drafts: Sequence[int], before: int) -> None:
+        """A verify row's masks (speculation): the tokens allowed after each prefix of `drafts`, the empty
+        one into row `before`, the one of i drafts into row `before` + i, all of them into row `index`; the
+        matcher is put back where it stood. A draft the grammar refuses ends the walk: the rows after it
+        allow every token (verification stops before them: the masked sample there cannot be the refused
+        draft)."""
+        taken = 0
+        for i in range(len(drafts) + 1):
+            row = index if i == len(drafts) else before + i
+            if i > taken:  # a refused draft before this position
+                bitmask[row] = -1
+                continue
+            fill_next_token_bitmask(self._matcher, bitmask, row)
+            if (
+                i < len(drafts)
+                and self._matcher.validate_tokens([drafts[i]]) == 1
+                and self._matcher.consume_token(drafts[i])
+            ):
+                taken += 1
+        if taken:
+            self._matcher.rollback(taken)
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts after the consumed ones (nothing consumed)."""
+        if self._matcher.is_stopped():
+            return 0
+        return int(self._matcher.validate_tokens(list(tokens)))
+
     def advance(self, token_id: int) -> bool:
         """Consumes the sampled token; True when the grammar is complete: nothing may follow (the matcher
         stopped), or the token is an end-of-sequence token the grammar allowed. A token the grammar refuses
@@ -127,15 +155,26 @@ class StepMasks:
     """The token masks of one step's constrained rows (gpu_worker.runner.protocol.TokenMasks): the runner
     calls `fill` while the forward runs."""
 
-    __slots__ = ("_constraints", "_outputs", "words")
+    __slots__ = ("_constraints", "_outputs", "_drafts", "words")
 
-    def __init__(self, constraints: list[Constraint], outputs: list[list[int]], words: int) -> None:
+    def __init__(
+        self, constraints: list[Constraint], outputs: list[list[int]], words: int,
+        drafts: Sequence[tuple[int, ...]] = (),
+    ) -> None:  # fmt: skip
         self._constraints = constraints
         self._outputs = outputs  # each row's request's generated tokens (what its matcher must stand after)
+        self._drafts = drafts  # each row's drafts (speculation), when some row carries any
         self.words = words
 
-    def fill(self, bitmask: np.ndarray[Any, Any], indices: Sequence[int]) -> None:
-        """Row `indices[j]` of `bitmask` gets constrained row j's mask."""
-        for constraint, outputs, index in zip(self._constraints, self._outputs, indices, strict=True):
+    def fill(self, bitmask: np.ndarray[Any, Any], indices: Sequence[int], before: Sequence[int] = ()) -> None:
+        """Row `indices[j]` of `bitmask` gets constrained row j's mask; a row with drafts, its positions'
+        masks too (TokenMasks.fill)."""
+        for j, (constraint, outputs, index) in enumerate(zip(self._constraints, self._outputs, indices, strict=True)):
             constraint.sync(outputs)
-            constraint.fill(bitmask, index)
+            drafts = self._drafts[j] if self._drafts else ()
+            if drafts:
+                if len(before) <= j or before[j] < 0:
+                    raise ValueError(f"constrained row {j} carries {len(drafts)} drafts and no rows for their masks")
+                constraint.fill_drafted(bitmask, index, drafts, before[j])
+            else:
+                constraint.fill(bitmask, index)

@@ -22,14 +22,15 @@ Under async scheduling step N+1 is planned while step N runs, before its accepta
 planned as if every draft of step N is rejected, and the pages that accepting them all could need more
 (`page_reserve`) are held back from the free pages the planner is told.
 
-Which requests draft: those with no grammar and no prompt scoring, past their prompt (penalties and
-min_tokens are applied at each verified position with the drafts before it counted:
-gpu_worker.runner.speculation.DraftHistories). Speculation stops itself where it does not pay, two ways. A request whose
-drafts were all rejected proposes nothing for the next 2, 4, 8 or 16 steps (doubling with each further
-miss, reset by an accepted draft), so a workload whose text does not repeat drafts almost never. And a
-step drafts only where drafting has paid at its batch size (`Payoff`: a verify step's time against the
-tokens it yielded and a plain step's time, both measured), and never above --speculative-max-rows
-running requests."""
+Which requests draft: those with no prompt scoring, past their prompt. Penalties and min_tokens are
+applied at each verified position with the drafts before it counted (gpu_worker.runner.speculation.
+DraftHistories); a grammar's drafts are cut at prepare to the prefix it accepts, and each position is
+sampled with the grammar's mask after the drafts before it (gpu_worker.engine.grammar.StepMasks).
+Speculation stops itself where it does not pay, two ways. A request whose drafts were all rejected
+proposes nothing for the next 2, 4, 8 or 16 steps (doubling with each further miss, reset by an
+accepted draft), so a workload whose text does not repeat drafts almost never. And a step drafts only
+where drafting has paid at its batch size (`Payoff`: a verify step's time against the tokens it yielded
+and a plain step's time, both measured), and never above --speculative-max-rows running requests."""
 
 from __future__ import annotations
 
@@ -201,7 +202,7 @@ class Speculator:
 
     @staticmethod
     def may_draft(request: Request) -> bool:
-        return not (request.grammar is not None or request.scoring)
+        return not request.scoring
 
     def _state(self, request: Request) -> DraftState:
         state = self._states.get(request.request_id)
@@ -271,7 +272,12 @@ class Speculator:
         limit = min(granted, request.params.max_tokens - len(request.output_token_ids) - 1)
         if checkpoint_at is not None:
             limit = min(limit, checkpoint_at - start - 2)
-        return tuple(self.propose(request, request.num_tokens, limit))
+        drafts = self.propose(request, request.num_tokens, limit)
+        grammar = request.grammar
+        if drafts and grammar is not None:  # no step runs now: the matcher is the engine thread's
+            grammar.sync(request.output_token_ids)
+            drafts = drafts[: grammar.valid_prefix(drafts)]
+        return tuple(drafts)
 
     def page_reserve(self, in_flight: Sequence[Row]) -> int:
         """Pages the accepted drafts of the step in flight could need beyond what the next plan counts

@@ -45,16 +45,16 @@ from gpu_worker.runner.sampling import (
 )
 from gpu_worker.runner.shared_memory import Allocator
 from gpu_worker.runner.speculation import Verified
-from gpu_worker.runner.token_masks import mask_vocab_size, mask_words
+from gpu_worker.runner.token_masks import draft_mask_rows, mask_vocab_size, mask_words
 from gpu_worker.runner.warmup import WarmupTimes
 from hybridserve.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from gpu_worker.model.loader import LoadedModel
 
-PROTOCOL_VERSION = 5  # 2: the sampling controls' parameters and history, prompt scores (or the masks); 3: both;
+PROTOCOL_VERSION = 6  # 2: the sampling controls' parameters and history, prompt scores (or the masks); 3: both;
 # 4: a row's draft tokens (speculation), and the drafts' verifications back; 5: a row's MTP drafts asked, the
-# MTP head's proposals back
+# MTP head's proposals back; 6: the masks of constrained verify rows' draft positions in the tables
 # Step.rows' columns
 SLOT, START, NUM_TOKENS, NUM_PAGES, SAVE_CHECKPOINT, YIELDS, SPECIAL, MASKED, SCORE, NEXT_TOKEN, DRAFTS = range(11)
 ROW_FIELDS = 12
@@ -134,12 +134,14 @@ class StepTables:
     alternatives, seed, has-seed, min_tokens, logit_bias entries, held ids; logit_bias's ids and values and
     the held ids in tables of their own; a version bumped on each write), its history (`history`, for
     the penalties) and the token mask of a constrained row (`masks`: `mask_words` int32 words, written each
-    step it samples). Built over an `Allocator`: the worker's shared arena, or the same tensors attached in
-    a model process (in the same order)."""
+    step it samples; after the slots' rows, `draft_mask_rows` more for the positions of constrained verify
+    rows, laid out by token_masks.draft_mask_rows from row `num_slots` on). Built over an `Allocator`: the
+    worker's shared arena, or the same tensors attached in a model process (in the same order)."""
 
     def __init__(
-        self, num_slots: int, max_pages: int, vocab: int, page_size: int, alloc: Allocator, mask_words: int = 1
-    ) -> None:
+        self, num_slots: int, max_pages: int, vocab: int, page_size: int, alloc: Allocator, mask_words: int = 1,
+        draft_mask_rows: int = 0,
+    ) -> None:  # fmt: skip
         self.num_slots = num_slots
         self.max_pages = max_pages
         self.pages = alloc((num_slots, max_pages), torch.int32).numpy()
@@ -150,7 +152,9 @@ class StepTables:
         self.held = alloc((num_slots, MAX_HELD_TOKENS), torch.int32).numpy()
         self.versions = alloc((num_slots,), torch.int64).numpy()
         self.history = HistoryTables(num_slots, history_capacity(vocab, max_pages, page_size), alloc)
-        self.masks = alloc((num_slots, mask_words), torch.int32).numpy()
+        # a row per slot, then `draft_mask_rows` rows for the draft positions of constrained verify rows
+        self.masks = alloc((num_slots + draft_mask_rows, mask_words), torch.int32).numpy()
+        self.draft_mask_rows = draft_mask_rows
 
     def write_params(self, slot: int, p: SamplingParams) -> None:
         self.floats[slot] = (p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
@@ -253,7 +257,7 @@ class _TablesMasks:
 
     words = 0
 
-    def fill(self, bitmask: np.ndarray[Any, Any], indices: Sequence[int]) -> None:
+    def fill(self, bitmask: np.ndarray[Any, Any], indices: Sequence[int], before: Sequence[int] = ()) -> None:
         raise NotImplementedError("a model process reads its masks from the step tables")
 
 
@@ -305,9 +309,14 @@ class TableReader:
                                 _READ_FROM_TABLES if masked else None)  # fmt: skip
         return batch, sampling, slots
 
-    def masks_of(self, slots: list[int]) -> torch.Tensor:
-        """The masks at `slots`, copied out (the worker writes the next step's there)."""
-        return torch.from_numpy(self.tables.masks[slots])
+    def masks_of(self, slots: list[int], draft_counts: Sequence[int] = ()) -> tuple[torch.Tensor, list[int]]:
+        """The masks at `slots` (the masked rows'), then those of their draft positions (the rows carrying
+        `draft_counts` drafts, in masked order), copied out (the worker writes the next step's there); and
+        where the latter start in the copy (TokenMasks.fill's `before`)."""
+        tables = self.tables
+        placed = draft_mask_rows(draft_counts, tables.num_slots, tables.draft_mask_rows)
+        rows = list(slots) + [r for b, e in zip(placed, draft_counts, strict=True) if e for r in range(b, b + e)]
+        return torch.from_numpy(tables.masks[rows]), draft_mask_rows(draft_counts, len(slots))
 
     def _params_of(self, slot: int) -> SamplingParams:
         version = int(self.tables.versions[slot])

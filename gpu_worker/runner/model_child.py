@@ -42,7 +42,7 @@ from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.sampling import sample_step
 from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.shared_memory import AttachedArena, Shapes, share_weights
-from gpu_worker.runner.speculation import roll_back, verify_drafts
+from gpu_worker.runner.speculation import masked_draft_counts, roll_back, verify_drafts
 from hybridserve.errors import InvalidArgumentError
 
 log = logging.getLogger("hybridserve.worker.model_process")
@@ -70,7 +70,7 @@ def serve(
         busy = pool.zeros((count,), torch.int32).numpy()  # the worker's order: pools, busy flags, step tables
         reader = TableReader(StepTables(
             runner.state_pool.num_slots, runner.kv_pool.num_pages, runner.config.vocab_size,
-            runner.kv_pool.page_size_tokens, pool.zeros, table_mask_words(loaded),
+            runner.kv_pool.page_size_tokens, pool.zeros, table_mask_words(loaded), config.num_draft_rows,
         ))  # fmt: skip
         if not pool.complete:
             raise ValueError("the worker shared more tensors than this process built")
@@ -139,10 +139,11 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step, conn: Connection
         finally:
             if masked and not isinstance(ready := pickle.loads(conn.recv_bytes()), MasksReady):
                 raise RuntimeError(f"expected the step's masks, got {type(ready).__name__}")
-        bitmask = reader.masks_of(slots) if masked else None
-        sampled = sample_step(out.logits, batch, sampling, reader.tables.history, bitmask)
+        bitmask, before = reader.masks_of(slots, masked_draft_counts(batch, sampling)) if masked else (None, [])
+        rows_masks = bitmask[: len(slots)] if bitmask is not None else None
+        sampled = sample_step(out.logits, batch, sampling, reader.tables.history, rows_masks)
         if out.draft_logits:  # speculation: the drafts checked, the states rolled back to the accepted ones
-            sampled = verify_drafts(out, batch, sampling, sampled, reader.tables.history)
+            sampled = verify_drafts(out, batch, sampling, sampled, reader.tables.history, bitmask, before)
             roll_back(runner.state_pool, batch, sampled.drafts, out.draft_records)
         if out.hidden is not None:  # the MTP head's drafts for the next step
             sampled = replace(sampled, proposals=runner.propose_mtp(batch, out, sampling, sampled))

@@ -88,7 +88,9 @@ from gpu_worker.runner.runner import ModelRunner, PoolPlan, RunnerFacts
 from gpu_worker.runner.sampling import EMPTY_OUTPUT, StepOutput, StepSampling
 from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.shared_memory import SharedArena, share_weights
+from gpu_worker.runner.speculation import masked_draft_counts
 from gpu_worker.runner.step_split import Split
+from gpu_worker.runner.token_masks import draft_mask_rows
 from gpu_worker.runner.tuning import usable_cores
 from gpu_worker.runner.warmup import WarmupTimes, scratch_steps
 from hybridserve.errors import InvalidArgumentError
@@ -153,7 +155,7 @@ class ProcessRunner(RunnerFacts):
         self._busy = self._arena.zeros((count,), torch.int32).numpy()
         self._tables = TableWriter(StepTables(
             self.state_pool.num_slots, self.kv_pool.num_pages, loaded.config.vocab_size,
-            self.kv_pool.page_size_tokens, self._arena.zeros, table_mask_words(loaded),
+            self.kv_pool.page_size_tokens, self._arena.zeros, table_mask_words(loaded), config.num_draft_rows,
         ))  # fmt: skip
         self._weights = SharedArena("hybridserve-weights")
         self._weight_names = share_weights(loaded.model, self._weights)  # one copy, whatever the processes
@@ -370,10 +372,12 @@ class ProcessRunner(RunnerFacts):
         still get their `MasksReady`, over masks that allow every token, so that the step ends in order)."""
         if sampling.masks is None:
             return None
-        masks, error = self._tables.tables.masks, None
+        tables = self._tables.tables
+        masks, error = tables.masks, None
         slots = masked_slots(batch, sampling)
         try:
-            sampling.masks.fill(masks, slots)
+            before = draft_mask_rows(masked_draft_counts(batch, sampling), tables.num_slots, tables.draft_mask_rows)
+            sampling.masks.fill(masks, slots, before)
         except Exception as exc:
             masks[slots] = -1
             error = exc

@@ -51,10 +51,10 @@ from gpu_worker.runner.sampling import (
     TopLogprobs,
     sample_step,
 )
-from gpu_worker.runner.speculation import Verified, roll_back, verify_drafts
+from gpu_worker.runner.speculation import Verified, masked_draft_counts, roll_back, verify_drafts
 from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.step_split import DECODE_ROW_TOKENS, FORWARD_FIXED_TOKENS
-from gpu_worker.runner.token_masks import TokenMasks, mask_vocab_size, mask_words
+from gpu_worker.runner.token_masks import TokenMasks, draft_mask_rows, mask_vocab_size, mask_words
 
 if TYPE_CHECKING:
     from gpu_worker.model.config import ModelConfig
@@ -181,14 +181,17 @@ class LogitsRunner:
     def execute(
         self, batch: Batch, sampling: StepSampling, while_waiting: Callable[[], None] | None = None
     ) -> StepOutput:
-        bitmask = None
+        bitmask, before = None, []
         if sampling.masks is None:
             out = self.forward(batch, while_waiting)
         else:
             # The constrained rows' masks are built on the mask thread while the forward runs (the matchers
-            # release the GIL), and waited for before sampling.
-            words = np.zeros((len(sampling.masked), sampling.masks.words), dtype=np.int32)
-            building = _mask_thread().submit(sampling.masks.fill, words, range(len(sampling.masked)))
+            # release the GIL), and waited for before sampling; a drafted row's positions have theirs after
+            # every row's own (token_masks.draft_mask_rows).
+            counts = masked_draft_counts(batch, sampling)
+            before = draft_mask_rows(counts, len(sampling.masked))
+            words = np.zeros((len(sampling.masked) + sum(counts), sampling.masks.words), dtype=np.int32)
+            building = _mask_thread().submit(sampling.masks.fill, words, range(len(sampling.masked)), before)
             try:
                 out = self.forward(batch, while_waiting)
             finally:
@@ -203,9 +206,10 @@ class LogitsRunner:
         if self._history is not None:
             self._history.publish(batch, sampling)
         tables = self._history.tables if self._history is not None else None
-        sampled = sample_step(out.logits, batch, sampling, tables, bitmask)
+        rows_masks = bitmask[: len(sampling.masked)] if bitmask is not None else None
+        sampled = sample_step(out.logits, batch, sampling, tables, rows_masks)
         if out.draft_logits:  # speculation: the drafts checked, the states rolled back to the accepted ones
-            sampled = verify_drafts(out, batch, sampling, sampled, tables)
+            sampled = verify_drafts(out, batch, sampling, sampled, tables, bitmask, before)
             roll_back(self.pools.state_pool, batch, sampled.drafts, out.draft_records)  # type: ignore[attr-defined]
         if out.hidden is not None:  # the MTP head's drafts for the next step (gpu_worker.runner.mtp)
             sampled = replace(sampled, proposals=self.propose_mtp(batch, out, sampling, sampled))

@@ -31,7 +31,7 @@ from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.runner.batch import Batch, ForwardOutput, score_targets
 from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
-from gpu_worker.runner.input_builder import VerifyInputs, build_inputs, build_verify_inputs
+from gpu_worker.runner.input_builder import VerifyInputs, build_inputs, build_verify_inputs, validate_batch
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.memory import MemorySplit, PoolShape, size_pools
 from gpu_worker.runner.mtp import MtpProposer, Proposals
@@ -339,37 +339,59 @@ class ModelRunner(RunnerFacts, LogitsRunner):
                 inputs.page_table)  # fmt: skip
 
     def _forward_verify(self, batch: Batch, programs: CompiledDecodeSteps) -> ForwardOutput | None:
-        """A step of decode and verify rows through its verify program (compiled_step): every position's
-        logits of the drafted rows, and the short-span records their rollback reads (as the eager
-        short-span scan leaves them); None when no program holds the step (the caller runs eagerly)."""
+        """A step of verify rows, and plain decodes beside them, through the compiled programs
+        (compiled_step): the drafted rows through their bucket's verify program (every position's logits,
+        and the short-span records their rollback reads, as the eager short-span scan leaves them), the
+        others through the decode program of theirs. Two calls rather than the plain rows padded to 1 + k
+        positions: a verify row costs about three plain ones (bench_decode: 8 verify rows 20.5 ms, 8 decode rows
+        6.0, one verify row 6.1), so one drafted row among eight would cost the step 20.5 ms padded and about
+        12 split. None when no program holds the step (the caller runs it eagerly)."""
+        seqs = batch.sequences
         length = programs.verify_tokens
-        bucket = programs.verify_bucket_for(len(batch.sequences))
-        if bucket is None or programs.status != "ready":
+        drafted = [i for i, s in enumerate(seqs) if s.num_draft_tokens]
+        plain = [i for i, s in enumerate(seqs) if not s.num_draft_tokens]
+        bucket = programs.verify_bucket_for(len(drafted))
+        if bucket is None or programs.status != "ready" or (plain and programs.bucket_for(len(plain)) is None):
             return None
-        if any(len(s.token_ids) > 1 and len(s.token_ids) != 1 + s.num_draft_tokens for s in batch.sequences):
-            return None  # a prefill chunk: the packed paths
-        if any(len(s.token_ids) > length for s in batch.sequences):
-            return None
+        if any(len(seqs[i].token_ids) > 1 for i in plain) or any(len(seqs[i].token_ids) > length for i in drafted):
+            return None  # a prefill chunk (the packed paths), or more drafts than the programs take
+        validate_batch(batch, self.kv_page_size_tokens, self.state_pool.num_slots)
+        verify = Batch(tuple(seqs[i] for i in drafted))
         inputs = build_verify_inputs(
-            batch, self.kv_page_size_tokens, self.state_pool.num_slots, length, bucket, MIN_PAGE_COLUMNS
+            verify, self.kv_page_size_tokens, self.state_pool.num_slots, length, bucket, MIN_PAGE_COLUMNS
         )  # fmt: skip
-        if inputs.fresh_slots is not None:
-            self.state_pool.zero_slots(inputs.fresh_slots)
         if self.step_threads is not None:  # a decode step's threads (a verify row is no prefill to widen for)
-            self.step_threads.for_step(sum(len(s.token_ids) for s in batch.sequences), 0)
+            self.step_threads.for_step(sum(len(s.token_ids) for s in seqs), 0)
+        packed = None
+        if plain:
+            packed = build_inputs(
+                Batch(tuple(seqs[i] for i in plain)), self.kv_page_size_tokens, self.state_pool.num_slots,
+                self.device,
+            )  # fmt: skip
         ran = programs.run_verify(*self._verify_columns(inputs))
-        if ran is None:
+        if ran is None:  # nothing ran
             return None
         logits, spans = ran
+        plain_logits = None
+        if packed is not None:
+            if packed.fresh_slots is not None:
+                self.state_pool.zero_slots(packed.fresh_slots)
+            compiled = programs.run(packed.ctx, packed.input_ids)
+            if compiled is None:  # its bucket and readiness were checked: the drafted rows ran already
+                raise RuntimeError(f"no decode program took the step's {len(plain)} plain rows")
+            plain_logits = compiled.index_select(0, packed.last_index)
         self._save_checkpoints(batch)
         real = slice(inputs.num_padding, None)
-        logits = logits[real]  # [rows, L, vocab], batch order
-        last = logits[torch.arange(len(batch.sequences)), inputs.lengths[real] - 1]
-        drafts = tuple((i, logits[i, : 1 + s.num_draft_tokens]) for i, s in enumerate(batch.sequences)
-                       if s.num_draft_tokens)  # fmt: skip
+        logits = logits[real]  # [drafted rows, L, vocab]
+        verify_last = logits[torch.arange(len(drafted)), inputs.lengths[real] - 1]
+        last = verify_last
+        if plain_logits is not None:
+            last = verify_last.new_empty(len(seqs), verify_last.shape[-1])
+            last[drafted], last[plain] = verify_last, plain_logits
+        drafts = tuple((i, logits[k, : 1 + seqs[i].num_draft_tokens]) for k, i in enumerate(drafted))
         records: tuple[StackedSpanRecord, ...] = ()
         if spans:  # whole, as the rollback's program was compiled on; padding rows answer to no slot
-            slots = (-1,) * inputs.num_padding + tuple(s.state_slot for s in batch.sequences)
+            slots = (-1,) * inputs.num_padding + tuple(seqs[i].state_slot for i in drafted)
             initial, a, xdt, B, windows = spans
             conv, ssm = self.state_pool.stacked_states()
             records = (StackedSpanRecord(conv, ssm, slots, initial, a, xdt, B, windows, programs.restore),)

@@ -152,29 +152,47 @@ class DraftHistories:
         return ids_out, counts_out, valid_out, [g for _, _, g in per]
 
 
+def masked_draft_counts(batch: Batch, sampling: StepSampling) -> list[int]:
+    """The drafts each masked row carries, in `sampling.masked` order (token_masks.draft_mask_rows)."""
+    seqs, rows = batch.sequences, sampling.rows
+    return [seqs[rows[j]].num_draft_tokens for j in sampling.masked]
+
+
 def verify_drafts(
-    out: ForwardOutput, batch: Batch, sampling: StepSampling, sampled: StepOutput, history: HistoryTables | None = None
-) -> StepOutput:
+    out: ForwardOutput, batch: Batch, sampling: StepSampling, sampled: StepOutput, history: HistoryTables | None = None,
+    bitmask: torch.Tensor | None = None, before: Sequence[int] = (),
+) -> StepOutput:  # fmt: skip
     """`sampled` (the step's tokens, one per yielding row) with each drafted row's token replaced by its
     verification's: the model's token after the accepted drafts, those drafts in `StepOutput.drafts`
     (see the module docstring). One sampler call checks every drafted row's positions; a row whose
     controls read its history (penalties, min_tokens) is checked with the drafts before each position
-    counted as generated (`DraftHistories`, over the step's `history` tables)."""
+    counted as generated (`DraftHistories`, over the step's `history` tables); a row a grammar constrains
+    (masked row j) with its mask at each position: `bitmask` row j after its chunk, rows `before[j]` + i
+    at its draft positions i (TokenMasks.fill), each the grammar's after the drafts ahead of it."""
     if not out.draft_logits:
         return sampled
     seqs = batch.sequences
     index_of = {row: j for j, row in enumerate(sampling.rows)}
     params_of = {sampling.rows[j]: p for j, p in zip(sampling.special, sampling.params, strict=True)}
+    masked_of = {sampling.rows[j]: m for m, j in enumerate(sampling.masked)}
     logits: list[torch.Tensor] = []
     params: list[SamplingParams] = []
     positions: list[int] = []
     spans: list[tuple[int, int]] = []  # (batch row, first index into the stacked positions)
     histories: DraftHistories | None = None
+    masked: list[int] = []  # stacked positions a grammar constrains, and their rows of `bitmask`
+    mask_rows: list[int] = []
     for row, row_logits in out.draft_logits:
         if row not in index_of:
             raise InvalidArgumentError(f"batch: drafted row {row} does not yield a token")
         seq, p = seqs[row], params_of.get(row, _GREEDY)
         n = len(seq.token_ids)
+        m = masked_of.get(row)
+        if m is not None:
+            if bitmask is None or len(before) <= m or before[m] < 0:
+                raise InvalidArgumentError(f"batch: drafted row {row} is constrained, and its drafts have no masks")
+            masked.extend(range(len(positions), len(positions) + n))
+            mask_rows.extend([*range(before[m], before[m] + n - 1), m])
         if p.needs_history:
             if history is None:
                 raise InvalidArgumentError(f"batch: drafted row {row} has penalties or min_tokens but no history")
@@ -193,6 +211,8 @@ def verify_drafts(
         special,
         [params[i] for i in special],
         [positions[i] for i in special],
+        masked,
+        bitmask[mask_rows] if masked and bitmask is not None else None,
         slots=special if histories is not None else (),
         history=histories,  # type: ignore[arg-type]
     )  # every position's token, as a plain decode would draw it there (fmt: skip)

@@ -1,6 +1,7 @@
 """Structured outputs' token masks, as sampling reads them: one bit per token id, vocab/32 int32 words a
 row (bit t % 32 of word t // 32 set: token t allowed), built by whoever owns the grammar matchers (the
-engine: gpu_worker.engine.grammar) while the forward runs, behind the `TokenMasks` protocol. Here: the
+engine: gpu_worker.engine.grammar) while the forward runs, behind the `TokenMasks` protocol (a verify row
+of speculative decoding has one mask per position: `draft_mask_rows` lays them out). Here: the
 masks' sizes, the unpacking of a mask into the tokens it refuses (`disallowed_tokens`: one numpy unpack
 on CPU, a byte-to-bits table on a device), the mask step itself (`mask_rows_`, in place), and the bit test
 of a chosen token (`outside_masks`) with which sampling (gpu_worker.runner.sampling.sample_rows) spares a
@@ -32,8 +33,11 @@ class TokenMasks(Protocol):
 
     words: int  # int32 words per row
 
-    def fill(self, bitmask: np.ndarray[Any, Any], indices: Sequence[int]) -> None:
-        """Writes constrained row j's mask into row `indices[j]` of `bitmask` (int32 [n, words])."""
+    def fill(self, bitmask: np.ndarray[Any, Any], indices: Sequence[int], before: Sequence[int] = ()) -> None:
+        """Writes constrained row j's mask into row `indices[j]` of `bitmask` (int32 [n, words]): the mask of
+        the token after the row's chunk. A row that carries e drafts (speculation) also has the masks of
+        its e positions before, each after the drafts ahead of it, in rows `before[j]` .. `before[j]` + e - 1
+        (`before` empty, or -1 for a row without drafts: none)."""
         ...
 
 
@@ -86,3 +90,16 @@ def outside_masks(chosen: torch.Tensor, rows: Sequence[int], words: np.ndarray[A
     allowed = inside & (((word >> (tokens % 32)) & 1) == 1)
     refused: list[bool] = (~allowed).tolist()
     return refused
+
+
+def draft_mask_rows(draft_counts: Sequence[int], first: int, capacity: int | None = None) -> list[int]:
+    """`TokenMasks.fill`'s `before` for masked rows carrying `draft_counts` drafts (in masked order): each
+    drafted row's draft-position masks in the rows from `first` on, one row after the other; -1 for a row
+    without drafts. Raises ValueError past `capacity` rows (the tables' draft-mask rows)."""
+    out, used = [], 0
+    for e in draft_counts:
+        out.append(first + used if e else -1)
+        used += e
+    if capacity is not None and used > capacity:
+        raise ValueError(f"{used} draft positions of constrained rows exceed the {capacity} mask rows for them")
+    return out

@@ -121,10 +121,11 @@ def _speculating(path: Path, sizes: str) -> ModelRunner:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILY_SPECS)
 def test_compiled_verify_steps_equal_the_eager_verify_steps(checkpoints, name: str) -> None:
-    """Verify steps (rows of the newest token and its drafts, beside plain decodes) through the verify
-    program of a bucket of 2 rows: the same tokens and accepted drafts as the eager verify step, logits
-    at every drafted position within 1e-5, and after each step's rollback the same pools, with drafts
-    all accepted, none, and some; a row alone (padded to the bucket); rows of different lengths."""
+    """Verify steps (rows of the newest token and its drafts) through the verify program of a bucket of 2
+    rows, and the plain decodes beside them through the decode program: the same tokens and accepted
+    drafts as the eager verify step, logits at every drafted position within 1e-5, and after each step's
+    rollback the same pools, with drafts all accepted, none, and some; a drafted row alone (padded to the
+    bucket), beside a plain row, and two of different lengths."""
     hf, path = checkpoints[name]
     vocab = hf.config.vocab_size
     plain = ModelRunner.from_model_dir(path, RunnerConfig(

@@ -16,6 +16,7 @@ from gpu_worker.cache.remote import SharedTierAccess
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.observer import EngineObserver
 from gpu_worker.engine.settings import EngineSettings
+from gpu_worker.runner.model_process import ProcessRunner, build_runner
 from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.settings import RunnerConfig
 from hybridserve import grpc_server
@@ -99,13 +100,16 @@ def _workers(checkpoint: Path, scheduler_address: str) -> Iterator[Callable[...,
         prefix_caching: bool = False,
         observer: EngineObserver | None = None,
         access: SharedTierAccess | None = SHARED_ACCESS,
+        runner: dict[str, object] | None = None,
         **overrides,
     ) -> Worker:
+        """`runner`: RunnerConfig fields (model processes among them: build_runner)."""
         scheduler = replace(scheduler, stop_at_last_boundary=prefix_caching)
         runner_config = RunnerConfig(
             memory_budget_bytes=16 << 20, kv_page_size_tokens=scheduler.kv_page_size,
             max_num_seqs=scheduler.max_num_seqs, num_checkpoint_slots=16, device="cpu", dtype="float32",
         )  # fmt: skip
+        runner_config = replace(runner_config, **(runner or {}))  # type: ignore[arg-type]
         if num_kv_pages is not None:
             runner_config = replace(
                 runner_config, memory_budget_bytes=budget_for_pages(runner_config, checkpoint, num_kv_pages)
@@ -118,9 +122,9 @@ def _workers(checkpoint: Path, scheduler_address: str) -> Iterator[Callable[...,
             settings.scheduler_addresses, deadline_s=settings.scheduler_deadline_s,
             give_up_after_s=settings.scheduler_give_up_s, backoff_s=0.02, max_backoff_s=0.2,
         )  # fmt: skip
-        runner = ModelRunner.from_model_dir(checkpoint, runner_config)
-        prefix = build_prefix_cache(runner, settings, prefix_caching, access)
-        engine = Engine(runner, client.plan, settings, observer=observer, prefix=prefix)
+        model = build_runner(checkpoint, runner_config)
+        prefix = build_prefix_cache(model, settings, prefix_caching, access)
+        engine = Engine(model, client.plan, settings, observer=observer, prefix=prefix)
         engine.start()
         server, port, _ = grpc_server.create_server([add_to_server(GenerationServicer(engine, "tiny"))])
         server.start()
@@ -134,6 +138,8 @@ def _workers(checkpoint: Path, scheduler_address: str) -> Iterator[Callable[...,
         server.stop(None)
         engine.stop()
         client.close()
+        if isinstance(engine.runner, ProcessRunner):
+            engine.runner.close()
 
 
 def greedy_request(prompt_ids: list[int], max_tokens: int, **sampling) -> pb.GenerateRequest:

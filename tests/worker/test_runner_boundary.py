@@ -243,7 +243,7 @@ class FixedMasks:
             allowed[rng.choice(VOCAB, size=300, replace=False)] = True
             self.bits.append(allowed)
 
-    def fill(self, bitmask: np.ndarray, indices) -> None:
+    def fill(self, bitmask: np.ndarray, indices, before=()) -> None:
         for allowed, index in zip(self.bits, indices, strict=True):
             bitmask[index] = np.packbits(allowed, bitorder="little").view(np.int32)
 

@@ -59,16 +59,36 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 64, **sampling: 
 LOOP = [7, 8, 9] * 4
 
 
-def test_requests_with_a_grammar_or_prompt_scores_never_draft() -> None:
+class _Grammar:
+    """A grammar that accepts the first `accepts` tokens of any drafts (the matcher's validate_tokens)."""
+
+    def __init__(self, accepts: int) -> None:
+        self.accepts, self.synced_to = accepts, None
+
+    def sync(self, outputs: list[int]) -> None:
+        self.synced_to = list(outputs)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return min(self.accepts, len(tokens))
+
+
+def test_which_requests_draft_and_a_grammar_cuts_its_drafts() -> None:
     """Penalties and min_tokens draft (the runner counts the drafts in their history at each position);
-    a grammar's mask and prompt scoring are not applied to drafts, so those requests draft none."""
+    a constrained request drafts what its grammar accepts of its proposal, checked after its own output;
+    a request scoring its prompt drafts none."""
     spec = Speculator(4, 2, 4, max_rows=4, page_size=16)
     assert spec.propose(make_request("a", LOOP), len(LOOP), 4) == [7, 8, 9, 7]
     assert spec.propose(make_request("b", LOOP, presence_penalty=0.5), len(LOOP), 4) == [7, 8, 9, 7]
     assert spec.propose(make_request("c", LOOP, min_tokens=3, held_token_ids=(0,)), len(LOOP), 4) == [7, 8, 9, 7]
-    constrained = make_request("g", LOOP)
-    constrained.grammar = object()  # type: ignore[assignment]
-    assert spec.propose(constrained, len(LOOP), 4) == []
+    constrained = make_request("g", LOOP[:6])
+    constrained.output_token_ids.append(LOOP[6])
+    constrained.num_computed_tokens = 6  # its newest token, LOOP[6], to compute with the drafts
+    proposal = spec.propose(constrained, 7, 4)
+    assert len(proposal) == 4
+    for accepts in (4, 2, 0):
+        constrained.grammar = grammar = _Grammar(accepts)  # type: ignore[assignment]
+        assert spec.drafts_for(constrained, 4, None) == tuple(proposal[:accepts])
+        assert grammar.synced_to == [LOOP[6]], "the grammar checks the drafts after the request's output"
     scoring = make_request("s", LOOP)
     scoring.scoring = True
     assert spec.propose(scoring, len(LOOP), 4) == []

@@ -119,3 +119,32 @@ def test_constrained_requests_stay_valid_through_preemption(start_worker) -> Non
     for text in results.values():
         jsonschema.validate(json.loads(text), SCHEMA)
     assert worker.info().num_preemptions > 0, "the budget was meant to force preemption"
+
+
+SPECULATING = {"num_speculative_tokens": 4, "speculative_payoff": False}  # drafts whenever it has some
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [False, True], ids=["in_process", "model_processes"])
+def test_constrained_requests_draft_and_give_the_output_of_plain_decoding(start_worker, processes) -> None:
+    """Speculation on constrained requests: prompt lookup's drafts are cut to the prefix the grammar accepts,
+    and each verified position is sampled under the grammar's mask after the drafts before it. The
+    alternation `(ab){12}` allows one token at each position, so a draft is accepted only where its
+    position's mask is that position's own (a row's last mask at every position would refuse every other
+    draft): the same text as without drafts, greedy and seeded, JSON-schema outputs valid, drafts
+    accepted; in process and across two model processes (the masks of the draft positions in the tables)."""
+    runner = {"num_draft_rows": 4 * 4}
+    if processes:
+        runner |= {"model_process": "on", "model_processes": 2, "model_process_min_rows": 0, "cpu_threads": 1}
+    plain, spec = start_worker(), start_worker(runner=runner, **SPECULATING)
+    cases = [
+        constrained(pb.StructuredOutput(regex="(ab){12}"), prompt="abababab ab"),
+        constrained(pb.StructuredOutput(regex="[0-9]{30}"), prompt="0123012301230123"),
+        *(constrained(pb.StructuredOutput(json_schema=json.dumps(SCHEMA)), temperature=0.9, seed=s) for s in range(3)),
+    ]
+    for request in cases:
+        expect = run(plain, request)
+        assert run(spec, request) == expect, request.sampling.structured_output
+    assert expect[0] and json.loads(expect[0])
+    info = spec.info()
+    assert info.spec_decode_num_draft_tokens > 0 and info.spec_decode_num_accepted_tokens > 0, info
