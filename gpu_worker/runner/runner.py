@@ -368,6 +368,8 @@ class ModelRunner(RunnerFacts, LogitsRunner):
                 Batch(tuple(seqs[i] for i in plain)), self.kv_page_size_tokens, self.state_pool.num_slots,
                 self.device,
             )  # fmt: skip
+        if inputs.fresh_slots is not None:
+            self.state_pool.zero_slots(inputs.fresh_slots)
         ran = programs.run_verify(*self._verify_columns(inputs))
         if ran is None:  # nothing ran
             return None
