@@ -23,6 +23,7 @@ when vLLM's CPU build refuses speculation, its plain decode, said so.
 
     python bench/bench_spec.py [--method ngram|mtp] [--clients 1,8,32] [--rounds 3] [--k 4]
         [--max-tokens 128] [--worker-args='--compile-step-sizes auto'] [--skip-vllm]
+        [--workloads repeat,random]
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def table(args: argparse.Namespace, sides: dict[str, tuple[str, str]], roots: li
 
     print(f"\n{'workload':<9}{'clients':>8}{'side':>6}{'out tok/s':>11}{'ratio':>8}{'TTFT p50 ms':>13}"
           f"{'ITL p50 ms':>12}{'ratio':>8}{'accepted':>10}{'failed':>8}", flush=True)  # fmt: skip
-    for workload, temperature in WORKLOADS.items():
+    for workload in args.workloads.split(","):
+        temperature = WORKLOADS[workload]
         for clients in (int(c) for c in args.clients.split(",")):
             prompts = prompts_for(workload, clients, args)
             runs: dict[str, list[Any]] = {"off": [], "on": []}
@@ -152,7 +154,8 @@ def vllm_cell(args: argparse.Namespace, model: Path, ours: tuple[str, str], root
         print(
             f"{'workload':<9}{'side':>13}{'out tok/s':>11}{'ratio':>8}{'TTFT p50 ms':>13}{'ITL p50 ms':>12}{'ratio':>8}"
         )
-        for workload, temperature in WORKLOADS.items():
+        for workload in args.workloads.split(","):
+            temperature = WORKLOADS[workload]
             prompts = prompts_for(workload, 1, args)
             runs: dict[str, list[Any]] = {"ours": [], "vllm": []}
             for round_index in range(args.rounds):
@@ -176,6 +179,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", default="1,8,32", help="closed-loop client counts")
     parser.add_argument("--rounds", type=int, default=3, help="runs a cell on each side (median)")
+    parser.add_argument("--workloads", default="repeat,random", help="which of repeat, random")
     parser.add_argument("--method", default="ngram", choices=("ngram", "mtp"), help="--speculative-method")
     parser.add_argument("--mtp-train-steps", type=int, default=300, help="--method mtp: the head's training steps")
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens of the speculating side")
@@ -202,6 +206,9 @@ def main() -> int:
     from hybridserve_cli.stack import Stack
 
     args = parse_args()
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        raise SystemExit(f"--workloads: {', '.join(sorted(unknown))} unknown; choose from {', '.join(WORKLOADS)}")
     max_seqs = max(int(c) for c in args.clients.split(","))
     spec = ("--num-speculative-tokens", str(args.k), "--speculative-method", args.method, "--ngram-min",
             str(args.ngram_min), "--ngram-max", str(args.ngram_max))  # fmt: skip
