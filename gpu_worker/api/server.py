@@ -128,6 +128,11 @@ FLAGS = {
     "device": Flag("auto | cpu | cuda[:i]"),
     "dtype": Flag("auto | float32 | bfloat16"),
     "cpu_threads": Flag("torch intra-op threads on CPU; 0 = one per core but one (for the server threads)"),
+    "cpu_decode_threads": Flag(
+        "torch intra-op threads on CPU for steps without prompt tokens (decode, verify); 0 = auto: every core"
+        " for a model of 256 MiB of weights or more (with model processes, while the others are idle), else"
+        " --cpu-threads"
+    ),
     "cpu_prefill_threads": Flag(
         "torch intra-op threads on CPU for steps of at least --cpu-prefill-min-tokens tokens (prefill-sized"
         " GEMMs split well; e.g. every core for long-prompt workloads); 0 = --cpu-threads throughout"
@@ -199,7 +204,7 @@ ENGINE_FIELDS = (
 )  # fmt: skip
 RUNNER_FIELDS = (
     "memory_budget_bytes", "gpu_memory_utilization", "num_checkpoint_slots", "checkpoint_memory_bytes", "device",
-    "dtype", "cpu_threads",
+    "dtype", "cpu_threads", "cpu_decode_threads",
     "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "compile_step_sizes", "model_process",
     "model_process_min_rows", "model_processes", "model_process_split_min_tokens", "model_process_lone_threads",
     "cpu_warm_rows",

@@ -128,8 +128,11 @@ def resolve_processes(config: RunnerConfig) -> tuple[int, RunnerConfig]:
     are shared out: each process gets its part of the cores but one (at least one thread), so that
     several processes' OpenMP threads never outnumber the cores. A step that one process computes alone
     (the others wait for work: a lone prompt's chunk) may use their threads: `model_process_lone_threads`
-    on auto is the processes' threads together, or the cores but one where that is more."""
+    on auto is the processes' threads together, or the cores but one where that is more. A --cpu-threads
+    set by hand also sets the decode steps' threads where those are on auto (tuning.decode_threads)."""
     count = config.model_processes or (2 if usable_cores() >= 2 else 1)
+    if count > 1 and config.cpu_threads and not config.cpu_decode_threads:  # set by hand: decode steps too
+        config = replace(config, cpu_decode_threads=config.cpu_threads)
     if count > 1 and config.cpu_threads == 0:
         config = replace(config, cpu_threads=max(1, (usable_cores() - 1) // count))
     if count > 1 and config.model_process_lone_threads == 0:  # a step one computes alone: the others' cores too
@@ -187,7 +190,12 @@ class ProcessRunner(RunnerFacts):
         self._local: ModelRunner | None = None
         if self.min_rows > 0:  # small steps here, eagerly, on one thread, over the same pools
             local_config = replace(
-                config, cpu_threads=1, cpu_prefill_threads=0, decode_compile="off", compile_step_sizes=""
+                config,
+                cpu_threads=1,
+                cpu_prefill_threads=0,
+                cpu_decode_threads=1,
+                decode_compile="off",
+                compile_step_sizes="",
             )
             self._local = ModelRunner(loaded, local_config, pools=(self.kv_pool, self.state_pool))
         else:

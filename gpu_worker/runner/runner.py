@@ -42,7 +42,7 @@ from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.shared_memory import Allocator
 from gpu_worker.runner.speculation import check_drafted, draft_logits, keeps_short_spans, with_draft_rows
 from gpu_worker.runner.state_pool import MambaStatePool, state_shapes
-from gpu_worker.runner.tuning import StepThreads, set_cpu_threads
+from gpu_worker.runner.tuning import StepThreads, decode_threads, set_cpu_threads
 from gpu_worker.runner.warmup import WarmupTimes, scratch_steps
 from hybridserve.errors import InvalidArgumentError
 
@@ -221,7 +221,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             self.step_threads = StepThreads(
                 few := set_cpu_threads(config.cpu_threads), config.cpu_prefill_threads or few,
                 config.cpu_prefill_min_tokens, config.model_process_lone_threads, LONE_STEP_MIN_TOKENS,
-                WIDEN_MIN_TOKENS,
+                WIDEN_MIN_TOKENS, decode_threads(config, weights_bytes(self.model)),
             )  # fmt: skip
             for module in self.model.modules():
                 if isinstance(module, Mamba2Mixer):
@@ -548,4 +548,5 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             "kv_page_size_tokens": self.kv_page_size_tokens,
             "num_state_slots": self.state_pool.num_slots,
             "num_checkpoint_slots": self.state_pool.num_checkpoint_slots,
+            **({"cpu_decode_threads": self.step_threads.decode} if self.step_threads is not None else {}),
         }

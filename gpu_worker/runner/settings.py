@@ -32,6 +32,10 @@ class RunnerConfig:
     # threads for CPU steps of at least cpu_prefill_min_tokens tokens; 0 = cpu_threads throughout (off)
     cpu_prefill_threads: int = 0
     cpu_prefill_min_tokens: int = 1024
+    # threads for CPU steps without prompt tokens (decode, verify); 0 = auto (tuning.decode_threads): every
+    # usable core for a model of 256 MiB or more (a process among several: while the others are idle),
+    # else cpu_threads
+    cpu_decode_threads: int = 0
     # torch.compile the Mamba decode step on CPU, in the background at start-up (eager until it is ready):
     # auto = when a C++ compiler is found | on | off (gpu_worker.model.backends.cpu.compiled_decode)
     decode_compile: str = "off"
@@ -87,8 +91,8 @@ class RunnerConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         names = (
-            "cpu_threads", "cpu_prefill_threads", "model_process_min_rows", "model_processes", "cpu_warm_rows",
-            "model_process_lone_threads", "num_draft_rows", "mtp_draft_tokens", "verify_tokens",
+            "cpu_threads", "cpu_prefill_threads", "cpu_decode_threads", "model_process_min_rows", "model_processes",
+            "cpu_warm_rows", "model_process_lone_threads", "num_draft_rows", "mtp_draft_tokens", "verify_tokens",
         )  # fmt: skip
         for name in names:
             if getattr(self, name) < 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_worker.runner import model_process, tuning
 from gpu_worker.runner.batch import Batch, SequenceChunk
 from gpu_worker.runner.model_process import resolve_processes
 from gpu_worker.runner.runner import ModelRunner
@@ -94,3 +95,56 @@ def test_several_model_processes_lend_their_threads_to_a_lone_step() -> None:
     assert one.model_process_lone_threads == 0  # nobody to borrow from
     with pytest.raises(InvalidArgumentError, match="model_process_lone_threads"):
         RunnerConfig(model_process_lone_threads=-1)
+
+
+def test_a_large_model_decodes_on_every_core_on_auto_threads(monkeypatch) -> None:
+    """On auto threads, a model of WIDE_DECODE_WEIGHT_BYTES or more decodes on every usable core (its steps
+    read the weights from memory, op by op megabytes), in a process among several on its lone threads; a
+    smaller one as its other small steps; a count set by hand wins, --cpu-threads included."""
+    monkeypatch.setattr(tuning, "usable_cores", lambda: 4)
+    monkeypatch.setattr(model_process, "usable_cores", lambda: 4)
+    wide, narrow = tuning.WIDE_DECODE_WEIGHT_BYTES, tuning.WIDE_DECODE_WEIGHT_BYTES - 1
+    assert tuning.decode_threads(RunnerConfig(), wide) == 4
+    assert tuning.decode_threads(RunnerConfig(), narrow) == 3
+    assert tuning.decode_threads(RunnerConfig(cpu_decode_threads=2), wide) == 2
+    assert tuning.decode_threads(RunnerConfig(cpu_threads=1), wide) == 1
+    assert tuning.decode_threads(RunnerConfig(cpu_threads=2), narrow) == 2
+    count, child = resolve_processes(RunnerConfig(model_processes=2))  # auto: 1 thread each, lone 3
+    assert (count, child.cpu_threads, child.model_process_lone_threads) == (2, 1, 3)
+    assert tuning.decode_threads(child, wide) == 3
+    assert tuning.decode_threads(child, narrow) == 1
+    _, pinned = resolve_processes(RunnerConfig(model_processes=2, cpu_threads=1))
+    assert pinned.cpu_decode_threads == 1 and tuning.decode_threads(pinned, wide) == 1
+
+
+def test_decode_only_steps_take_the_decode_threads(restore_threads) -> None:
+    """`decode` threads apply to steps without prompt tokens (plain decode and verify steps); a mixed step
+    of a few prompt tokens beside decodes keeps `few`, a prefill-sized one `many`."""
+    threads = StepThreads(few=1, many=2, min_tokens=64, decode=2)
+    assert threads.for_step(8, 0) == 2 and torch.get_num_threads() == 2
+    assert threads.for_step(12, 4) == 1 and torch.get_num_threads() == 1
+    assert threads.for_step(100, 96) == 2
+    assert threads.for_step(1, 0) == 2
+    assert StepThreads(few=1, many=1, min_tokens=64).for_step(1, 0) == 1  # decode unset: `few`
+    idle = [False]  # a process among several: wider only while the others are idle
+    threads.others_idle = lambda: idle[0]
+    assert threads.for_step(8, 0) == 1
+    idle[0] = True
+    assert threads.for_step(8, 0) == 2
+
+
+def test_the_runner_sizes_decode_threads_from_its_weights(small_checkpoint, restore_threads, monkeypatch) -> None:
+    """The runner reads its model's weight bytes for the decode threads (the tiny test model: below the
+    threshold, so the auto count); with the threshold under them, every core, and its decode steps run there."""
+    _, path = small_checkpoint
+    config = RunnerConfig(memory_budget_bytes=4 << 20, kv_page_size_tokens=4, max_num_seqs=4, device="cpu")
+    runner = ModelRunner.from_model_dir(path, config)
+    assert runner.describe()["cpu_decode_threads"] == tuning.default_cpu_threads()
+    monkeypatch.setattr(tuning, "WIDE_DECODE_WEIGHT_BYTES", 1)
+    monkeypatch.setattr(tuning, "usable_cores", lambda: 2)
+    wide = ModelRunner.from_model_dir(path, config)
+    assert wide.describe()["cpu_decode_threads"] == 2
+    wide.forward(Batch((SequenceChunk(tuple(range(3, 9)), 0, (0, 1), 0),)))  # a prompt: the auto count
+    assert torch.get_num_threads() == tuning.default_cpu_threads()
+    wide.forward(Batch((SequenceChunk((5,), 6, (0, 1), 0),)))
+    assert torch.get_num_threads() == 2

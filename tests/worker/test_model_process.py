@@ -312,7 +312,8 @@ def test_where_the_model_runs() -> None:
     assert child.cpu_threads == (max(1, (usable_cores() - 1) // 2) if count == 2 else 0)
     explicit = RunnerConfig(model_processes=3, cpu_threads=4)  # threads as given; a lone step takes them all
     lone = max(12, usable_cores() - 1)
-    assert resolve_processes(explicit) == (3, replace(explicit, model_process_lone_threads=lone))
+    # threads set by hand also hold decode steps (tuning.decode_threads)
+    assert resolve_processes(explicit) == (3, replace(explicit, model_process_lone_threads=lone, cpu_decode_threads=4))
 
 
 def test_a_served_worker_replaces_its_dead_model_process(tmp_path: Path) -> None:
