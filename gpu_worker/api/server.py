@@ -130,7 +130,7 @@ FLAGS = {
     "cpu_threads": Flag("torch intra-op threads on CPU; 0 = one per core but one (for the server threads)"),
     "cpu_decode_threads": Flag(
         "torch intra-op threads on CPU for steps without prompt tokens (decode, verify); 0 = auto: every core"
-        " for a model of 256 MiB of weights or more (with model processes, while the others are idle), else"
+        " for a model of 128 MiB of weights or more (with model processes, while the others are idle), else"
         " --cpu-threads"
     ),
     "cpu_prefill_threads": Flag(

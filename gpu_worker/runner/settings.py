@@ -33,7 +33,7 @@ class RunnerConfig:
     cpu_prefill_threads: int = 0
     cpu_prefill_min_tokens: int = 1024
     # threads for CPU steps without prompt tokens (decode, verify); 0 = auto (tuning.decode_threads): every
-    # usable core for a model of 256 MiB or more (a process among several: while the others are idle),
+    # usable core for a model of 128 MiB or more (a process among several: while the others are idle),
     # else cpu_threads
     cpu_decode_threads: int = 0
     # torch.compile the Mamba decode step on CPU, in the background at start-up (eager until it is ready):

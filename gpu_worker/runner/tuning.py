@@ -112,13 +112,17 @@ def default_cpu_threads() -> int:
 
 
 # On auto threads, a model whose weights are at least this large decodes on every usable core. Its
-# decode step reads the weights from DRAM (or from an L3 it fills), each op a projection of megabytes, so a
-# second core's bandwidth outweighs the end-of-op barrier and the server threads' share of its core; a
-# small model's ops are microseconds, where the barrier costs more (see default_cpu_threads). In process,
-# one thread against two, ms a decode step (2 cores, Xeon with AMX, compiled program): hidden 768 and a
-# 100,352-token vocabulary (536 MB in float32), 1 row 38.4-40.2 against 24.2-24.9, 8 rows 80.5-82.2
-# against 53.5-54.7.
-WIDE_DECODE_WEIGHT_BYTES = 256 << 20
+# decode step reads the weights from memory, each op a projection of megabytes, so a second core's
+# bandwidth outweighs the end-of-op barrier and the server threads' share of its core; a small model's
+# ops take microseconds, where the barrier costs more (see default_cpu_threads). In process, ms a decode
+# step of 1 and 8 rows, one thread against two (2 cores, Xeon with AMX, compiled program, 8 layers):
+# 24 MiB (hidden 256, vocab 512) 1.9-2.4 / 6.6-6.7 against 3.7-4.1 / 8.2-8.3; 93 MiB (hidden 512)
+# 9.6-10.1 / 22.7-23.5 against 8.4-8.9 / 21.0-21.1; 207 MiB (hidden 768) 18.6-18.8 / 43.9-44.2 against
+# 13.7-14.7 / 34.2-36.4; 250 MiB (hidden 768, vocab 100,352, bfloat16) 36.7-37.3 / 54.4-55.1 against
+# 24.8-25.4 / 38.1-40.0; about 500 MiB (the same in float32) 38.4-40.2 / 80.5-82.2 against 24.2-24.9 /
+# 53.5-54.7. Served, a second core's gain shrinks by what the server threads take: the bound sits above
+# the model where two threads gained 12% in process.
+WIDE_DECODE_WEIGHT_BYTES = 128 << 20
 
 
 def decode_threads(config: RunnerConfig, weight_bytes: int) -> int:
