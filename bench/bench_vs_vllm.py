@@ -346,7 +346,7 @@ def main() -> int:
         return 2
     from hybridserve_cli.stack import Stack
 
-    print(f"vLLM: {vllm}; float32 CPU, prefix caching off on both sides; Bamba skipped (vLLM removed "
+    print(f"vLLM: {vllm}; {args.dtype} CPU on both sides, prefix caching off; Bamba skipped (vLLM removed "
           f"BambaForCausalLM after v0.23)", flush=True)  # fmt: skip
     with Stack(start_timeout_s=START_TIMEOUT_S) as stack:  # the scheduler every family's workers share
         address = stack.scheduler()
