@@ -293,9 +293,14 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         if mode == "off" or self.device.type != "cpu" or (mode == "auto" and not can_compile(self.device)):
             return None
         use_persistent_cache()
-        compiler = DecodeCompiler(self.model, self._states)
+        compiler = DecodeCompiler(self.model, self._states, self._decode_thread_counts())
         compiler.start()
         return compiler
+
+    def _decode_thread_counts(self, max_tokens: int = 1) -> tuple[int, ...]:
+        """The thread counts decode steps of up to `max_tokens` tokens run on, which every compiled graph
+        is compiled under (StepThreads.decode_counts)."""
+        return self.step_threads.decode_counts(max_tokens) if self.step_threads is not None else ()
 
     def _decode_steps(self) -> CompiledDecodeSteps | None:
         """Whole decode steps compiled per batch-size bucket (CPU only; see compiled_step), compiled by
@@ -330,7 +335,9 @@ class ModelRunner(RunnerFacts, LogitsRunner):
                 MIN_PAGE_COLUMNS,
             ))  # fmt: skip
 
-        programs.compile_all(packed.ctx, packed.input_ids, verify_scratch)
+        verify_tokens = max(programs.verify_buckets, default=0) * programs.verify_tokens
+        threads = self._decode_thread_counts(max(max(programs.buckets), verify_tokens))
+        programs.compile_all(packed.ctx, packed.input_ids, verify_scratch, threads)
         return programs.seconds
 
     @staticmethod

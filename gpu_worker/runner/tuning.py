@@ -195,6 +195,16 @@ class StepThreads:
         self._set(self.lone if self.widened else wanted)
         return self.current
 
+    def decode_counts(self, max_tokens: int = 1) -> tuple[int, ...]:
+        """The thread counts `for_step` gives a step without prompt tokens of at most `max_tokens` tokens
+        (decode or verify): `decode`, and `few` where `decode` is wider (taken only while the other
+        processes are idle); `many` from `min_tokens`. The compiled decode programs are compiled under
+        each: torch.compile's guards check the count (gpu_worker.model.backends.cpu.compiled_decode)."""
+        counts = {self.decode, self.few} if self.decode > self.few else {self.decode}
+        if max_tokens >= self.min_tokens:
+            counts.add(self.many)
+        return tuple(sorted(counts))
+
     def widen(self) -> None:
         """Between two blocks of a forward: the lone threads, once the other processes are idle."""
         if self._may_widen(self.current, self.widen_min_tokens):

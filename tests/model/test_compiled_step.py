@@ -97,6 +97,43 @@ def test_a_step_outside_the_buckets_runs_eagerly_without_compiling(checkpoints) 
     assert len(calls) == 1
 
 
+@pytest.mark.slow
+def test_decode_steps_on_every_thread_count_they_take_run_the_compiled_programs(checkpoints) -> None:
+    """torch.compile's guards check torch's thread count: a program compiled on one thread and called on two
+    runs eagerly. A runner whose decode steps take two threads while the other model processes are idle,
+    and one otherwise (StepThreads.decode_counts), has its programs and its compiled Mamba step built for
+    both: a step on either count runs without a recompile (a recompile raises here)."""
+    hf, path = checkpoints["gqa_groups2"]
+    vocab = hf.config.vocab_size
+    before = torch.get_num_threads()
+    try:
+        cfg = RunnerConfig(
+            memory_budget_bytes=8 << 20, kv_page_size_tokens=4, max_num_seqs=4, device="cpu", dtype="float32",
+            compile_step_sizes="1", decode_compile="on", cpu_threads=1, cpu_decode_threads=2,
+        )  # fmt: skip
+        runner = ModelRunner.from_model_dir(path, cfg)
+        assert runner.step_threads is not None
+        idle = [True]
+        runner.step_threads.others_idle = lambda: idle[0]  # as in a model process among several
+        runner.warm_up()
+        steps, mixer = runner.decode_steps, runner.decode_compiler
+        assert steps is not None and steps.status == "ready" and steps.threads == (1, 2)
+        assert mixer is not None and mixer.compiled is not None and runner.describe()["compile_step_threads"] == "1/2"
+        steps.stance = mixer.compiled.stance = "fail_on_recompile"
+        calls = []
+        program = steps._program
+        steps._program = lambda *a: calls.append(torch.get_num_threads()) or program(*a)  # type: ignore[method-assign]
+        reqs = [Request(runner, _prompt(vocab, 12, seed=i)) for i in range(2)]
+        runner.forward(Batch(tuple(r.chunk(6) for r in reqs)))
+        for others_idle in (True, False, True):
+            idle[0] = others_idle
+            runner.forward(Batch((reqs[0].chunk(1),)))  # one row: its program
+            runner.forward(Batch(tuple(r.chunk(1) for r in reqs)))  # two rows: eager, the compiled Mamba step
+        assert calls == [2, 1, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_compile_step_sizes_setting() -> None:
     assert parse_buckets("", 32) == () and parse_buckets("off", 32) == ()
     assert parse_buckets("auto", 32) == (1, 2, 4, 8)

@@ -11,17 +11,23 @@ same shapes and passes its weights as arguments, so they share those graphs. Aft
 the "eager_on_recompile" stance: an input the warm-up did not foresee runs eagerly rather than stalling a
 step on a compile.
 
+Thread counts. torch.compile's guards check torch's intra-op thread count (its global state): a graph
+compiled on one thread and called on two fails them, and under that stance runs eagerly, silently. The
+runner's steps change the count by their size (gpu_worker.runner.tuning.StepThreads), so every graph is
+compiled once under each count a decode step may run on (`threads`; `on_threads`).
+
 Decode rows are updated in place in the pools, one call per run of consecutive state slots; a group
 scattered over many runs is gathered, stepped and scattered back (as the eager path does)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +44,20 @@ STANCE = "eager_on_recompile"  # after warm-up: never compile on the serving pat
 # A decode group of at most this many runs of consecutive slots is stepped in place run by run (a call
 # costs ~20 us); more scattered ones are gathered and scattered back (~0.5 ms a layer at 32 sequences).
 MAX_RUNS = 6
+
+
+@contextlib.contextmanager
+def on_threads(count: int) -> Iterator[None]:
+    """Torch's intra-op thread count set to `count` for the block (the calling thread's), then set back:
+    what a graph is compiled under is part of its guards (module docstring, thread counts)."""
+    before = torch.get_num_threads()
+    if count != before:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def use_persistent_cache() -> None:
@@ -149,11 +169,15 @@ class DecodeCompiler:
     States: "compiling" (eager meanwhile), "ready" (compiled, not yet attached), "attached", or
     "failed: ..." (eager for good; the reason is logged)."""
 
-    def __init__(self, model: torch.nn.Module, states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, states: list[tuple[torch.Tensor, torch.Tensor]], threads: tuple[int, ...] = ()
+    ) -> None:
+        """`threads`: the thread counts decode steps run on (module docstring); none: the current one."""
         from gpu_worker.model.mamba2 import Mamba2Mixer
 
         self._mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
         self._states = states
+        self._threads = threads or (torch.get_num_threads(),)
         self._compiled: CompiledMambaDecode | None = None
         self._done = threading.Event()
         self.status = "compiling" if self._mixers else "failed: the model has no Mamba layers"
@@ -172,7 +196,11 @@ class DecodeCompiler:
         try:
             compiled = CompiledMambaDecode(mixer_dims(self._mixers[0]))
             conv, ssm = self._states[0]
-            compiled.warm_up(self._mixers[0], conv, ssm)
+            # four graphs a thread count (CompiledMambaDecode.warm_up)
+            with torch._dynamo.config.patch(recompile_limit=max(8, 4 * len(self._threads))):
+                for count in self._threads:
+                    with on_threads(count):
+                        compiled.warm_up(self._mixers[0], conv, ssm)
             self.seconds = time.perf_counter() - started
             self._compiled, self.status = compiled, "ready"
             log.info("compiled the Mamba decode step in %.1f s", self.seconds)

@@ -25,6 +25,10 @@ bucket of rows, every row padded to L positions (a padded position writes its ro
 and leaves the state as it is). They return every position's logits and what each Mamba layer needs to
 roll a rejected draft back (short_scan.ShortSpanRecord's inputs), as the eager path's short-span scan does.
 
+Every program is compiled under each thread count its steps may run on (`compile_all`'s `threads`): the
+count is part of torch.compile's guards, and a program called on a count it was not compiled for runs
+eagerly (gpu_worker.model.backends.cpu.compiled_decode, thread counts).
+
 Sampling stays outside the programs (gpu_worker.runner.sampling runs on their logits)."""
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 
+from gpu_worker.model.backends.cpu.compiled_decode import on_threads
 from gpu_worker.model.backends.cpu.decode_program import decode_logits, verify_logits
 from gpu_worker.model.backends.cpu.short_scan import restore_rows
 from gpu_worker.model.context import ForwardContext
@@ -95,6 +100,7 @@ class CompiledDecodeSteps:
         self.stance = STANCE  # tests use "fail_on_recompile" to prove the warm-up covers serving
         self.status = "compiling"  # compiling | ready | failed: ...
         self.seconds = 0.0
+        self.threads: tuple[int, ...] = ()  # the thread counts compiled for, once ready
 
     def bucket_for(self, num_rows: int) -> int | None:
         """The smallest bucket of at least `num_rows` rows; None when the largest is smaller."""
@@ -146,25 +152,31 @@ class CompiledDecodeSteps:
         ctx: ForwardContext,
         input_ids: torch.Tensor,
         verify_scratch: Callable[[int], tuple[torch.Tensor, ...]] | None = None,
+        threads: tuple[int, ...] = (),
     ) -> None:
         """Compile every bucket on a scratch decode step (one row on scratch state and pages, repeated to
         each bucket's size: what it writes nobody reads), and every verify bucket on `verify_scratch(bucket)`
-        (run_verify's columns, of the same scratch row). Logs and keeps the reason on failure (the steps
-        then run eagerly)."""
+        (run_verify's columns, of the same scratch row), once under each of `threads` (the thread counts
+        the steps run on; none: the current one). Logs and keeps the reason on failure (the steps then
+        run eagerly)."""
         started = time.perf_counter()
+        counts = threads or (torch.get_num_threads(),)
         # a bucket's batch stays static (no automatic dynamic after the first bucket); one graph per bucket
-        graphs = len(self.buckets) + 3 * len(self.verify_buckets)
+        graphs = (len(self.buckets) + 3 * len(self.verify_buckets)) * len(counts)
         limits = {"automatic_dynamic_shapes": False, "recompile_limit": max(8, 2 * graphs)}
         try:
             with torch._dynamo.config.patch(limits):
-                self._compile_buckets(ctx, input_ids)
-                if verify_scratch is not None:
-                    for bucket in self.verify_buckets:
-                        columns = verify_scratch(bucket)
-                        torch._dynamo.mark_dynamic(columns[-1], 1)
-                        _, spans = self._call_verify(*columns)
-                        self._compile_restore(spans, columns[4])
+                for count in counts:
+                    with on_threads(count):
+                        self._compile_buckets(ctx, input_ids)
+                        if verify_scratch is not None:
+                            for bucket in self.verify_buckets:
+                                columns = verify_scratch(bucket)
+                                torch._dynamo.mark_dynamic(columns[-1], 1)
+                                _, spans = self._call_verify(*columns)
+                                self._compile_restore(spans, columns[4])
             self.status = "ready"
+            self.threads = counts
         except Exception as exc:  # a missing toolchain, an inductor limit: decode stays eager
             self.status = f"failed: {type(exc).__name__}: {exc}"[:300]
             log.warning("decode step compile failed, decoding eagerly: %s", self.status)
@@ -172,8 +184,8 @@ class CompiledDecodeSteps:
         if self.status == "ready":
             sizes = ",".join(map(str, self.buckets))
             verify = f" and verify steps of {self.verify_tokens} tokens a row for {self.verify_sizes} rows"
-            log.info("compiled whole decode steps for %s rows%s in %.1f s", sizes,
-                     verify if self.verify_buckets else "", self.seconds)  # fmt: skip
+            log.info("compiled whole decode steps for %s rows%s on %s thread(s) in %.1f s", sizes,
+                     verify if self.verify_buckets else "", "/".join(map(str, counts)), self.seconds)  # fmt: skip
 
     def restore(self, *args: torch.Tensor) -> None:
         """short_scan.restore_rows through its program (StackedSpanRecord.program)."""
@@ -215,4 +227,5 @@ class CompiledDecodeSteps:
             "compile_verify_sizes": self.verify_sizes, "compile_verify_tokens": self.verify_tokens
         }  # fmt: skip
         return {"compile_step_sizes": ",".join(map(str, self.buckets)), "compile_step": self.status,
+                "compile_step_threads": "/".join(map(str, self.threads)),
                 **(verify if self.verify_buckets else {})}  # fmt: skip
