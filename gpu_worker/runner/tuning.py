@@ -113,15 +113,15 @@ def default_cpu_threads() -> int:
 
 # On auto threads, a model whose weights are at least this large decodes on every usable core. Its
 # decode step reads the weights from memory, each op a projection of megabytes, so a second core's
-# bandwidth outweighs the end-of-op barrier and the server threads' share of its core; a small model's
-# ops take microseconds, where the barrier costs more (see default_cpu_threads). In process, ms a decode
-# step of 1 and 8 rows, one thread against two (2 cores, Xeon with AMX, compiled program, 8 layers):
-# 24 MiB (hidden 256, vocab 512) 1.9-2.4 / 6.6-6.7 against 3.7-4.1 / 8.2-8.3; 93 MiB (hidden 512)
-# 9.6-10.1 / 22.7-23.5 against 8.4-8.9 / 21.0-21.1; 207 MiB (hidden 768) 18.6-18.8 / 43.9-44.2 against
-# 13.7-14.7 / 34.2-36.4; 250 MiB (hidden 768, vocab 100,352, bfloat16) 36.7-37.3 / 54.4-55.1 against
-# 24.8-25.4 / 38.1-40.0; about 500 MiB (the same in float32) 38.4-40.2 / 80.5-82.2 against 24.2-24.9 /
-# 53.5-54.7. Served, a second core's gain shrinks by what the server threads take: the bound sits above
-# the model where two threads gained 12% in process.
+# bandwidth outweighs the end-of-op barrier and the server threads' share of its core. In process, ms a
+# decode step of 1 and 8 rows, one thread against two (2 cores, Xeon with AMX, the compiled program on
+# both counts, 8 layers): 24 MiB (hidden 256, vocab 512) 1.85-1.93 / 5.7-6.4 against 1.41-1.44 /
+# 3.2-3.4; 93 MiB (hidden 512) 9.5-9.7 / 21.6-23.2 against 4.9-5.5 / 13.1-13.5; 207 MiB (hidden 768)
+# 17.9-18.4 / 40.2-42.1 against 10.0-10.3 / 23.0-26.5; 250 MiB (hidden 768, vocab 100,352, bfloat16)
+# 36.0-36.9 / 51.0-52.1 against 21.3-22.1 / 27.0-28.6; about 500 MiB (the same in float32) 38.8-39.6 /
+# 77.9-79.7 against 21.3-21.5 / 42.9-44.7. Served, the benchmark model (24 MiB) on two decode threads
+# lost at one client (0.84x the tokens/s of one thread, ITL 3.20 against 2.68 ms: the worker's own
+# threads need that core between its 2 ms steps) and was even at 8 (1.01x): small models stay on one.
 WIDE_DECODE_WEIGHT_BYTES = 128 << 20
 
 
