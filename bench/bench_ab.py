@@ -46,6 +46,8 @@ def _mean_ms(after: tuple[float, float], before: tuple[float, float]) -> float:
 
 
 def parse_args() -> argparse.Namespace:
+    from bench_spec import add_load_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a-args", default="", help="side A's extra worker flags, one string")
     parser.add_argument("--b-args", default="", help="side B's extra worker flags, one string")
@@ -53,14 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workload", default="random", choices=("random", "repeat"))
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--min-requests", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--init-std", type=float, default=0.06)
-    parser.add_argument("--seed", type=int, default=0)
+    add_load_args(parser)
     return parser.parse_args()
 
 

@@ -185,19 +185,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens of the speculating side")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (EOS ignored)")
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--min-requests", type=int, default=4, help="requests per run at least (else 2 a client)")
     parser.add_argument("--decode-compile", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--worker-args", default="", help="more flags for both sides' workers, one string")
     parser.add_argument("--vllm-python", help="vLLM's interpreter (see bench_vs_vllm.py)")
     parser.add_argument("--skip-vllm", action="store_true")
+    add_load_args(parser)
+    return parser.parse_args()
+
+
+def add_load_args(parser: argparse.ArgumentParser) -> None:
+    """The requests' and the benchmark model's flags (prompts_for, our_stack.write_model), shared with
+    bench_ab.py."""
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (EOS ignored)")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--min-requests", type=int, default=4, help="requests per run at least (else 2 a client)")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--init-std", type=float, default=0.06)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
 
 
 def main() -> int:

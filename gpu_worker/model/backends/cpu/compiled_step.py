@@ -170,11 +170,7 @@ class CompiledDecodeSteps:
                     with on_threads(count):
                         self._compile_buckets(ctx, input_ids)
                         if verify_scratch is not None:
-                            for bucket in self.verify_buckets:
-                                columns = verify_scratch(bucket)
-                                torch._dynamo.mark_dynamic(columns[-1], 1)
-                                _, spans = self._call_verify(*columns)
-                                self._compile_restore(spans, columns[4])
+                            self._compile_verify(verify_scratch)
             self.status = "ready"
             self.threads = counts
         except Exception as exc:  # a missing toolchain, an inductor limit: decode stays eager
@@ -217,6 +213,13 @@ class CompiledDecodeSteps:
             ids, pos, write, slots, table = self._inputs(ctx, input_ids, bucket)
             torch._dynamo.mark_dynamic(table, 1)
             self._call(ids, pos, write, slots, table)
+
+    def _compile_verify(self, verify_scratch: Callable[[int], tuple[torch.Tensor, ...]]) -> None:
+        for bucket in self.verify_buckets:
+            columns = verify_scratch(bucket)
+            torch._dynamo.mark_dynamic(columns[-1], 1)
+            _, spans = self._call_verify(*columns)
+            self._compile_restore(spans, columns[4])
 
     @property
     def verify_sizes(self) -> str:
