@@ -72,6 +72,7 @@ def test_compiled_step_equals_the_eager_step(checkpoints, name: str) -> None:
         for a, b in zip(_pools(eager), _pools(compiled), strict=True):
             assert torch.allclose(a, b, atol=TOL, rtol=TOL), f"{name}: rows {order}: pools differ"
     assert compiled.describe()["compile_step"] == "ready"
+    assert compiled.describe()["compile_step_ssm"] == "kernel"  # the SSM state through ssm_update's kernel
     gaps = [b - a for r in pairs[1] for a, b in zip(r.page_ids, r.page_ids[1:], strict=False)]
     assert any(g != 1 for g in gaps), "the requests' pages were consecutive"
 

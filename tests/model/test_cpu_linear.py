@@ -16,6 +16,7 @@ from gpu_worker.model.backends.cpu.linear import (
     ONEDNN_MIN_ROWS,
     PACK_FEW_ROWS_BYTES,
     PACKED_MIN_ROWS,
+    PLAIN_FEW_ROWS_BYTES,
     ROW_BUCKET,
     OneDnnLinear,
     bucket_rows,
@@ -126,6 +127,20 @@ def test_large_weights_take_the_pack_from_one_row() -> None:
         assert model[0]._pack is not None and model[1]._pack is None
         torch.testing.assert_close(hidden, F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model[1](hidden), F.linear(hidden, model[1].weight, model[1].bias))
+
+
+def test_large_unpacked_weights_take_onednn_from_one_row() -> None:
+    """Without packing (a model over the pack's cap), a float32 weight of PLAIN_FEW_ROWS_BYTES or more goes to
+    oneDNN from one row (MKL's one-row sgemv keeps to one thread), a smaller one from ONEDNN_MIN_ROWS."""
+    out_features = PLAIN_FEW_ROWS_BYTES // 4 // 64
+    model = nn.Sequential(nn.Linear(64, out_features), nn.Linear(out_features, 8))
+    use_onednn_linears(model)
+    for layer in model:
+        layer.set_packing(False)
+    assert [layer.min_rows for layer in model] == [1, ONEDNN_MIN_ROWS]
+    x = torch.randn(1, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not pack_available(), reason="this torch build cannot pack a weight for oneDNN")

@@ -29,6 +29,9 @@ Every program is compiled under each thread count its steps may run on (`compile
 count is part of torch.compile's guards, and a program called on a count it was not compiled for runs
 eagerly (gpu_worker.model.backends.cpu.compiled_decode, thread counts).
 
+The decode programs advance each Mamba layer's SSM state through a small C kernel (ssm_update), in place
+in one pass, where the machine's C compiler builds it; else through torch's gather and scatter.
+
 Sampling stays outside the programs (gpu_worker.runner.sampling runs on their logits)."""
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from collections.abc import Callable
 
 import torch
 
+from gpu_worker.model.backends.cpu import ssm_update
 from gpu_worker.model.backends.cpu.compiled_decode import on_threads
 from gpu_worker.model.backends.cpu.decode_program import decode_logits, verify_logits
 from gpu_worker.model.backends.cpu.short_scan import restore_rows
@@ -160,6 +164,7 @@ class CompiledDecodeSteps:
         the steps run on; none: the current one). Logs and keeps the reason on failure (the steps then
         run eagerly)."""
         started = time.perf_counter()
+        ssm_update.load()  # before the traces: decode_program reads whether it is there
         counts = threads or (torch.get_num_threads(),)
         # a bucket's batch stays static (no automatic dynamic after the first bucket); one graph per bucket
         graphs = (len(self.buckets) + 3 * len(self.verify_buckets)) * len(counts)
@@ -231,4 +236,5 @@ class CompiledDecodeSteps:
         }  # fmt: skip
         return {"compile_step_sizes": ",".join(map(str, self.buckets)), "compile_step": self.status,
                 "compile_step_threads": "/".join(map(str, self.threads)),
+                "compile_step_ssm": "kernel" if ssm_update.LOADED else "torch",
                 **(verify if self.verify_buckets else {})}  # fmt: skip

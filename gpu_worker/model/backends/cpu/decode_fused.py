@@ -57,6 +57,34 @@ def mamba_decode_step(
     rows (contiguous views of the pool, or gathered copies), updated in place. conv_weight [conv_dim, K]."""
     d = dims
     b = zxbcdt.shape[0]
+    z, x, B, C, dt, decay = decode_inputs(zxbcdt, conv_rows, conv_weight, conv_bias, dt_bias, A_log, dims)
+    heads_per_group = d.num_heads // d.num_groups
+    B = B[:, :, None, None, :].expand(b, d.num_groups, heads_per_group, 1, d.state_size)
+    C = C[:, :, None, None, :].expand(b, d.num_groups, heads_per_group, 1, d.state_size)
+    B, C = B.reshape(b, d.num_heads, 1, d.state_size), C.reshape(b, d.num_heads, 1, d.state_size)
+    decay = decay[:, :, None]  # [b, H, 1]
+    dtx = x * dt[:, :, None]  # [b, H, P]
+    # y = (decay S + dtx B) . C, read off the old state: decay (S . C) + dtx (B . C). Computed from the new
+    # state, inductor keeps that state in a buffer of its own (written twice, read again: four passes
+    # over it); this way the readout is one read, the update one read and one write in place, no buffer
+    y = decay * (ssm_rows * C).sum(dim=-1) + dtx * (B * C).sum(dim=-1) + x * D.float()[None, :, None]  # [b, H, P]
+    ssm_rows.copy_(ssm_rows * decay[..., None] + dtx[..., None] * B)  # [b, H, P, N]
+    return gated_norm(y.view(b, d.d_inner), z, norm_weight, dims)
+
+
+def decode_inputs(
+    zxbcdt: torch.Tensor,
+    conv_rows: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    dims: MambaDims,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step up to the SSM: zxbcdt [b, width] -> z [b, d_inner] (the gate, zxbcdt's dtype) and, float32,
+    x [b, H, P], B and C [b, G, N], dt and decay [b, H]; conv_rows [b, conv_dim, K-1] advanced in place."""
+    d = dims
+    b = zxbcdt.shape[0]
     z, xbc, dt = torch.split(zxbcdt, [d.d_inner, d.conv_dim, d.num_heads], dim=-1)
     window = torch.cat([conv_rows, xbc[:, :, None]], dim=-1)  # [b, conv_dim, K]
     conv = (window * conv_weight).sum(dim=-1)  # [b, conv_dim]
@@ -65,21 +93,12 @@ def mamba_decode_step(
         conv = conv + conv_bias
     xbc = F.silu(conv)
     gn = d.num_groups * d.state_size
-    heads_per_group = d.num_heads // d.num_groups
     x = xbc[:, : d.d_inner].float().view(b, d.num_heads, d.head_dim)
-    B = xbc[:, d.d_inner : d.d_inner + gn].float().view(b, d.num_groups, 1, 1, d.state_size)
-    C = xbc[:, d.d_inner + gn :].float().view(b, d.num_groups, 1, 1, d.state_size)
-    B = B.expand(b, d.num_groups, heads_per_group, 1, d.state_size).reshape(b, d.num_heads, 1, d.state_size)
-    C = C.expand(b, d.num_groups, heads_per_group, 1, d.state_size).reshape(b, d.num_heads, 1, d.state_size)
+    B = xbc[:, d.d_inner : d.d_inner + gn].float().view(b, d.num_groups, d.state_size)
+    C = xbc[:, d.d_inner + gn :].float().view(b, d.num_groups, d.state_size)
     dt = torch.clamp(F.softplus(dt.float() + dt_bias.float()), d.dt_min, d.dt_max)  # [b, H]
-    decay = torch.exp(dt * -torch.exp(A_log.float()))[:, :, None]  # [b, H, 1]
-    dtx = x * dt[:, :, None]  # [b, H, P]
-    # y = (decay S + dtx B) . C, read off the old state: decay (S . C) + dtx (B . C). Computed from the new
-    # state, inductor keeps that state in a buffer of its own (written twice, read again: four passes
-    # over it); this way the readout is one read, the update one read and one write in place, no buffer
-    y = decay * (ssm_rows * C).sum(dim=-1) + dtx * (B * C).sum(dim=-1) + x * D.float()[None, :, None]  # [b, H, P]
-    ssm_rows.copy_(ssm_rows * decay[..., None] + dtx[..., None] * B)  # [b, H, P, N]
-    return gated_norm(y.view(b, d.d_inner), z, norm_weight, dims)
+    decay = torch.exp(dt * -torch.exp(A_log.float()))  # [b, H]
+    return z, x, B, C, dt, decay
 
 
 def gated_norm(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, dims: MambaDims) -> torch.Tensor:

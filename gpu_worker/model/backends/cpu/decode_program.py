@@ -39,7 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.model.attention import PagedAttention
-from gpu_worker.model.backends.cpu.decode_fused import gated_norm, mamba_decode_step
+from gpu_worker.model.backends.cpu import ssm_update
+from gpu_worker.model.backends.cpu.decode_fused import decode_inputs, gated_norm, mamba_decode_step
+from gpu_worker.model.backends.cpu.linear import OneDnnLinear, packed_linear
 from gpu_worker.model.backends.cpu.short_scan import scan_spans
 from gpu_worker.model.layers import MLP, activate, apply_rope, rope_cos_sin
 from gpu_worker.model.mamba2 import Mamba2Mixer
@@ -47,19 +49,34 @@ from gpu_worker.model.model import Block, HybridForCausalLM, KVCaches, StateTens
 from gpu_worker.model.moe import MoE
 
 # Projections of at least ONEDNN_MIN_BYTES of float32 weight go to oneDNN from ONEDNN_ROWS rows, the rest
-# to F.linear (MKL's sgemm). MKL's few-row path reads a large weight far below the bandwidth on this
-# project's Intel cores: a 100,352 x 768 LM head at 8 rows, one thread, 67.8 ms by F.linear, 36.5 ms by
-# oneDNN on the plain weight (1 row: 21.2 / 22.2). On small weights oneDNN's per-call reorder of the
+# to F.linear (MKL's sgemm). MKL's few-row path reads a large weight far below the bandwidth, and its
+# one-row sgemv runs on one thread: a 100,352 x 768 LM head at 8 rows, one thread, Intel, 67.8 ms by
+# F.linear, 36.5 ms by oneDNN on the plain weight; at one row on two threads, AMD EPYC, 23.4 ms against
+# 10.8 ms (linear.PLAIN_FEW_ROWS_BYTES). On small weights oneDNN's per-call reorder of the
 # plain weight costs more than it saves: benchmark model, whole step at 8 rows 6.57 ms with F.linear
 # throughout, 10.36 ms with oneDNN from 512 KB. The 100k-vocab model's 8-row step: 120 ms with F.linear
 # throughout, 79 ms with oneDNN from 2 MB, 76 ms from 512 KB, 88 ms for the LM head alone (16 MB).
-ONEDNN_ROWS = 2
+ONEDNN_ROWS = 1
 ONEDNN_MIN_BYTES = 2 << 20
+# From this many rows a projection the eager forward packs takes its pack here too (linear.packed_linear). On
+# AMD cores MKL's sgemm takes its AVX2 path and oneDNN's prepacked AVX-512 one runs the benchmark model's
+# projections about twice as fast at 8 to 32 rows (linear's tables); at one row the extern call's dispatch
+# (about 11 us, 37 projections a step) outweighs it.
+PACKED_ROWS = 2
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The module's projection on its plain weight: oneDNN from ONEDNN_ROWS rows, else F.linear (MKL)."""
+    """The module's projection: from PACKED_ROWS rows, where the eager forward packs it (OneDnnLinear), on
+    its prepacked weight, as there; else on its plain weight, oneDNN from ONEDNN_ROWS rows or F.linear."""
     projection = cast(torch.nn.Linear, module)
+    if (
+        isinstance(module, OneDnnLinear)
+        and module.packs
+        and x.shape[0] >= max(PACKED_ROWS, module.min_rows)
+        and x.dtype == torch.float32
+        and module.weight.dtype == torch.float32
+    ):
+        return cast(torch.Tensor, packed_linear(x, projection.weight, projection.bias))
     return project(x, projection.weight, projection.bias)
 
 
@@ -89,15 +106,27 @@ def mamba_decode(
     mixer: Mamba2Mixer, h: torch.Tensor, state_slots: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor
 ) -> torch.Tensor:
     """h [b, hidden] -> [b, hidden]; pool rows `state_slots` of conv [rows, conv_dim, K-1] and ssm
-    [rows, H, P, N] advanced one token in place (a slot given twice gets the same values twice)."""
+    [rows, H, P, N] advanced one token in place (a slot given twice gets the same values twice). The SSM
+    state through ssm_update's kernel where it is loaded: one pass over the rows, in place (its module
+    docstring); else gathered, stepped and scattered back in torch."""
     from gpu_worker.model.backends.cpu.compiled_decode import mixer_dims
 
+    dims = mixer_dims(mixer)
     zxbcdt = linear(mixer.in_proj, h)
-    conv_rows, ssm_rows = conv.index_select(0, state_slots), ssm.index_select(0, state_slots)
+    conv_rows = conv.index_select(0, state_slots)
     weight = mixer.conv1d.weight[:, 0, :]
+    if ssm_update.LOADED:
+        z, x, B, C, dt, decay = decode_inputs(
+            zxbcdt, conv_rows, weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, dims
+        )  # fmt: skip
+        conv.index_copy_(0, state_slots, conv_rows)
+        y = torch.ops.hybridserve.ssm_decode_update(ssm, state_slots, x, dt, decay, B, C, mixer.D.float())
+        out = gated_norm(y.view(h.shape[0], dims.d_inner), z, mixer.norm.weight, dims)
+        return linear(mixer.out_proj, out)
+    ssm_rows = ssm.index_select(0, state_slots)
     y = mamba_decode_step(
         zxbcdt, conv_rows, ssm_rows, weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D,
-        mixer.norm.weight, mixer_dims(mixer),
+        mixer.norm.weight, dims,
     )  # fmt: skip
     conv.index_copy_(0, state_slots, conv_rows)
     ssm.index_copy_(0, state_slots, ssm_rows)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 import typing
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -57,6 +58,12 @@ ONEDNN_MIN_ROWS = 16
 # 3.31 / 3.84, 8 rows 3.75 / 4.79, 16 rows 5.41 / 6.98, 32 rows 8.03 / 8.77.
 PACKED_MIN_ROWS = 3
 PACK_FEW_ROWS_BYTES = 512 << 10
+# Where the weights are not packed (a model over PACK_MAX_BYTES), a float32 weight of at least this many
+# bytes still goes to oneDNN from one row: MKL's few-row sgemv runs on one thread whatever torch's count,
+# and on AMD cores on its AVX2 path. The 100k-vocabulary LM head (100,352 x 768, float32), one row, ms,
+# F.linear against oneDNN on the plain weight: one thread 23.1 / 17.3, two threads 23.4 / 10.8; a 3,080 x
+# 768 projection on two threads 0.181 / 0.096 (AMD EPYC, bench/RESULTS.md).
+PLAIN_FEW_ROWS_BYTES = 2 << 20
 # The most projection-weight bytes a model may have for its projections to be packed (one private copy
 # per process that runs the model: the 6.4M-parameter benchmark model has 25 MB).
 PACK_MAX_BYTES = 256 << 20
@@ -104,10 +111,16 @@ class OneDnnLinear(nn.Linear):
     _pack_of: tuple[int, int] | None = None  # (data pointer, version) of the weight `_pack` was made from
 
     def set_packing(self, on: bool) -> None:
-        """Prepacked weight (from one row where the weight is large) or the plain one (from ONEDNN_MIN_ROWS)."""
+        """Prepacked weight (from one row where the weight is large) or the plain one (from ONEDNN_MIN_ROWS,
+        from one row where the weight has at least PLAIN_FEW_ROWS_BYTES)."""
         self.packs = on
-        large = self.weight.numel() * self.weight.element_size() >= PACK_FEW_ROWS_BYTES
-        self.min_rows = (1 if large else PACKED_MIN_ROWS) if on else ONEDNN_MIN_ROWS
+        if on:
+            _PACKING.add(self)
+        size = self.weight.numel() * self.weight.element_size()
+        if on:
+            self.min_rows = 1 if size >= PACK_FEW_ROWS_BYTES else PACKED_MIN_ROWS
+        else:
+            self.min_rows = 1 if size >= PLAIN_FEW_ROWS_BYTES else ONEDNN_MIN_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -138,6 +151,43 @@ class OneDnnLinear(nn.Linear):
                 self._pack = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
             self._pack_of = key  # after the pack: a reader that sees the key sees its pack
         return self._pack
+
+
+# The modules that pack, and which of them owns a weight at a data pointer: a compiled decode program passes
+# the weight tensor, not the module, to `packed_linear`.
+_PACKING: weakref.WeakSet[OneDnnLinear] = weakref.WeakSet()
+_OWNERS: dict[int, weakref.ref[OneDnnLinear]] = {}
+
+
+def packed_module(weight: torch.Tensor) -> OneDnnLinear | None:
+    """The packing module whose weight is `weight` (found by data pointer, the table rebuilt on a miss: a
+    model process swaps its parameters for shared ones after load), or None."""
+    pointer = weight.data_ptr()
+    found = _OWNERS.get(pointer)
+    module = found() if found is not None else None
+    if module is None or module.weight.data_ptr() != pointer:
+        _OWNERS.clear()
+        _OWNERS.update({m.weight.data_ptr(): weakref.ref(m) for m in list(_PACKING)})
+        found = _OWNERS.get(pointer)
+        module = found() if found is not None else None
+    return module
+
+
+@torch.library.custom_op("hybridserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ weight^T (+ bias) through oneDNN on the weight's prepacked copy (`OneDnnLinear.
+    packed_weight`, found by `packed_module`; the plain weight where no module packs it): what the eager
+    forward's projections run, for the compiled decode programs (gpu_worker.model.backends.cpu.decode_program),
+    where it is an extern call (about 11 us of dispatch a call)."""
+    module = packed_module(weight)
+    packed = module.packed_weight() if module is not None else weight
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return out
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def use_onednn_linears(model: nn.Module) -> int:

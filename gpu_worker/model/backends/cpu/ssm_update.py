@@ -1,0 +1,144 @@
+"""The SSM state's decode update in place, a small C kernel (ssm_update.c) the compiled decode programs call.
+
+Why. A decode program must read and advance the state rows of its batch's slots, which are anywhere in
+the pool. Written in torch (`index_select`, the update, `index_copy_`), inductor keeps the gathered rows
+and the new state in buffers of their own: per Mamba layer seven passes over the batch's state (gather,
+copy, readout, update, scatter) where one read and one write would do. At 32 rows of the benchmark model
+that was about 8 ms of a 17 ms program, more than the projections; inductor will not fuse a read and a
+write of the same buffer at indirect rows into one loop. This kernel reads each state row once, computes
+the readout from it and writes the advanced row over it.
+
+How. `load()` builds the C file with the machine's C compiler (-O3 -march=native; a fraction of a second)
+into ~/.cache/hybridserve/native, keyed by the source, the compiler, the flags and the CPU's feature flags,
+and loads it with ctypes; it returns False (the programs keep the torch form) where no compiler or build
+works. `torch.ops.hybridserve.ssm_decode_update` is the kernel as a custom op that mutates the pool, so
+inductor calls it in place from the program's wrapper (an extern call, like the oneDNN projections).
+
+Padding. A program's bucket repeats its first real row's slot in the padding rows before it
+(compiled_step): the kernel writes a slot only at its last occurrence, so that real row advances the
+state once, from the old state, and the padding rows only read it."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("hybridserve.worker.compile")
+SOURCE = Path(__file__).with_name("ssm_update.c")
+COMPILERS = ("cc", "gcc", "clang", "c++", "g++", "clang++")
+FLAGS = ("-x", "c", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
+
+_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_tried = False
+LOADED = False  # whether the kernel is loaded: decode_program reads it when traced
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    home = Path.home()
+    if os.access(home, os.W_OK):
+        return home / ".cache" / "hybridserve" / "native"
+    return Path(tempfile.gettempdir()) / "hybridserve-native"
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for `compiler`, built once per key (a concurrent build by another process is
+    harmless: each writes a file of its own and renames it into place)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        "\0".join((SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(), _cpu_flags())).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"ssm_update-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", scratch, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        os.replace(scratch, target)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    return target
+
+
+def load() -> bool:
+    """Builds and loads the kernel once per process; whether it is there (module docstring)."""
+    global _kernel, _tried, LOADED
+    if _tried:
+        return LOADED
+    _tried = True
+    compiler = next((c for c in COMPILERS if shutil.which(c)), None)
+    if compiler is None:
+        log.info("no C compiler: decode programs update the SSM state through torch")
+        return False
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning("the SSM update kernel did not build (%s %s): decode programs update the state through torch",
+                    exc, detail.decode(errors="replace")[-500:])  # fmt: skip
+        return False
+    kernel = library.ssm_decode_update
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    kernel.argtypes = [pointer, integer, integer, pointer, integer, integer, integer, integer, integer,
+                       *[pointer] * 7]  # fmt: skip
+    kernel.restype = ctypes.c_int
+    _kernel, LOADED = kernel, True
+    return True
+
+
+@torch.library.custom_op("hybridserve::ssm_decode_update", mutates_args=("ssm",))
+def ssm_decode_update(
+    ssm: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    decay: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> torch.Tensor:
+    """ssm [rows, H, P, N] float32 (each row contiguous), updated at rows `slots` [b] int64; x [b, H, P], dt
+    and decay [b, H], B and C [b, G, N], D [H], float32 -> y [b, H, P] (ssm_update.c's equations)."""
+    if _kernel is None:
+        raise RuntimeError("the SSM update kernel is not loaded (ssm_update.load())")
+    b, heads, channels = x.shape
+    groups, size = B.shape[1], B.shape[2]
+    if ssm.dtype != torch.float32 or ssm.stride()[1:] != (channels * size, size, 1):
+        raise ValueError(f"ssm must be float32 with contiguous rows, got {ssm.dtype} strides {ssm.stride()}")
+    slots, x, dt, decay = slots.contiguous(), x.contiguous(), dt.contiguous(), decay.contiguous()
+    B, C, D = B.contiguous(), C.contiguous(), D.contiguous()
+    y = torch.empty(b, heads, channels, dtype=torch.float32)
+    failed = _kernel(
+        ssm.data_ptr(), ssm.shape[0], ssm.stride(0), slots.data_ptr(), b, heads, channels, size, groups,
+        x.data_ptr(), dt.data_ptr(), decay.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise IndexError(f"state slots {slots.tolist()} outside the pool's {ssm.shape[0]} rows")
+    return y
+
+
+@ssm_decode_update.register_fake
+def _(ssm: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor,
+      B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    return x.new_empty(x.shape, dtype=torch.float32)
