@@ -60,13 +60,19 @@ def on_threads(count: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def hybridserve_cache(name: str) -> Path | None:
+    """~/.cache/hybridserve/`name`, where the home folder is writable; else None."""
+    home = Path.home()
+    return home / ".cache" / "hybridserve" / name if os.access(home, os.W_OK) else None
+
+
 def use_persistent_cache() -> None:
     """Inductor's on-disk cache under ~/.cache/hybridserve/inductor unless TORCHINDUCTOR_CACHE_DIR names
     one (its own default lies under /tmp, gone after a reboot); read when a compile starts, inherited
     by the model processes. Called by the runner before it compiles."""
-    home = Path.home()
-    if os.access(home, os.W_OK):  # else inductor's own default
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home / ".cache" / "hybridserve" / "inductor"))
+    folder = hybridserve_cache("inductor")
+    if folder is not None:  # else inductor's own default
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder))
 
 
 def can_compile(device: torch.device) -> bool:

@@ -114,10 +114,9 @@ class OneDnnLinear(nn.Linear):
         """Prepacked weight (from one row where the weight is large) or the plain one (from ONEDNN_MIN_ROWS,
         from one row where the weight has at least PLAIN_FEW_ROWS_BYTES)."""
         self.packs = on
-        if on:
-            _PACKING.add(self)
         size = self.weight.numel() * self.weight.element_size()
         if on:
+            _PACKING.add(self)
             self.min_rows = 1 if size >= PACK_FEW_ROWS_BYTES else PACKED_MIN_ROWS
         else:
             self.min_rows = 1 if size >= PLAIN_FEW_ROWS_BYTES else ONEDNN_MIN_ROWS
@@ -163,13 +162,16 @@ def packed_module(weight: torch.Tensor) -> OneDnnLinear | None:
     """The packing module whose weight is `weight` (found by data pointer, the table rebuilt on a miss: a
     model process swaps its parameters for shared ones after load), or None."""
     pointer = weight.data_ptr()
-    found = _OWNERS.get(pointer)
-    module = found() if found is not None else None
-    if module is None or module.weight.data_ptr() != pointer:
-        _OWNERS.clear()
-        _OWNERS.update({m.weight.data_ptr(): weakref.ref(m) for m in list(_PACKING)})
+
+    def owner() -> OneDnnLinear | None:
         found = _OWNERS.get(pointer)
         module = found() if found is not None else None
+        return module if module is not None and module.weight.data_ptr() == pointer else None
+
+    if (module := owner()) is None:
+        _OWNERS.clear()
+        _OWNERS.update({m.weight.data_ptr(): weakref.ref(m) for m in list(_PACKING)})
+        module = owner()
     return module
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker.model.backends.cpu.compiled_decode import hybridserve_cache
+
 log = logging.getLogger("hybridserve.worker.compile")
 SOURCE = Path(__file__).with_name("ssm_update.c")
 COMPILERS = ("cc", "gcc", "clang", "c++", "g++", "clang++")
@@ -52,13 +54,6 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache_dir() -> Path:
-    home = Path.home()
-    if os.access(home, os.W_OK):
-        return home / ".cache" / "hybridserve" / "native"
-    return Path(tempfile.gettempdir()) / "hybridserve-native"
-
-
 def _build(compiler: str) -> Path:
     """The shared library for `compiler`, built once per key (a concurrent build by another process is
     harmless: each writes a file of its own and renames it into place)."""
@@ -66,7 +61,8 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256(
         "\0".join((SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(), _cpu_flags())).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"ssm_update-{key}.so"
+    folder = hybridserve_cache("native") or Path(tempfile.gettempdir()) / "hybridserve-native"
+    target = folder / f"ssm_update-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
