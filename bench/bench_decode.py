@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import replace
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 from bench_roofline import floors  # noqa: E402  (bench/, this script's folder)
 from bench_roofline import measure as measure_machine  # noqa: E402
+from bench_vs_vllm import PRESETS  # noqa: E402
 
 from gpu_worker.model.attention import PagedAttention
 from gpu_worker.model.backends.cpu.decode_attention import DECODE_GROUP_BYTES, LONG_CONTEXT_TOKENS
@@ -61,6 +63,14 @@ SPEC = ModelSpec(
     num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_state=64, mamba_chunk_size=256,
     arch="granitemoehybrid", init_std=0.06,
 )  # fmt: skip
+
+
+def preset_spec(name: str) -> ModelSpec:
+    """The benchmark model at one of bench_vs_vllm.py's sizes, shaped as its model is (MLP 2 x hidden,
+    attention at layer 3 and the last): today's is SPEC."""
+    hidden, layers, vocab = PRESETS[name]
+    return replace(SPEC, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                   attn_layer_indices=(3, layers - 1), vocab_size=vocab)  # fmt: skip
 
 
 class Clock:
@@ -194,6 +204,9 @@ def main() -> None:
     parser.add_argument("--prompts", default="16..256", help="prompt lengths LO..HI (tokens)")
     parser.add_argument("--padded-attention", action="store_true", help="also decode attention padded to the longest")
     parser.add_argument("--unpacked", action="store_true", help="also the projections' weights unpacked")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="today",
+                        help="the model's size, as bench_vs_vllm.py --preset: " + "; ".join(
+                            f"{k} hidden {v[0]}, {v[1]} layers, vocab {v[2]}" for k, v in PRESETS.items()))  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's dtype")
     parser.add_argument("--no-floor", action="store_true", help="skip measuring the machine's floor (bench_roofline)")
     parser.add_argument("--drafts", type=int, default=0, help="verify steps: each row its token and this many drafts")
@@ -202,8 +215,11 @@ def main() -> None:
     keep_freed_memory()
     batches = [int(x) for x in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_random_checkpoint(Path(tmp) / "m", SPEC, seed=0, with_tokenizer=False)
-        kv_bytes = 2 * 2048 * max(batches) * (hi + args.steps + 64)  # the tiny model's K+V per token, with slack
+        spec = preset_spec(args.preset)
+        path = write_random_checkpoint(Path(tmp) / "m", spec, seed=0, with_tokenizer=False)
+        head_dim = spec.hidden_size // spec.num_attention_heads
+        token_kv = 2 * len(spec.attn_layer_indices) * spec.num_key_value_heads * head_dim * 4  # K+V, float32
+        kv_bytes = token_kv * max(batches) * (hi + args.steps + 64)  # with slack
         config = RunnerConfig(
             max_num_seqs=2 * max(batches), num_checkpoint_slots=0, decode_compile="on" if args.compile else "off",
             compile_step_sizes=",".join(map(str, batches)) if args.compile_step else "", dtype=args.dtype,
@@ -258,7 +274,7 @@ def main() -> None:
                 floor_ms = (
                     None
                     if machine is None
-                    else floors(SPEC, b * (1 + args.drafts), machine, (lo + hi) // 2).seconds * 1e3
+                    else floors(spec, b * (1 + args.drafts), machine, (lo + hi) // 2).seconds * 1e3
                 )
                 times = "" if floor_ms is None else f"{best['step'] / floor_ms:>9.1f}"
                 print(f"{b:>6}{mode:>20}{row}{1000 * b / best['step']:>9.0f}{times}")

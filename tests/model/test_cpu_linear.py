@@ -22,6 +22,7 @@ from gpu_worker.model.backends.cpu.linear import (
     bucket_rows,
     onednn_available,
     pack_available,
+    packs_dtype,
     use_onednn_linears,
     warm_onednn_linears,
 )
@@ -177,3 +178,36 @@ def test_models_over_the_cap_keep_their_weights_unpacked(monkeypatch: pytest.Mon
     with torch.inference_mode():
         model(torch.randn(8, 64))
     assert all(layer._pack is None for layer in model)
+
+
+@pytest.mark.skipif(not (pack_available() and packs_dtype(torch.bfloat16)),
+                    reason="no native bfloat16 path in oneDNN on these cores")  # fmt: skip
+@pytest.mark.parametrize("rows", [1, 8, 47])
+def test_bfloat16_weights_take_the_pack_from_one_row(rows: int) -> None:
+    """bfloat16 weights are packed where oneDNN has a native bfloat16 path, and every row count takes the
+    pack (F.linear is oneDNN on the plain weight, reordered each call): the result is F.linear's up to
+    bfloat16 rounding of the sums."""
+    torch.manual_seed(rows)
+    model = nn.Sequential(nn.Linear(96, 40), nn.Linear(40, 8, bias=False)).to(torch.bfloat16)
+    use_onednn_linears(model)
+    assert [(layer.packs, layer.min_rows) for layer in model] == [(True, 1), (True, 1)]
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        hidden = model[0](x)
+        out = model[1](hidden)
+        plain = F.linear(x, model[0].weight, model[0].bias), F.linear(hidden, model[1].weight)
+    assert all(layer._pack is not None for layer in model)
+    assert hidden.dtype == out.dtype == torch.bfloat16
+    torch.testing.assert_close(hidden, plain[0], rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(out, plain[1], rtol=1.6e-2, atol=1e-2)
+
+
+def test_half_precision_weights_are_not_packed() -> None:
+    """float16 has no packed path here: its projections stay F.linear's."""
+    model = nn.Sequential(nn.Linear(32, 16)).to(torch.float16)
+    use_onednn_linears(model)
+    assert not model[0].packs
+    x = torch.randn(4, 32, dtype=torch.float16)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))
+    assert model[0]._pack is None

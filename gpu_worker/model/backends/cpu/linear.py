@@ -38,6 +38,7 @@ model process swaps its parameters for the worker's shared ones after load).
 
 from __future__ import annotations
 
+import functools
 import threading
 import typing
 import weakref
@@ -89,12 +90,18 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-_DTYPES = (torch.float32,)
-
-
 def onednn_available() -> bool:
     """Whether this torch build has oneDNN and its dense linear entry point."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # type: ignore[no-untyped-call]
+
+
+@functools.cache
+def packs_dtype(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` are packed for oneDNN: float32 always; bfloat16 where oneDNN has a native
+    bfloat16 path on these cores (AVX-512 BF16 or AMX; elsewhere it would convert every call)."""
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class OneDnnLinear(nn.Linear):
@@ -117,7 +124,8 @@ class OneDnnLinear(nn.Linear):
         size = self.weight.numel() * self.weight.element_size()
         if on:
             _PACKING.add(self)
-            self.min_rows = 1 if size >= PACK_FEW_ROWS_BYTES else PACKED_MIN_ROWS
+            few = size >= PACK_FEW_ROWS_BYTES or self.weight.dtype == torch.bfloat16
+            self.min_rows = 1 if few else PACKED_MIN_ROWS
         else:
             self.min_rows = 1 if size >= PLAIN_FEW_ROWS_BYTES else ONEDNN_MIN_ROWS
 
@@ -126,8 +134,8 @@ class OneDnnLinear(nn.Linear):
         if (
             rows < self.min_rows
             or x.device.type != "cpu"
-            or x.dtype not in _DTYPES
             or x.dtype != self.weight.dtype
+            or (x.dtype != torch.float32 and not self.packs)
             or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
         ):
             return F.linear(x, self.weight, self.bias)
@@ -198,7 +206,11 @@ def use_onednn_linears(model: nn.Module) -> int:
     if not onednn_available():
         return 0
     switched = [module for module in model.modules() if type(module) is nn.Linear]
-    packs = pack_available() and sum(m.weight.numel() * m.weight.element_size() for m in switched) <= PACK_MAX_BYTES
+    packs = (
+        pack_available()
+        and sum(m.weight.numel() * m.weight.element_size() for m in switched) <= PACK_MAX_BYTES
+        and all(packs_dtype(m.weight.dtype) for m in switched)
+    )
     for module in switched:
         module.__class__ = OneDnnLinear
         typing.cast(OneDnnLinear, module).set_packing(packs)
