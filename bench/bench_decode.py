@@ -34,9 +34,9 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from dataclasses import replace
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

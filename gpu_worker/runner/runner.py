@@ -23,7 +23,7 @@ import torch
 from gpu_worker.model.backends import kernel_backend
 from gpu_worker.model.backends.cpu.compiled_decode import DecodeCompiler, can_compile, use_persistent_cache
 from gpu_worker.model.backends.cpu.compiled_step import MIN_PAGE_COLUMNS, CompiledDecodeSteps, parse_buckets
-from gpu_worker.model.backends.cpu.linear import use_onednn_linears, warm_onednn_linears
+from gpu_worker.model.backends.cpu.linear import pack_limit, use_onednn_linears, warm_onednn_linears
 from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY, StackedSpanRecord
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.context import ForwardContext
@@ -35,7 +35,13 @@ from gpu_worker.runner.input_builder import VerifyInputs, build_inputs, build_ve
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.memory import MemorySplit, PoolShape, size_pools
 from gpu_worker.runner.mtp import MtpProposer, Proposals
-from gpu_worker.runner.profile import activation_budget, bound_step_memory, device_memory, weights_bytes
+from gpu_worker.runner.profile import (
+    activation_budget,
+    bound_step_memory,
+    device_memory,
+    host_memory_bytes,
+    weights_bytes,
+)
 from gpu_worker.runner.protocol import LogitsRunner, PoolSet
 from gpu_worker.runner.sampling import StepOutput, StepSampling
 from gpu_worker.runner.settings import RunnerConfig
@@ -226,7 +232,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             for module in self.model.modules():
                 if isinstance(module, Mamba2Mixer):
                     module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)
-            use_onednn_linears(self.model)  # prefill-sized projections: oneDNN, ~2.2x MKL on AMD
+            use_onednn_linears(self.model, pack_limit(host_memory_bytes()))  # oneDNN, ~2.2x MKL on AMD
             if config.cpu_warm_rows > 0:  # not a daemon: the interpreter must not end under a oneDNN call
                 self._warming = threading.Thread(
                     target=self._warm_linears, args=(config.cpu_warm_rows, config.max_num_seqs), name="warm-linears"

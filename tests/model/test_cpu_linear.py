@@ -15,6 +15,8 @@ from gpu_worker.model.backends.cpu.linear import (
     EXACT_ROWS,
     ONEDNN_MIN_ROWS,
     PACK_FEW_ROWS_BYTES,
+    PACK_HOST_SHARE,
+    PACK_MAX_BYTES,
     PACKED_MIN_ROWS,
     PLAIN_FEW_ROWS_BYTES,
     ROW_BUCKET,
@@ -22,6 +24,7 @@ from gpu_worker.model.backends.cpu.linear import (
     bucket_rows,
     onednn_available,
     pack_available,
+    pack_limit,
     packs_dtype,
     use_onednn_linears,
     warm_onednn_linears,
@@ -211,3 +214,13 @@ def test_half_precision_weights_are_not_packed() -> None:
     with torch.inference_mode():
         torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))
     assert model[0]._pack is None
+
+
+def test_the_pack_limit_follows_the_host() -> None:
+    """At most PACK_MAX_BYTES, and a 1/PACK_HOST_SHARE share of the host's memory where that is less."""
+    assert pack_limit(0) == PACK_MAX_BYTES  # unknown
+    assert pack_limit(64 * PACK_MAX_BYTES) == PACK_MAX_BYTES
+    assert pack_limit(8 << 30) == (8 << 30) // PACK_HOST_SHARE
+    model = nn.Sequential(nn.Linear(64, 64))
+    use_onednn_linears(model, max_pack_bytes=64 * 64 * 4 - 1)
+    assert not model[0].packs

@@ -30,8 +30,16 @@ shape in turn), us per call at 1 / 2 rows, F.linear against prepacked: 256 -> 11
 row on where the weight has at least PACK_FEW_ROWS_BYTES, from PACKED_MIN_ROWS rows on where it is
 smaller (one call's fixed cost outweighs reading it). The pack is a private copy of the weight (model
 processes share the parameters, not the packs), so it is made only while the model's projection
-weights total at most PACK_MAX_BYTES; it is rebuilt when the parameter's storage or version changes (a
-model process swaps its parameters for the worker's shared ones after load).
+weights total at most PACK_MAX_BYTES (1 GiB, and a sixteenth of the host's memory: `pack_limit`); it
+is rebuilt when the parameter's storage or version changes (a model process swaps its parameters for
+the worker's shared ones after load).
+
+bfloat16. Where oneDNN has a native bfloat16 path on these cores (`packs_dtype`: AVX-512 BF16 or AMX),
+bfloat16 weights are packed too, and every row count takes the pack: F.linear in bfloat16 is oneDNN on
+the plain weight, reordered on every call. One row / 8 rows, one thread, AMD EPYC, us, F.linear against
+packed: 256 -> 1160 38.6 / 55.7 against 24.5 / 39.5, 768 -> 3080 192 / 315 against 126 / 206, the
+100,352 x 768 LM head 17.4 / 21.5 ms against 11.1 / 11.2 ms. Elsewhere (float16, bfloat16 without the
+native path) projections stay F.linear's.
 
 `use_onednn_linears(model)` switches every plain `nn.Linear` of a model to `OneDnnLinear` in place
 (same parameters, same state dict); the CPU runner calls it at load."""
@@ -66,8 +74,12 @@ PACK_FEW_ROWS_BYTES = 512 << 10
 # 768 projection on two threads 0.181 / 0.096 (AMD EPYC, bench/RESULTS.md).
 PLAIN_FEW_ROWS_BYTES = 2 << 20
 # The most projection-weight bytes a model may have for its projections to be packed (one private copy
-# per process that runs the model: the 6.4M-parameter benchmark model has 25 MB).
-PACK_MAX_BYTES = 256 << 20
+# per process that runs the model: the 6.4M-parameter benchmark model has 25 MB, the 100k-vocabulary one
+# 0.5 GB in float32), and at most 1/PACK_HOST_SHARE of the host's memory (`pack_limit`). The 100k model in
+# float32, two threads, compiled step, ms, unpacked against packed (AMD EPYC, bench_decode --preset 100k):
+# 8 rows 38.66 / 32.09, 32 rows 91.61 / 68.74; one row 25.83 / 25.56 (the head reads as fast either way).
+PACK_MAX_BYTES = 1 << 30
+PACK_HOST_SHARE = 16
 # The batch size the pack's layout is chosen for; packed for 64 rows it serves any row count (measured
 # as fast as a pack made for the exact count, 8 rows: 35.6 vs 36.3 us).
 PACK_ROWS_HINT = 64
@@ -200,15 +212,23 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def use_onednn_linears(model: nn.Module) -> int:
+def pack_limit(host_bytes: int) -> int:
+    """The most projection-weight bytes packed on a host of `host_bytes` (0: unknown): PACK_MAX_BYTES, and
+    no more than 1/PACK_HOST_SHARE of the host's memory."""
+    return min(PACK_MAX_BYTES, host_bytes // PACK_HOST_SHARE) if host_bytes > 0 else PACK_MAX_BYTES
+
+
+def use_onednn_linears(model: nn.Module, max_pack_bytes: int | None = None) -> int:
     """Switches every plain `nn.Linear` in `model` to `OneDnnLinear` (in place: the class changes, the
-    parameters and the state dict do not). Returns how many were switched; 0 when oneDNN is missing."""
+    parameters and the state dict do not), packing their weights where they total at most `max_pack_bytes`
+    (PACK_MAX_BYTES by default). Returns how many were switched; 0 when oneDNN is missing."""
     if not onednn_available():
         return 0
+    limit = PACK_MAX_BYTES if max_pack_bytes is None else max_pack_bytes
     switched = [module for module in model.modules() if type(module) is nn.Linear]
     packs = (
         pack_available()
-        and sum(m.weight.numel() * m.weight.element_size() for m in switched) <= PACK_MAX_BYTES
+        and sum(m.weight.numel() * m.weight.element_size() for m in switched) <= limit
         and all(packs_dtype(m.weight.dtype) for m in switched)
     )
     for module in switched:
