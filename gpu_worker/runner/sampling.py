@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from gpu_worker.model.backends.cpu import logit_stats
 from gpu_worker.runner.batch import Batch
 from gpu_worker.runner.random_stream import STREAMS
 from gpu_worker.runner.token_masks import TokenMasks, disallowed_tokens, mask_rows_, outside_masks
@@ -351,28 +352,40 @@ def sample_rows(
     choice is then the same as masked first: see below), which spares most steps of a trained model's
     constrained rows the full-vocabulary mask.
 
-    The rows in no list cost no Python: a batch of plain rows is one argmax, one log_softmax, one
-    gather and two tolists. Same tokens and log-probabilities as row by row. The masks and the controls
-    (apply_controls) write into their rows of `logits` (a float32 tensor is not copied): the
-    log-probabilities are taken before, of the raw logits."""
+    The rows in no list cost no Python: a batch of plain rows is one kernel (each row's first maximum and
+    log-normaliser: gpu_worker.model.backends.cpu.logit_stats), one gather and two tolists. Same tokens and
+    log-probabilities as row by row. The masks and the controls (apply_controls) write into their rows of
+    `logits` (a float32 tensor is not copied): the log-probabilities are of the raw logits (the rows
+    written are copied first)."""
     if len(params) != len(rows) or len(positions) != len(rows):
         raise InvalidArgumentError(f"sample_rows: {len(rows)} rows, {len(params)} params, {len(positions)} positions")
     logits = logits.float()
-    logp = logits.log_softmax(dim=-1)  # [b, vocab], of the raw logits: one fused pass (logsumexp is several)
-    work = logits  # the logits the tokens are chosen from (written in place from here on)
+    first_max, lse = logit_stats.stats(logits)  # [b] each, of the raw logits: one kernel over every row
     vocab = logits.shape[-1]
+    max_n = max([p.num_logprobs for p in params], default=0)
+    top: list[TopLogprobs] | None = None
+    if max_n:  # the alternatives, of the raw logits (before anything below writes into them)
+        vals, idx = logits[list(rows)].topk(min(max_n, vocab), dim=-1)
+        vals_l, idx_l = (vals - lse[list(rows), None]).tolist(), idx.tolist()
+        top = [()] * logits.shape[0]
+        for j, (i, p) in enumerate(zip(rows, params, strict=True)):
+            top[i] = tuple(zip(idx_l[j][: p.num_logprobs], vals_l[j][: p.num_logprobs], strict=True))
+    work = logits  # the logits the tokens are chosen from (written in place from here on)
     check: list[int] = []  # indices into masked_rows whose choice is checked against the mask after it
     words: np.ndarray[Any, Any] = np.empty((0, 0), np.int32)
+    first: list[int] = []  # indices into masked_rows masked before everything
     if masked_rows:  # the mask step: first, before every control, filter and the argmax (see below)
         assert bitmask is not None and bitmask.shape[0] == len(masked_rows)
         words = bitmask.to("cpu", torch.int32).numpy()  # [masked, words]: the bit tests and the sparse choices
         param_of = dict(zip(rows, params, strict=True))
         filtered = [r in param_of and _has_filters(param_of[r], vocab) for r in masked_rows]
         first = [j for j, f in enumerate(filtered) if f]
-        if first:
-            mask_rows_(work, [masked_rows[j] for j in first], bitmask[first])
         check = [j for j, f in enumerate(filtered) if not f]
     controlled = [j for j, p in enumerate(params) if p.has_controls]
+    written = sorted({masked_rows[j] for j in first} | {rows[j] for j in controlled})  # rows written in place
+    raw = logits[written] if written else None  # their raw logits (a copy), for the chosen log-probabilities
+    if first:
+        mask_rows_(work, [masked_rows[j] for j in first], bitmask[first])  # type: ignore[index]
     if controlled:  # the controls write into their rows of `work`, in place
         with_history = [j for j in controlled if params[j].needs_history]
         state = None
@@ -382,7 +395,9 @@ def sample_rows(
             state = tuple(t.to(logits.device) if isinstance(t, torch.Tensor) else t
                           for t in history.rows([slots[j] for j in with_history]))  # fmt: skip
         apply_controls(work, [rows[j] for j in controlled], [params[j] for j in controlled], state)  # type: ignore[arg-type]
-    chosen = work.argmax(dim=-1)  # [b]; the first maximal logit
+    chosen = first_max.to(logits.device)  # [b]; the first maximal logit
+    if written:
+        chosen[written] = work[written].argmax(dim=-1)
     random = [(i, p, pos) for i, p, pos in zip(rows, params, positions, strict=True) if p.temperature != 0.0]
     noise = torch.empty(0)
     if random:
@@ -408,13 +423,8 @@ def sample_rows(
             for j in redo:
                 row = masked_rows[j]
                 chosen[row] = _choose_masked(work[row], words[j], drawn.get(row), noise)
-    chosen_lp = logp.gather(1, chosen[:, None]).view(-1)
-    max_n = max([p.num_logprobs for p in params], default=0)
-    top: list[TopLogprobs] | None = None
-    if max_n:
-        vals, idx = logp[list(rows)].topk(min(max_n, logits.shape[-1]), dim=-1)
-        vals_l, idx_l = vals.tolist(), idx.tolist()
-        top = [()] * logits.shape[0]
-        for j, (i, p) in enumerate(zip(rows, params, strict=True)):
-            top[i] = tuple(zip(idx_l[j][: p.num_logprobs], vals_l[j][: p.num_logprobs], strict=True))
+    chosen_logit = logits.gather(1, chosen[:, None]).view(-1)
+    if raw is not None:
+        chosen_logit[written] = raw.gather(1, chosen[written][:, None]).view(-1)
+    chosen_lp = chosen_logit - lse.to(logits.device)
     return StepOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(), top_logprobs=top)

@@ -8,9 +8,8 @@ that was about 8 ms of a 17 ms program, more than the projections; inductor will
 write of the same buffer at indirect rows into one loop. This kernel reads each state row once, computes
 the readout from it and writes the advanced row over it.
 
-How. `load()` builds the C file with the machine's C compiler (-O3 -march=native; a fraction of a second)
-into ~/.cache/hybridserve/native, keyed by the source, the compiler, the flags and the CPU's feature flags,
-and loads it with ctypes; it returns False (the programs keep the torch form) where no compiler or build
+How. `load()` builds the C file with the machine's C compiler and loads it with ctypes (gpu_worker.model.
+backends.cpu.native); it returns False (the programs keep the torch form) where no compiler or build
 works. `torch.ops.hybridserve.ssm_decode_update` is the kernel as a custom op that mutates the pool, so
 inductor calls it in place from the program's wrapper (an extern call, like the oneDNN projections).
 
@@ -21,80 +20,30 @@ state once, from the old state, and the padding rows only read it."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from gpu_worker.model.backends.cpu.compiled_decode import hybridserve_cache
+from gpu_worker.model.backends.cpu import native
 
-log = logging.getLogger("hybridserve.worker.compile")
 SOURCE = Path(__file__).with_name("ssm_update.c")
-COMPILERS = ("cc", "gcc", "clang", "c++", "g++", "clang++")
-FLAGS = ("-x", "c", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 
 _kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _tried = False
 LOADED = False  # whether the kernel is loaded: decode_program reads it when traced
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    """The shared library for `compiler`, built once per key (a concurrent build by another process is
-    harmless: each writes a file of its own and renames it into place)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        "\0".join((SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(), _cpu_flags())).encode()
-    ).hexdigest()[:16]
-    folder = hybridserve_cache("native") or Path(tempfile.gettempdir()) / "hybridserve-native"
-    target = folder / f"ssm_update-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, "-o", scratch, str(SOURCE)], check=True, capture_output=True, timeout=120)
-        os.replace(scratch, target)
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-    return target
-
-
 def load() -> bool:
-    """Builds and loads the kernel once per process; whether it is there (module docstring)."""
+    """Builds and loads the kernel once per process (gpu_worker.model.backends.cpu.native); whether it is
+    there."""
     global _kernel, _tried, LOADED
     if _tried:
         return LOADED
     _tried = True
-    compiler = next((c for c in COMPILERS if shutil.which(c)), None)
-    if compiler is None:
-        log.info("no C compiler: decode programs update the SSM state through torch")
+    built = native.library(SOURCE)
+    if built is None:
         return False
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        log.warning("the SSM update kernel did not build (%s %s): decode programs update the state through torch",
-                    exc, detail.decode(errors="replace")[-500:])  # fmt: skip
-        return False
-    kernel = library.ssm_decode_update
+    kernel = built.ssm_decode_update
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     kernel.argtypes = [pointer, integer, integer, pointer, integer, integer, integer, integer, integer,
                        *[pointer] * 7]  # fmt: skip

@@ -1,0 +1,62 @@
+"""The sampler's argmax and log-normaliser of float32 logit rows in one kernel (logit_stats.c).
+
+Why. A plain row (greedy, no alternatives asked for) needs its first maximal token and that token's
+log-probability, logit - logsumexp(row). In torch that was a log_softmax over the whole row (written out,
+then one element read back) and an argmax (unvectorised on CPU): at a 100,352-token vocabulary, 8 rows, one
+thread, 0.46 ms and 0.68 ms. The kernel reads each row three times while it stays in cache and writes two
+numbers. `sampling.sample_rows` over plain rows of that vocabulary, one thread, AMD EPYC, ms, torch against
+the kernel: 1 row 0.165 / 0.056, 8 rows 1.255 / 0.269, 32 rows 5.539 / 1.172; at the benchmark model's
+512 tokens both take 0.02-0.04 ms.
+
+`load()` builds it once per process (gpu_worker.model.backends.cpu.native); `stats(logits)` runs it, or
+torch's argmax and logsumexp where it cannot be built or the tensor is not a CPU float32 one."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from gpu_worker.model.backends.cpu import native
+
+SOURCE = Path(__file__).with_name("logit_stats.c")
+
+_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_tried = False
+
+
+def load() -> bool:
+    """Builds and loads the kernel once per process; whether it is there."""
+    global _kernel, _tried
+    if not _tried:
+        _tried = True
+        built = native.library(SOURCE)
+        if built is not None:
+            kernel = built.logit_stats
+            kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_void_p]  # fmt: skip
+            kernel.restype = None
+            _kernel = kernel
+    return _kernel is not None
+
+
+def stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [b, vocab] -> (each row's first maximal index [b] int64, its logsumexp [b] float32). The first
+    call on CPU builds the kernel where no earlier one did (the runner loads it at start-up)."""
+    if logits.device.type == "cpu" and not _tried:
+        load()
+    if (
+        _kernel is None
+        or logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+        or logits.shape[1] == 0
+    ):
+        return logits.argmax(dim=-1), torch.logsumexp(logits.float(), dim=-1)
+    rows = logits.shape[0]
+    argmax = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    _kernel(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), argmax.data_ptr(), lse.data_ptr())
+    return argmax, lse
