@@ -12,6 +12,7 @@ float32 on CPU, with the worker's default thread count (one thread on a 2-core m
     32x16..256    32 fresh prompts of 16..256 tokens (seeded uniform; the serving benchmark's short mix)
     512+32dec     a mixed step as serving runs it: one fresh 512-token prefill chunk beside 32 decoding
                   sequences (one token each on top of 160 cached ones)
+    1x136         one fresh 136-token prompt (the short mix's middle: one client's time to first token)
 
 For each case: the best CPU and wall time of a whole step (`ModelRunner.forward`, no instrumentation), then
 the median split (CPU time) over the timed runs with every part wrapped in a timer (input building, embeddings, norms,
@@ -65,6 +66,7 @@ CASES = {  # name -> ([(prompt tokens, cached tokens before the chunk)], ...)
     "8x256": [(256, 0)] * 8,
     "32x16..256": [(n, 0) for n in random.Random(0).choices(range(16, 257), k=32)],
     "512+32dec": [(1, 160)] * 32 + [(512, 0)],
+    "1x136": [(136, 0)],
 }
 
 
