@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,33 +23,21 @@ from gpu_worker.model.backends.cpu import native
 
 SOURCE = Path(__file__).with_name("logit_stats.c")
 
-_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_tried = False
+SIGNATURE = ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p), None)
 
 
-def load() -> bool:
-    """Builds and loads the kernel once per process; whether it is there."""
-    global _kernel, _tried
-    if not _tried:
-        _tried = True
-        built = native.library(SOURCE)
-        if built is not None:
-            kernel = built.logit_stats
-            kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_void_p]  # fmt: skip
-            kernel.restype = None
-            _kernel = kernel
-    return _kernel is not None
+def load() -> Any:
+    """The kernel, built and loaded once per process; None where it cannot be."""
+    return native.kernel(SOURCE, "logit_stats", *SIGNATURE)
 
 
 def stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [b, vocab] -> (each row's first maximal index [b] int64, its logsumexp [b] float32). The first
-    call on CPU builds the kernel where no earlier one did (the runner loads it at start-up)."""
-    if logits.device.type == "cpu" and not _tried:
-        load()
+    call on CPU builds the kernel where no earlier one did (the runner's warm-up samples, so no served step
+    does)."""
+    kernel = load() if logits.device.type == "cpu" else None
     if (
-        _kernel is None
-        or logits.device.type != "cpu"
+        kernel is None
         or logits.dtype != torch.float32
         or logits.dim() != 2
         or logits.stride(1) != 1
@@ -58,5 +47,5 @@ def stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = logits.shape[0]
     argmax = torch.empty(rows, dtype=torch.int64)
     lse = torch.empty(rows, dtype=torch.float32)
-    _kernel(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), argmax.data_ptr(), lse.data_ptr())
+    kernel(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), argmax.data_ptr(), lse.data_ptr())
     return argmax, lse

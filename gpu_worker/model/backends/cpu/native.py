@@ -1,15 +1,17 @@
 """Small C kernels of the CPU backend, built with the machine's C compiler and loaded with ctypes.
 
-`library(source)` builds a C file of this folder (-O3 -march=native; a fraction of a second) into
-~/.cache/hybridserve/native, keyed by the source, the compiler, the flags and the CPU's feature flags, and
-loads it; it returns None (the caller keeps its torch form) where no compiler or build works. A
-concurrent build by another process is harmless: each writes a file of its own and renames it into place.
+`kernel(source, symbol, argtypes, restype)` builds a C file of this folder (-O3 -march=native; a
+fraction of a second) into ~/.cache/hybridserve/native, keyed by the source, the compiler, the flags and
+the CPU's feature flags, and returns its function `symbol` with its ctypes signature, once per process;
+it returns None (the caller keeps its torch form) where no compiler or build works. A concurrent build by
+another process is harmless: each writes a file of its own and renames it into place.
 The kernels: ssm_update.c (the decode programs' SSM state in place) and logit_stats.c (the sampler's
 argmax and log-normaliser)."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -18,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from gpu_worker.model.backends.cpu.compiled_decode import hybridserve_cache
 
@@ -58,16 +61,21 @@ def _build(compiler: str, source: Path) -> Path:
     return target
 
 
-def library(source: Path) -> ctypes.CDLL | None:
-    """`source` built and loaded (module docstring), or None where it cannot be."""
+@functools.cache
+def kernel(source: Path, symbol: str, argtypes: tuple[Any, ...], restype: Any) -> Any:
+    """`source` built and loaded once per process (module docstring), its function `symbol` typed
+    `argtypes` -> `restype`; None where it cannot be built."""
     compiler = next((c for c in COMPILERS if shutil.which(c)), None)
     if compiler is None:
         log.info("no C compiler: %s's kernel stays in torch", source.stem)
         return None
     try:
-        return ctypes.CDLL(str(_build(compiler, source)))
+        library = ctypes.CDLL(str(_build(compiler, source)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         log.warning("the %s kernel did not build (%s %s): its torch form stays", source.stem, exc,
                     detail.decode(errors="replace")[-500:])  # fmt: skip
         return None
+    function = getattr(library, symbol)
+    function.argtypes, function.restype = list(argtypes), restype
+    return function

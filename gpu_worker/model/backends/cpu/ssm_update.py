@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,28 +29,19 @@ from gpu_worker.model.backends.cpu import native
 
 SOURCE = Path(__file__).with_name("ssm_update.c")
 
-_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_tried = False
+_POINTER, _INTEGER = ctypes.c_void_p, ctypes.c_int64
+SIGNATURE = ((_POINTER, _INTEGER, _INTEGER, _POINTER, *[_INTEGER] * 5, *[_POINTER] * 7), ctypes.c_int)
+_kernel: Any = None
 LOADED = False  # whether the kernel is loaded: decode_program reads it when traced
 
 
 def load() -> bool:
     """Builds and loads the kernel once per process (gpu_worker.model.backends.cpu.native); whether it is
     there."""
-    global _kernel, _tried, LOADED
-    if _tried:
-        return LOADED
-    _tried = True
-    built = native.library(SOURCE)
-    if built is None:
-        return False
-    kernel = built.ssm_decode_update
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    kernel.argtypes = [pointer, integer, integer, pointer, integer, integer, integer, integer, integer,
-                       *[pointer] * 7]  # fmt: skip
-    kernel.restype = ctypes.c_int
-    _kernel, LOADED = kernel, True
-    return True
+    global _kernel, LOADED
+    _kernel = native.kernel(SOURCE, "ssm_decode_update", *SIGNATURE)
+    LOADED = _kernel is not None
+    return LOADED
 
 
 @torch.library.custom_op("hybridserve::ssm_decode_update", mutates_args=("ssm",))
