@@ -47,7 +47,7 @@ from gpu_worker.model.layers import MLP, RMSNorm
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.runner.batch import Batch, SequenceChunk
 from gpu_worker.runner.runner import ModelRunner
-from gpu_worker.runner.settings import RunnerConfig
+from gpu_worker.runner.settings import PREFILL_SCANS, RunnerConfig
 from gpu_worker.runner.tuning import keep_freed_memory
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
@@ -120,6 +120,8 @@ def instrument(runner: ModelRunner, split: Split) -> None:
         wrap(mamba2_mod, name, split, f"mamba: {name.removeprefix('packed_').replace('_', ' ')}")
     for name in ("packed_ssd_scan", "packed_scan", "ssd_scan"):
         wrap(mamba2_mod, name, split, "mamba: SSD scan")
+    wrap(mamba2_mod.mamba_prefill, "sequential_scan", split, "mamba: SSD scan")
+    wrap(mamba2_mod.mamba_prefill, "causal_conv", split, "mamba: causal conv")
     wrap(mamba2_mod, "save_boundary_states", split, "mamba: boundary states")
     wrap(PagedAttention, "_prefill", split, "attention: prefill (gather + attend)")
     wrap(attention_mod, "chunk_attention", split, "attention: flash kernels")
@@ -193,18 +195,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = the worker's default)")
+    parser.add_argument("--prefill-scan", default="sequential", choices=PREFILL_SCANS,
+                        help="the SSD scan's form (the worker's --cpu-prefill-scan)")  # fmt: skip
     args = parser.parse_args()
     keep_freed_memory()
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_checkpoint(Path(tmp) / "model", SPEC, seed=0, with_tokenizer=False)
         config = RunnerConfig(memory_budget_bytes=256 << 20, max_num_seqs=64, num_checkpoint_slots=0,
-                              cpu_threads=args.threads)  # fmt: skip
+                              cpu_threads=args.threads, cpu_prefill_scan=args.prefill_scan)  # fmt: skip
         plain = ModelRunner.from_model_dir(path, config)
         profiled = ModelRunner.from_model_dir(path, config)
         split = Split()
         instrument(profiled, split)
         print(f"model: {SPEC.arch}, hidden 256, 8 layers, attention at (3, 7); float32 CPU, "
-              f"{torch.get_num_threads()} thread(s); step: best of {args.repeats}; split: median")  # fmt: skip
+              f"{torch.get_num_threads()} thread(s), {args.prefill_scan} scan; "
+              f"step: best of {args.repeats}; split: median")  # fmt: skip
         for name in args.cases.split(","):
             tokens, totals, _ = profile_case(plain, name, args.repeats, None)
             _, instrumented, runs = profile_case(profiled, name, args.repeats, split)

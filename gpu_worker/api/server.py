@@ -138,6 +138,10 @@ FLAGS = {
         " GEMMs split well; e.g. every core for long-prompt workloads); 0 = --cpu-threads throughout"
     ),
     "cpu_prefill_min_tokens": Flag("tokens in a step from which it runs on --cpu-prefill-threads"),
+    "cpu_prefill_scan": Flag(
+        "the prefill's SSD scan on CPU: sequential (the plain recurrence in a C kernel built at start-up; chunked"
+        " where no C compiler is found) | chunked (chunked GEMMs)"
+    ),
     "decode_compile": Flag(
         "torch.compile the Mamba decode step on CPU at start-up (readiness waits for it unless"
         " --serve-while-warming): auto (when a C++ compiler is found) | on | off"
@@ -204,8 +208,8 @@ ENGINE_FIELDS = (
 )  # fmt: skip
 RUNNER_FIELDS = (
     "memory_budget_bytes", "gpu_memory_utilization", "num_checkpoint_slots", "checkpoint_memory_bytes", "device",
-    "dtype", "cpu_threads", "cpu_decode_threads",
-    "cpu_prefill_threads", "cpu_prefill_min_tokens", "decode_compile", "compile_step_sizes", "model_process",
+    "dtype", "cpu_threads", "cpu_decode_threads", "cpu_prefill_threads", "cpu_prefill_min_tokens", "cpu_prefill_scan",
+    "decode_compile", "compile_step_sizes", "model_process",
     "model_process_min_rows", "model_processes", "model_process_split_min_tokens", "model_process_lone_threads",
     "cpu_warm_rows",
 )  # fmt: skip  # the rest follow the config

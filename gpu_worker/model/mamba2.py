@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.model.backends.cpu import mamba_prefill
 from gpu_worker.model.backends.cpu.packed_prefill import packed_causal_conv, packed_index_for
 from gpu_worker.model.backends.cpu.packed_scan import packed_scan
 from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY, SHORT_SPAN_TOKENS, ShortSpanRecord, short_spans_scan
@@ -36,6 +37,9 @@ class Mamba2Mixer(nn.Module):
     # the compiled decode step when attached (gpu_worker.model.backends.cpu.compiled_decode): decode group -> normed y
     fused_decode: FusedDecode | None = None
     packed_prefill = True  # every prefill chunk in one conv + one scan; False: one scan per chunk (the oracle)
+    # the packed conv and scan in C (backends/cpu/mamba_prefill: the scan as the plain recurrence instead of
+    # chunked GEMMs): set on CPU by the runner where the kernels build
+    native_prefill = False
 
     def __init__(self, config: BambaConfig) -> None:
         super().__init__()
@@ -215,10 +219,15 @@ class Mamba2Mixer(nn.Module):
         short = max(span.num_tokens for span in ctx.prefills) <= SHORT_SPAN_TOKENS
         before = range(index.num_seqs) if short else [i for i, _ in wanted]  # short spans keep every window
         conv_before = {i: conv_state[ctx.prefills[i].state_slot].clone() for i in before}  # the conv updates it
-        conv = packed_causal_conv(xbc[rows], self.conv1d.weight, self.conv1d.bias, conv_state, index)
+        lengths = [span.num_tokens for span in ctx.prefills]
+        native = self.native_prefill and xbc.device.type == "cpu" and conv_state.dtype == torch.float32
+        if native:
+            conv = mamba_prefill.causal_conv(xbc[rows], self.conv1d.weight, self.conv1d.bias, conv_state,
+                                             index.state_slots, lengths)  # fmt: skip
+        else:
+            conv = packed_causal_conv(xbc[rows], self.conv1d.weight, self.conv1d.bias, conv_state, index)
         x, B, C = self._split_xbc(F.silu(conv))
         initial = ssm_state.index_select(0, index.state_slots)
-        lengths = [span.num_tokens for span in ctx.prefills]
         if short:  # verify rows and short chunks (short_scan)
             records = ctx.derived.get(RECORDS_KEY)
             y, final, spans = short_spans_scan(x, dt[rows], A, B, C, self.D, initial, lengths)
@@ -234,7 +243,11 @@ class Mamba2Mixer(nn.Module):
                 slots = tuple(s.state_slot for s in ctx.prefills)
                 records.append(ShortSpanRecord(conv_state, ssm_state, slots, spans, tuple(windows)))
             return y.reshape(index.num_prefill_tokens, self.d_inner)
-        scan = packed_scan(x, dt[rows], A, B, C, self.D, initial, index)
+        if native:
+            scan = mamba_prefill.sequential_scan(x, dt[rows], A, B, C, self.D, initial, lengths, self.chunk_size,
+                                                chunk_states=bool(wanted))  # fmt: skip
+        else:
+            scan = packed_scan(x, dt[rows], A, B, C, self.D, initial, index)
         ssm_state.index_copy_(0, index.state_slots, scan.final_states.to(ssm_state.dtype))
         for i, points in wanted:  # states at block boundaries inside span i, from the scan's chunk states
             t0 = ctx.prefills[i].token_start - first

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.model.backends import kernel_backend
+from gpu_worker.model.backends.cpu import mamba_prefill
 from gpu_worker.model.backends.cpu.compiled_decode import DecodeCompiler, can_compile, use_persistent_cache
 from gpu_worker.model.backends.cpu.compiled_step import MIN_PAGE_COLUMNS, CompiledDecodeSteps, parse_buckets
 from gpu_worker.model.backends.cpu.linear import pack_limit, use_onednn_linears, warm_onednn_linears
@@ -229,9 +230,12 @@ class ModelRunner(RunnerFacts, LogitsRunner):
                 config.cpu_prefill_min_tokens, config.model_process_lone_threads, LONE_STEP_MIN_TOKENS,
                 WIDEN_MIN_TOKENS, decode_threads(config, weights_bytes(self.model)),
             )  # fmt: skip
+            sequential = mamba_prefill.load() if config.cpu_prefill_scan == "sequential" else False
+            self._prefill_scan = "sequential" if sequential else "chunked"
             for module in self.model.modules():
                 if isinstance(module, Mamba2Mixer):
                     module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)
+                    module.native_prefill = sequential
             use_onednn_linears(self.model, pack_limit(host_memory_bytes()))  # oneDNN, ~2.2x MKL on AMD
             if config.cpu_warm_rows > 0:  # not a daemon: the interpreter must not end under a oneDNN call
                 self._warming = threading.Thread(
@@ -562,4 +566,5 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             "num_state_slots": self.state_pool.num_slots,
             "num_checkpoint_slots": self.state_pool.num_checkpoint_slots,
             **({"cpu_decode_threads": self.step_threads.decode} if self.step_threads is not None else {}),
+            **({"cpu_prefill_scan": self._prefill_scan} if self.device.type == "cpu" else {}),
         }

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from hybridserve.errors import InvalidArgumentError
 
 DECODE_COMPILE_MODES = ("auto", "on", "off")
+PREFILL_SCANS = ("sequential", "chunked")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,9 @@ class RunnerConfig:
     # usable core for a model of 128 MiB or more (a process among several: while the others are idle),
     # else cpu_threads
     cpu_decode_threads: int = 0
+    # the prefill's SSD scan on CPU: sequential = the plain recurrence in C (backends/cpu/mamba_prefill; the
+    # chunked form where no C compiler builds it) | chunked = chunked GEMMs (backends/cpu/packed_scan)
+    cpu_prefill_scan: str = "sequential"
     # torch.compile the Mamba decode step on CPU, in the background at start-up (eager until it is ready):
     # auto = when a C++ compiler is found | on | off (gpu_worker.model.backends.cpu.compiled_decode)
     decode_compile: str = "off"
@@ -105,6 +109,10 @@ class RunnerConfig:
             raise InvalidArgumentError(f"cpu_prefill_min_tokens must be positive, got {self.cpu_prefill_min_tokens}")
         if self.num_checkpoint_slots < 0:
             raise InvalidArgumentError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
+        if self.cpu_prefill_scan not in PREFILL_SCANS:
+            raise InvalidArgumentError(
+                f"cpu_prefill_scan must be one of {', '.join(PREFILL_SCANS)}, got {self.cpu_prefill_scan!r}"
+            )
         if self.decode_compile not in DECODE_COMPILE_MODES:
             raise InvalidArgumentError(
                 f"decode_compile must be one of {', '.join(DECODE_COMPILE_MODES)}, got {self.decode_compile!r}"

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpu_worker.model.backends.cpu import mamba_prefill
 from gpu_worker.model.backends.cpu.packed_prefill import build_packed_index, packed_causal_conv, packed_ssd_scan
 from gpu_worker.model.context import ForwardContext, PrefillSpan
 from gpu_worker.model.families import family_named
@@ -54,11 +55,13 @@ def _context(num_decode: int, spans: list[tuple[int, int, int]]) -> ForwardConte
     warm=st.lists(st.booleans(), min_size=6, max_size=6),
     num_decode=st.integers(0, 3),
     geometry=st.sampled_from([(1, 4, 8), (2, 4, 5), (4, 2, 16), (1, 3, 64)]),  # groups, d_conv, scan chunk
+    sequential=st.booleans(),  # the conv and scan in C (backends/cpu/mamba_prefill) or in torch
     seed=st.integers(0, 1000),
 )
-def test_packed_prefill_matches_one_scan_per_sequence(lengths, warm, num_decode, geometry, seed) -> None:
+def test_packed_prefill_matches_one_scan_per_sequence(lengths, warm, num_decode, geometry, sequential, seed) -> None:
     groups, d_conv, chunk = geometry
     mixer = _mixer(groups, d_conv, chunk, seed)
+    mixer.native_prefill = sequential and mamba_prefill.load()
     slots = list(range(num_decode, num_decode + len(lengths)))
     spans = [(n, 7 if warm[i] else 0, slots[i]) for i, n in enumerate(lengths)]
     ctx = _context(num_decode, spans)
@@ -129,7 +132,8 @@ def test_packed_conv_is_one_conv1d_per_sequence_bit_for_bit(lengths, d_conv, wit
     """The packed causal conv (shifted multiply-adds over the packed rows, each span's first d_conv - 1
     rows redone from its conv state) gives exactly F.conv1d over each sequence's [state, tokens]
     window, and leaves each sequence's last d_conv - 1 inputs as its conv state, spans shorter than
-    d_conv - 1 (part of the old state stays) and 1-token spans included."""
+    d_conv - 1 (part of the old state stays) and 1-token spans included; so does the C kernel
+    (backends/cpu/mamba_prefill.causal_conv) where it builds."""
     g = torch.Generator().manual_seed(seed)
     channels, keep = 6, d_conv - 1
     spans, at = [], 0
@@ -148,6 +152,12 @@ def test_packed_conv_is_one_conv1d_per_sequence_bit_for_bit(lengths, d_conv, wit
         expected.append(F.conv1d(window[None], weight, bias, groups=channels)[0].t())
         expected_state[span.state_slot] = window[:, window.shape[1] - keep :]
     index = build_packed_index(tuple(spans), 8, keep, torch.device("cpu"))
+    start = conv_state.clone()
     out = packed_causal_conv(xbc, weight, bias, conv_state, index)
     assert torch.equal(out, torch.cat(expected))
     assert torch.equal(conv_state, expected_state)
+    if mamba_prefill.load():
+        conv_state.copy_(start)
+        out = mamba_prefill.causal_conv(xbc, weight, bias, conv_state, index.state_slots, list(lengths))
+        assert torch.equal(out, torch.cat(expected))
+        assert torch.equal(conv_state, expected_state)
