@@ -195,19 +195,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = the worker's default)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the weights' dtype")
     parser.add_argument("--prefill-scan", default="sequential", choices=PREFILL_SCANS,
                         help="the SSD scan's form (the worker's --cpu-prefill-scan)")  # fmt: skip
     args = parser.parse_args()
     keep_freed_memory()
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_checkpoint(Path(tmp) / "model", SPEC, seed=0, with_tokenizer=False)
-        config = RunnerConfig(memory_budget_bytes=256 << 20, max_num_seqs=64, num_checkpoint_slots=0,
+        config = RunnerConfig(memory_budget_bytes=256 << 20, max_num_seqs=64, num_checkpoint_slots=0, dtype=args.dtype,
                               cpu_threads=args.threads, cpu_prefill_scan=args.prefill_scan)  # fmt: skip
         plain = ModelRunner.from_model_dir(path, config)
         profiled = ModelRunner.from_model_dir(path, config)
         split = Split()
         instrument(profiled, split)
-        print(f"model: {SPEC.arch}, hidden 256, 8 layers, attention at (3, 7); float32 CPU, "
+        print(f"model: {SPEC.arch}, hidden 256, 8 layers, attention at (3, 7); {args.dtype} CPU, "
               f"{torch.get_num_threads()} thread(s), {args.prefill_scan} scan; "
               f"step: best of {args.repeats}; split: median")  # fmt: skip
         for name in args.cases.split(","):

@@ -220,8 +220,8 @@ class Mamba2Mixer(nn.Module):
         before = range(index.num_seqs) if short else [i for i, _ in wanted]  # short spans keep every window
         conv_before = {i: conv_state[ctx.prefills[i].state_slot].clone() for i in before}  # the conv updates it
         lengths = [span.num_tokens for span in ctx.prefills]
-        native = self.native_prefill and xbc.device.type == "cpu" and conv_state.dtype == torch.float32
-        if native:
+        native = self.native_prefill and xbc.device.type == "cpu"
+        if native and conv_state.dtype == torch.float32:  # a bfloat16 model's conv runs in bfloat16, in torch
             conv = mamba_prefill.causal_conv(xbc[rows], self.conv1d.weight, self.conv1d.bias, conv_state,
                                              index.state_slots, lengths)  # fmt: skip
         else:
