@@ -7,11 +7,13 @@ import os
 import pytest
 
 os.environ.setdefault("OTEL_SDK_DISABLED", "true")
-# Workers the tests start neither compile their decode step nor build kernels ahead: readiness waits for
-# both (gpu_worker.runner.warmup), which would make every worker start seconds slower on the 2-core CI
-# machine. tests/model/test_compiled_decode.py covers the compiled decode step, tests/worker/test_warmup.py
-# a worker that warms up with every part, tests/model/test_cpu_linear.py the kernel warm-up.
+# Workers the tests start neither compile their decode step or whole decode steps nor build kernels ahead:
+# readiness waits for all three (gpu_worker.runner.warmup), which would make every worker start seconds
+# slower on the 2-core CI machine. tests/model/test_compiled_decode.py covers the compiled decode step,
+# tests/model/test_compiled_step.py the whole-step programs, tests/worker/test_warmup.py a worker that warms
+# up with every part, tests/model/test_cpu_linear.py the kernel warm-up.
 os.environ.setdefault("HYBRIDSERVE_WORKER_DECODE_COMPILE", "off")
+os.environ.setdefault("HYBRIDSERVE_WORKER_COMPILE_STEP_SIZES", "off")
 os.environ.setdefault("HYBRIDSERVE_WORKER_CPU_WARM_ROWS", "0")
 
 

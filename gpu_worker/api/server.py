@@ -149,7 +149,7 @@ FLAGS = {
     "compile_step_sizes": Flag(
         "on CPU, compile whole decode steps (embedding to logits, every layer) for these batch sizes at start-up,"
         " one program each; a step of n rows runs in the smallest size >= n, others eagerly: auto (1,2,4,8"
-        " up to --max-num-seqs) | off | comma-separated sizes"
+        " up to --max-num-seqs, where a C++ compiler is found) | off | comma-separated sizes"
     ),
     "model_process": Flag(
         "run the model in a process of its own beside the worker, the pools in memory both map (the forward"
@@ -234,7 +234,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         SERVICE,
         flags=FLAGS,
         only=RUNNER_FIELDS,
-        defaults={"decode_compile": "auto", "model_process": "auto", "cpu_warm_rows": 1024},
+        defaults={
+            "decode_compile": "auto",
+            "compile_step_sizes": "auto",
+            "model_process": "auto",
+            "cpu_warm_rows": 1024,
+        },
     )  # a served worker compiles, and runs its model apart, when it can; a runner built in-process does not
     group = parser.add_argument_group("observability (tracing: the standard OTEL_* variables)")
     add_settings_arguments(group, WorkerServerSettings, SERVICE, flags=FLAGS, only=OBSERVABILITY_FIELDS)

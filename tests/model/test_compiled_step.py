@@ -238,3 +238,15 @@ def test_compiled_verify_steps_equal_the_eager_verify_steps(checkpoints, name: s
         for a, b in zip(_pools(eager), _pools(compiled), strict=True):
             assert torch.allclose(a, b, atol=TOL, rtol=TOL), f"{name}: step {step}: pools differ after the rollback"
     assert len(calls) == len(schedule)
+
+
+def test_a_served_worker_compiles_its_steps_by_default(monkeypatch) -> None:
+    """The worker's flag defaults to auto (the tests' workers turn it off through the environment); a runner
+    built in process compiles nothing unless asked."""
+    from gpu_worker.api.server import settings_from_args
+    from hybridserve_cli import build_parser
+
+    monkeypatch.delenv("HYBRIDSERVE_WORKER_COMPILE_STEP_SIZES", raising=False)
+    args = build_parser(only="worker").parse_args(["worker"])
+    assert settings_from_args(args).runner.compile_step_sizes == "auto"
+    assert RunnerConfig().compile_step_sizes == ""
