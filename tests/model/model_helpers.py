@@ -236,3 +236,28 @@ def add_mtp_head(src: Path, dst: Path, train_steps: int = 0, seed: int = 0) -> P
     if train_steps:
         train_mtp_head(dst, train_steps, seed)
     return dst
+
+
+SCAN_REL_TOL = 2e-6  # float32 rounding of another summation order of the SSD scan, relative to the largest value
+
+
+def assert_scan_close(got: torch.Tensor, want: torch.Tensor, rel_tol: float = SCAN_REL_TOL) -> None:
+    """Within `rel_tol` of the largest value of `want` (or absolutely, for values under 1)."""
+    scale = max(1.0, want.abs().max().item())
+    assert (got - want).abs().max().item() <= rel_tol * scale
+
+
+def scan_inputs(
+    lengths: list[int], heads: int, groups: int, dt_scale: float, seed: int, p: int = 6, n: int = 5
+) -> tuple[torch.Tensor, ...]:
+    """Random SSD scan inputs of spans of `lengths` tokens: x [T, heads, p], dt [T, heads] in [0, dt_scale),
+    A [heads] in (-8.5, -0.5], B/C [T, groups, n], D [heads], initial [spans, heads, p, n]."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    x = torch.randn(total, heads, p, generator=g)
+    dt = torch.rand(total, heads, generator=g) * dt_scale
+    A = -(torch.rand(heads, generator=g) * 8 + 0.5)
+    B, C = torch.randn(total, groups, n, generator=g), torch.randn(total, groups, n, generator=g)
+    D = torch.randn(heads, generator=g)
+    initial = torch.randn(len(lengths), heads, p, n, generator=g)
+    return x, dt, A, B, C, D, initial

@@ -20,30 +20,12 @@ from gpu_worker.runner.batch import Batch, SequenceChunk
 from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.settings import RunnerConfig
 from hybridserve.errors import InvalidArgumentError
-
-REL_TOL = 2e-6  # float32 rounding of another summation order, relative to the largest value
+from tests.model.model_helpers import SCAN_REL_TOL, assert_scan_close, scan_inputs
 
 pytestmark = pytest.mark.skipif(not mamba_prefill.load(), reason="no C compiler builds the prefill scan kernel")
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, rel_tol: float = REL_TOL) -> None:
-    scale = max(1.0, want.abs().max().item())
-    assert (got - want).abs().max().item() <= rel_tol * scale
-
-
-def _inputs(lengths: list[int], heads: int, groups: int, p: int, n: int, dt_scale: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    total = sum(lengths)
-    x = torch.randn(total, heads, p, generator=g)
-    dt = torch.rand(total, heads, generator=g) * dt_scale
-    A = -(torch.rand(heads, generator=g) * 8 + 0.5)
-    B, C = torch.randn(total, groups, n, generator=g), torch.randn(total, groups, n, generator=g)
-    D = torch.randn(heads, generator=g)
-    initial = torch.randn(len(lengths), heads, p, n, generator=g)
-    return x, dt, A, B, C, D, initial
-
-
-def _check(lengths: list[int], inputs, chunk: int, threads: int, rel_tol: float = REL_TOL) -> None:
+def _check(lengths: list[int], inputs, chunk: int, threads: int, rel_tol: float = SCAN_REL_TOL) -> None:
     x, dt, A, B, C, D, initial = inputs
     initial_before = initial.clone()
     scan = mamba_prefill.sequential_scan(*inputs, lengths, chunk, chunk_states=True, threads=threads)
@@ -53,10 +35,10 @@ def _check(lengths: list[int], inputs, chunk: int, threads: int, rel_tol: float 
         rows = slice(at, at + length)
         states: list[torch.Tensor] = []
         y_ref, final_ref = ssd_scan(x[rows], dt[rows], A, B[rows], C[rows], D, initial[s], chunk, states)
-        _close(scan.y[rows], y_ref, rel_tol)
-        _close(scan.final_states[s], final_ref, rel_tol)
+        assert_scan_close(scan.y[rows], y_ref, rel_tol)
+        assert_scan_close(scan.final_states[s], final_ref, rel_tol)
         count = -(-length // chunk)
-        _close(scan.chunk_start_states[first : first + count], states[0][:count], rel_tol)
+        assert_scan_close(scan.chunk_start_states[first : first + count], states[0][:count], rel_tol)
         at, first = at + length, first + count
     assert scan.chunk_start_states.shape[0] == first
 
@@ -73,13 +55,13 @@ def _check(lengths: list[int], inputs, chunk: int, threads: int, rel_tol: float 
 )
 def test_the_recurrence_matches_the_chunked_scan(lengths, geometry, chunk, threads, seed) -> None:
     heads, groups, p, n = geometry
-    _check(lengths, _inputs(lengths, heads, groups, p, n, 0.1, seed), chunk, threads)
+    _check(lengths, scan_inputs(lengths, heads, groups, 0.1, seed, p, n), chunk, threads)
 
 
 def test_it_matches_the_packed_scan_on_the_benchmark_geometry() -> None:
     """8 heads of 64, state 64, one group (bench_prefill's model), a short and a long prompt."""
     lengths = [136, 300]
-    inputs = _inputs(lengths, 8, 1, 64, 64, 0.05, 3)
+    inputs = scan_inputs(lengths, 8, 1, 0.05, 3, 64, 64)
     spans, at = [], 0
     for i, length in enumerate(lengths):
         spans.append(PrefillSpan(at, length, 0, i, torch.zeros(0, dtype=torch.int64)))
@@ -87,9 +69,9 @@ def test_it_matches_the_packed_scan_on_the_benchmark_geometry() -> None:
     index = build_packed_index(tuple(spans), 32, 3, torch.device("cpu"))
     want = packed_scan(*inputs, index)
     got = mamba_prefill.sequential_scan(*inputs, lengths, 32, chunk_states=True)
-    _close(got.y, want.y)
-    _close(got.final_states, want.final_states)
-    _close(got.chunk_start_states, want.chunk_start_states)
+    assert_scan_close(got.y, want.y)
+    assert_scan_close(got.final_states, want.final_states)
+    assert_scan_close(got.chunk_start_states, want.chunk_start_states)
     plain = mamba_prefill.sequential_scan(*inputs, lengths, 32)  # no chunk states asked: none made
     assert plain.chunk_start_states.numel() == 0
     assert torch.equal(plain.y, got.y)
@@ -100,13 +82,13 @@ def test_tokens_that_decay_past_the_floor_stay_finite_and_exact() -> None:
     nothing float32 can hold next to the new token's own term (dt x of 50x the others: 1e-5 relative, the
     rounding of values that large in either scan)."""
     lengths = [40]
-    x, dt, A, B, C, D, initial = _inputs(lengths, 4, 1, 16, 8, 0.1, 5)
+    x, dt, A, B, C, D, initial = scan_inputs(lengths, 4, 1, 0.1, 5, 16, 8)
     dt[7], dt[21] = 50.0, 30.0  # dt |A| from 25 to 425
     _check(lengths, (x, dt, A, B, C, D, initial), 16, 1, rel_tol=1e-5)
 
 
 def test_bad_lengths_are_refused() -> None:
-    inputs = _inputs([5, 5], 2, 1, 16, 4, 0.1, 0)
+    inputs = scan_inputs([5, 5], 2, 1, 0.1, 0, 16, 4)
     with pytest.raises(ValueError, match="do not add up"):
         mamba_prefill.sequential_scan(*inputs, [5, 4], 4)
 

@@ -14,25 +14,7 @@ from gpu_worker.model.backends.cpu.packed_prefill import PackedScan, build_packe
 from gpu_worker.model.backends.cpu.packed_scan import MAX_CHUNK_LOG_DECAY, packed_scan
 from gpu_worker.model.context import PrefillSpan
 from gpu_worker.model.ssd import ssd_scan
-
-REL_TOL = 2e-6  # float32 rounding of another summation order, relative to the largest value
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    scale = max(1.0, want.abs().max().item())
-    assert (got - want).abs().max().item() <= REL_TOL * scale
-
-
-def _inputs(lengths: list[int], heads: int, groups: int, dt_scale: float, seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    total, p, n = sum(lengths), 6, 5
-    x = torch.randn(total, heads, p, generator=g)
-    dt = torch.rand(total, heads, generator=g) * dt_scale
-    A = -(torch.rand(heads, generator=g) * 8 + 0.5)
-    B, C = torch.randn(total, groups, n, generator=g), torch.randn(total, groups, n, generator=g)
-    D = torch.randn(heads, generator=g)
-    initial = torch.randn(len(lengths), heads, p, n, generator=g)
-    return x, dt, A, B, C, D, initial
+from tests.model.model_helpers import assert_scan_close, scan_inputs
 
 
 def _check_against_one_scan_per_sequence(
@@ -44,10 +26,10 @@ def _check_against_one_scan_per_sequence(
         rows = slice(at, at + length)
         chunk_states: list[torch.Tensor] = []
         y_ref, final_ref = ssd_scan(x[rows], dt[rows], A, B[rows], C[rows], D, initial[s], chunk, chunk_states)
-        _close(scan.y[rows], y_ref)
-        _close(scan.final_states[s], final_ref)
+        assert_scan_close(scan.y[rows], y_ref)
+        assert_scan_close(scan.final_states[s], final_ref)
         count = -(-length // chunk)
-        _close(scan.chunk_start_states[starts[s] : starts[s] + count], chunk_states[0][:count])
+        assert_scan_close(scan.chunk_start_states[starts[s] : starts[s] + count], chunk_states[0][:count])
         at += length
 
 
@@ -68,12 +50,12 @@ def test_every_form_matches_one_scan_per_sequence(lengths, geometry, form, seed)
         at += length
     index = build_packed_index(tuple(spans), chunk, 3, torch.device("cpu"))
     # dt * |A| <= 0.1 * 8.5 per token: at most 55 per 64-token chunk, inside the factored range
-    inputs = _inputs(lengths, heads, groups, 0.1, seed)
+    inputs = scan_inputs(lengths, heads, groups, 0.1, seed)
     scan = packed_scan(*inputs, index, form=form)
     _check_against_one_scan_per_sequence(scan, lengths, inputs, chunk, index.chunk_start)
     einsum_form = packed_ssd_scan(*inputs, index)
-    _close(scan.y, einsum_form.y)
-    _close(scan.chunk_start_states, einsum_form.chunk_start_states)
+    assert_scan_close(scan.y, einsum_form.y)
+    assert_scan_close(scan.chunk_start_states, einsum_form.chunk_start_states)
 
 
 def test_chunks_that_decay_too_much_take_the_decay_matrix_form() -> None:
@@ -84,7 +66,7 @@ def test_chunks_that_decay_too_much_take_the_decay_matrix_form() -> None:
     spans = (PrefillSpan(0, 40, 0, 0, torch.zeros(0, dtype=torch.int64)),
              PrefillSpan(40, 17, 0, 1, torch.zeros(0, dtype=torch.int64)))  # fmt: skip
     index = build_packed_index(spans, chunk, 3, torch.device("cpu"))
-    inputs = _inputs(lengths, 4, 2, 4.0, 7)
+    inputs = scan_inputs(lengths, 4, 2, 4.0, 7)
     x, dt, A, *_ = inputs
     assert (dt[:chunk] * A).sum(dim=0).min().item() < -MAX_CHUNK_LOG_DECAY  # the first chunk decays too much
     with pytest.raises(ValueError, match="no factored form"):
@@ -106,7 +88,7 @@ def test_chunks_whose_blocks_fit_take_the_blocked_form() -> None:
         spans.append(PrefillSpan(at, length, 1, i, torch.zeros(0, dtype=torch.int64)))
         at += length
     index = build_packed_index(tuple(spans), chunk, 3, torch.device("cpu"))
-    inputs = _inputs(lengths, 4, 2, 1.0, 3)
+    inputs = scan_inputs(lengths, 4, 2, 1.0, 3)
     x, dt, A, *_ = inputs
     log_decay = (dt[:chunk] * A).view(4, 16, 4).sum(dim=1)  # [block, head] of the first chunk
     assert log_decay.sum(dim=0).min().item() < -MAX_CHUNK_LOG_DECAY < log_decay.min().item()
@@ -116,7 +98,7 @@ def test_chunks_whose_blocks_fit_take_the_blocked_form() -> None:
     blocked = packed_scan(*inputs, index, form="blocked")
     assert torch.equal(scan.y, blocked.y)
     _check_against_one_scan_per_sequence(scan, lengths, inputs, chunk, index.chunk_start)
-    _close(scan.y, packed_scan(*inputs, index, form="decay_matrices").y)
+    assert_scan_close(scan.y, packed_scan(*inputs, index, form="decay_matrices").y)
 
 
 @pytest.mark.parametrize("form", ["auto", "factored", "blocked", "decay_matrices"])
@@ -134,7 +116,7 @@ def test_one_token_spans_beside_long_ones_start_from_their_own_state(form, group
     index = build_packed_index(tuple(spans), chunk, 3, torch.device("cpu"))
     assert len(set(index.chunk_count)) > 1
     dt_scale = 0.1 if form == "factored" else 1.0  # the factored form needs chunks inside its range
-    inputs = _inputs(lengths, 4, groups, dt_scale, 11)
+    inputs = scan_inputs(lengths, 4, groups, dt_scale, 11)
     scan = packed_scan(*inputs, index, form=form)
     _check_against_one_scan_per_sequence(scan, lengths, inputs, chunk, index.chunk_start)
     x, dt, A, B, C, D, initial = inputs
@@ -142,19 +124,19 @@ def test_one_token_spans_beside_long_ones_start_from_their_own_state(form, group
     heads_of_group = torch.arange(4) // (4 // groups)
     decay = torch.exp(dt[row] * A)[:, None, None]
     token = (x[row] * dt[row][:, None])[:, :, None] * B[row][heads_of_group][:, None, :]
-    _close(scan.final_states[one], decay * initial[one] + token)
+    assert_scan_close(scan.final_states[one], decay * initial[one] + token)
 
 
 def test_equal_chunk_counts_and_mixed_counts_carry_alike() -> None:
     """The carry's two paths (every sequence with as many chunks: strided views; mixed counts: one
     multiply-add per chunk) give the same states for the same sequences."""
     chunk = 16
-    inputs_equal = _inputs([48, 48], 4, 1, 0.1, 5)
+    inputs_equal = scan_inputs([48, 48], 4, 1, 0.1, 5)
     spans = tuple(PrefillSpan(48 * i, 48, 1, i, torch.zeros(0, dtype=torch.int64)) for i in range(2))
     equal = packed_scan(*inputs_equal, build_packed_index(spans, chunk, 3, torch.device("cpu")))
     # the same two sequences with a 5-token one between them: mixed counts
     x, dt, A, B, C, D, initial = inputs_equal
-    extra = _inputs([5], 4, 1, 0.1, 6)
+    extra = scan_inputs([5], 4, 1, 0.1, 6)
 
     def mixed(t: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         return torch.cat([t[:48], e, t[48:]])
@@ -166,7 +148,7 @@ def test_equal_chunk_counts_and_mixed_counts_carry_alike() -> None:
                    PrefillSpan(53, 48, 1, 2, torch.zeros(0, dtype=torch.int64)))  # fmt: skip
     index = build_packed_index(spans_mixed, chunk, 3, torch.device("cpu"))
     mixed_scan = packed_scan(*inputs_mixed, index)
-    _close(mixed_scan.y[:48], equal.y[:48])
-    _close(mixed_scan.y[53:], equal.y[48:])
-    _close(mixed_scan.final_states[[0, 2]], equal.final_states)
-    _close(mixed_scan.chunk_start_states[[0, 1, 2, 4, 5, 6]], equal.chunk_start_states)
+    assert_scan_close(mixed_scan.y[:48], equal.y[:48])
+    assert_scan_close(mixed_scan.y[53:], equal.y[48:])
+    assert_scan_close(mixed_scan.final_states[[0, 2]], equal.final_states)
+    assert_scan_close(mixed_scan.chunk_start_states[[0, 1, 2, 4, 5, 6]], equal.chunk_start_states)
