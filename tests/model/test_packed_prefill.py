@@ -18,6 +18,11 @@ from gpu_worker.model.ssd import ssd_scan
 from hybridserve_cli.init_model import ModelSpec
 
 TOL = 1e-5
+# The oracle's own float32 error against the recurrence: its chunked scan weighs tokens by exp() of differences
+# of cumulative log-decays, which lose digits as the sums grow (mixers here decay by up to 30 a token). On
+# lengths [30, 40], seed 387 the oracle's final state was 2.0e-5 from a float64 recurrence, the C kernel's
+# 1.3e-7; the packed torch scan shares the oracle's sums and stays within TOL of it.
+RECURRENCE_TOL = 1e-4
 
 
 def _mixer(num_groups: int, d_conv: int, chunk: int, seed: int) -> Mamba2Mixer:
@@ -82,9 +87,10 @@ def test_packed_prefill_matches_one_scan_per_sequence(lengths, warm, num_decode,
         ref = mixer(hidden, _context(num_decode, spans), conv_ref, ssm_ref)
     # float32 rounding of two summation orders grows with the values (outputs reach ~3 here): TOL absolute
     # and relative, as torch.testing.assert_close combines them
-    torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
-    torch.testing.assert_close(conv, conv_ref, rtol=TOL, atol=TOL)
-    torch.testing.assert_close(ssm, ssm_ref, rtol=TOL, atol=TOL)
+    tol = RECURRENCE_TOL if mixer.native_prefill else TOL
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(conv, conv_ref, rtol=TOL, atol=TOL)  # the conv is bit for bit in both
+    torch.testing.assert_close(ssm, ssm_ref, rtol=tol, atol=tol)
 
 
 @settings(max_examples=15, deadline=None)
