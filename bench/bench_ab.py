@@ -55,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workload", default="random", choices=("random", "repeat"))
+    parser.add_argument("--max-num-seqs", type=int, default=0, help="both workers' --max-num-seqs (0: --clients)")
     add_load_args(parser)
     return parser.parse_args()
 
@@ -71,7 +72,7 @@ def main() -> int:
     temperature = WORKLOADS[args.workload]
     shared = tuple(shlex.split(args.shared_args))
     print(f"model: hidden {args.hidden_size}, {args.layers} layers, vocab {args.vocab_size}; {args.workload}"
-          f" prompts of {args.prompt_len} tokens, {args.max_tokens} new; {args.clients} client(s), {args.rounds}"
+          f" prompts of {args.prompt_len}..{max(args.prompt_len, args.prompt_max)} tokens, {args.max_tokens} new; {args.clients} client(s), {args.rounds}"
           f" round(s), who goes first alternating; both: {args.shared_args or '-'}; A: {args.a_args or '-'};"
           f" B: {args.b_args or '-'}", flush=True)  # fmt: skip
     with Stack() as base, tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +85,7 @@ def main() -> int:
             for side, extra in (("A", args.a_args), ("B", args.b_args)):
                 ports[side] = free_port()
                 flags = (*shared, *shlex.split(extra), "--metrics-port", str(ports[side]))
-                stacks[side], _, urls[side] = start_ours(model, scheduler, max(args.clients, 1), "auto", 1, flags)
+                stacks[side], _, urls[side] = start_ours(model, scheduler, args.max_num_seqs or max(args.clients, 1), "auto", 1, flags)
             roots = [s.child.pid for st in stacks.values() for s in st.services]
             for url in urls.values():  # a fresh server's first calls stream in bursts
                 run_load(url, repeat_prompts(2, 16, args.vocab_size, 99), 2, 8, 0.0)

@@ -86,7 +86,8 @@ def prompts_for(workload: str, clients: int, args: argparse.Namespace) -> list[l
     n = max(args.min_requests, 2 * clients)
     if workload == "repeat":
         return repeat_prompts(n, args.prompt_len, args.vocab_size, args.seed + clients)
-    return make_prompts(n, args.prompt_len, args.prompt_len, args.vocab_size, seed=args.seed + clients)
+    longest = max(args.prompt_len, getattr(args, "prompt_max", 0))
+    return make_prompts(n, args.prompt_len, longest, args.vocab_size, seed=args.seed + clients)
 
 
 def table(args: argparse.Namespace, sides: dict[str, tuple[str, str]], roots: list[int]) -> None:
@@ -139,7 +140,7 @@ def vllm_cell(args: argparse.Namespace, model: Path, ours: tuple[str, str], root
     if args.method == "ngram":
         config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.ngram_min,
                   "prompt_lookup_max": args.ngram_max}  # fmt: skip
-    max_len = args.prompt_len + args.max_tokens + 8
+    max_len = max(args.prompt_len, args.prompt_max) + args.max_tokens + 8
     server, mode = None, f"{'n-gram' if args.method == 'ngram' else 'MTP'} speculation"
     try:
         try:
@@ -198,6 +199,8 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
     bench_ab.py."""
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (EOS ignored)")
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--prompt-max", type=int, default=0,
+                        help="random prompts of --prompt-len..this many tokens (0: all of --prompt-len)")
     parser.add_argument("--min-requests", type=int, default=4, help="requests per run at least (else 2 a client)")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
