@@ -72,7 +72,8 @@ def main() -> int:
     temperature = WORKLOADS[args.workload]
     shared = tuple(shlex.split(args.shared_args))
     print(f"model: hidden {args.hidden_size}, {args.layers} layers, vocab {args.vocab_size}; {args.workload}"
-          f" prompts of {args.prompt_len}..{max(args.prompt_len, args.prompt_max)} tokens, {args.max_tokens} new; {args.clients} client(s), {args.rounds}"
+          f" prompts of {args.prompt_len}..{max(args.prompt_len, args.prompt_max)} tokens, {args.max_tokens} new;"
+          f" {args.clients} client(s), {args.rounds}"
           f" round(s), who goes first alternating; both: {args.shared_args or '-'}; A: {args.a_args or '-'};"
           f" B: {args.b_args or '-'}", flush=True)  # fmt: skip
     with Stack() as base, tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +86,9 @@ def main() -> int:
             for side, extra in (("A", args.a_args), ("B", args.b_args)):
                 ports[side] = free_port()
                 flags = (*shared, *shlex.split(extra), "--metrics-port", str(ports[side]))
-                stacks[side], _, urls[side] = start_ours(model, scheduler, args.max_num_seqs or max(args.clients, 1), "auto", 1, flags)
+                stacks[side], _, urls[side] = start_ours(
+                    model, scheduler, args.max_num_seqs or max(args.clients, 1), "auto", 1, flags
+                )
             roots = [s.child.pid for st in stacks.values() for s in st.services]
             for url in urls.values():  # a fresh server's first calls stream in bursts
                 run_load(url, repeat_prompts(2, 16, args.vocab_size, 99), 2, 8, 0.0)

@@ -199,8 +199,12 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
     bench_ab.py."""
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (EOS ignored)")
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--prompt-max", type=int, default=0,
-                        help="random prompts of --prompt-len..this many tokens (0: all of --prompt-len)")
+    parser.add_argument(
+        "--prompt-max",
+        type=int,
+        default=0,
+        help="random prompts of --prompt-len..this many tokens (0: all of --prompt-len)",
+    )
     parser.add_argument("--min-requests", type=int, default=4, help="requests per run at least (else 2 a client)")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)

@@ -148,7 +148,7 @@ FLAGS = {
     ),
     "compile_step_sizes": Flag(
         "on CPU, compile whole decode steps (embedding to logits, every layer) for these batch sizes at start-up,"
-        " one program each; a step of n rows runs in the smallest size >= n, others eagerly: auto (1,2,4,8"
+        " one program each; a step of n rows runs in the smallest size >= n, others eagerly: auto (1,2,4,8,16,32"
         " up to --max-num-seqs, where a C++ compiler is found) | off | comma-separated sizes"
     ),
     "model_process": Flag(

@@ -45,7 +45,7 @@ class RunnerConfig:
     decode_compile: str = "off"
     # on CPU, compile whole decode steps (embedding to logits) for these batch sizes at start-up, one program
     # per size; a step of n rows runs in the smallest size >= n (gpu_worker.model.backends.cpu.compiled_step):
-    # "" / "off" = none | "auto" = 1,2,4,8 up to max_num_seqs | "1,2,4,..."
+    # "" / "off" = none | "auto" = 1,2,4,8,16,32 up to max_num_seqs | "1,2,4,..."
     compile_step_sizes: str = ""
     # run the forward in a child process beside the worker (gpu_worker.runner.model_process): auto = on CPU
     # (Linux), never on CUDA | on | off

@@ -137,7 +137,9 @@ def test_decode_steps_on_every_thread_count_they_take_run_the_compiled_programs(
 
 def test_compile_step_sizes_setting() -> None:
     assert parse_buckets("", 32) == () and parse_buckets("off", 32) == ()
-    assert parse_buckets("auto", 32) == (1, 2, 4, 8)
+    assert parse_buckets("auto", 32) == (1, 2, 4, 8, 16, 32)
+    assert parse_buckets("auto", 256) == (1, 2, 4, 8, 16, 32)
+    assert parse_buckets("auto", 20) == (1, 2, 4, 8, 16, 20)
     assert parse_buckets("auto", 6) == (1, 2, 4, 6)
     assert parse_buckets("8,2, 2", 32) == (2, 8)
     for bad in ("0,2", "one", "2,,x"):

@@ -53,7 +53,12 @@ from hybridserve.errors import InvalidArgumentError
 log = logging.getLogger("hybridserve.worker.compile")
 STANCE = "eager_on_recompile"
 MIN_PAGE_COLUMNS = 2  # the page table's width is dynamic from 2 (inductor specialises a size of 1)
-AUTO_BUCKETS = (1, 2, 4, 8)
+# `auto`'s buckets. Up to 8 rows only, the 32-row steps of 32 clients ran the eager forward: 17.9 ms a
+# step served against 14.7 ms for the 32-row program in process (benchmark model, float32, one thread,
+# Intel Xeon); with 16 and 32 added, 32 closed-loop clients got 1.14x the output tokens/s at 0.86x the
+# ITL (bench/bench_ab.py, bench/RESULTS.md). Each bucket adds about 10 s to a cold start, a second or two
+# from inductor's disk cache. Verify programs stay within COMPILED_SPECULATIVE_ROWS (engine settings).
+AUTO_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 def parse_buckets(text: str, max_num_seqs: int) -> tuple[int, ...]:
