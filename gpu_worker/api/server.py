@@ -142,6 +142,10 @@ FLAGS = {
         "the prefill's SSD scan on CPU: sequential (the plain recurrence in a C kernel built at start-up; chunked"
         " where no C compiler is found) | chunked (chunked GEMMs)"
     ),
+    "cpu_small_projections": Flag(
+        "float32 projections of under 2 MB of weight at up to 32 rows on CPU: mkl (torch's F.linear, MKL's"
+        " sgemm) | onednn (oneDNN on prepacked weights) | auto (mkl on Intel cores, where MKL runs AVX-512)"
+    ),
     "decode_compile": Flag(
         "torch.compile the Mamba decode step on CPU at start-up (readiness waits for it unless"
         " --serve-while-warming): auto (when a C++ compiler is found) | on | off"
@@ -209,7 +213,7 @@ ENGINE_FIELDS = (
 RUNNER_FIELDS = (
     "memory_budget_bytes", "gpu_memory_utilization", "num_checkpoint_slots", "checkpoint_memory_bytes", "device",
     "dtype", "cpu_threads", "cpu_decode_threads", "cpu_prefill_threads", "cpu_prefill_min_tokens", "cpu_prefill_scan",
-    "decode_compile", "compile_step_sizes", "model_process",
+    "cpu_small_projections", "decode_compile", "compile_step_sizes", "model_process",
     "model_process_min_rows", "model_processes", "model_process_split_min_tokens", "model_process_lone_threads",
     "cpu_warm_rows",
 )  # fmt: skip  # the rest follow the config

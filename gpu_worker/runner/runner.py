@@ -24,7 +24,12 @@ from gpu_worker.model.backends import kernel_backend
 from gpu_worker.model.backends.cpu import mamba_prefill
 from gpu_worker.model.backends.cpu.compiled_decode import DecodeCompiler, can_compile, use_persistent_cache
 from gpu_worker.model.backends.cpu.compiled_step import MIN_PAGE_COLUMNS, CompiledDecodeSteps, parse_buckets
-from gpu_worker.model.backends.cpu.linear import pack_limit, use_onednn_linears, warm_onednn_linears
+from gpu_worker.model.backends.cpu.linear import (
+    pack_limit,
+    small_projections,
+    use_onednn_linears,
+    warm_onednn_linears,
+)
 from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY, StackedSpanRecord
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.context import ForwardContext
@@ -236,7 +241,8 @@ class ModelRunner(RunnerFacts, LogitsRunner):
                 if isinstance(module, Mamba2Mixer):
                     module.chunk_size = min(module.chunk_size, CPU_SCAN_CHUNK_TOKENS)
                     module.native_prefill = sequential
-            use_onednn_linears(self.model, pack_limit(host_memory_bytes()))  # oneDNN, ~2.2x MKL on AMD
+            self._small_projections = small_projections(config.cpu_small_projections)
+            use_onednn_linears(self.model, pack_limit(host_memory_bytes()), self._small_projections == "mkl")
             if config.cpu_warm_rows > 0:  # not a daemon: the interpreter must not end under a oneDNN call
                 self._warming = threading.Thread(
                     target=self._warm_linears, args=(config.cpu_warm_rows, config.max_num_seqs), name="warm-linears"
@@ -567,4 +573,5 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             "num_checkpoint_slots": self.state_pool.num_checkpoint_slots,
             **({"cpu_decode_threads": self.step_threads.decode} if self.step_threads is not None else {}),
             **({"cpu_prefill_scan": self._prefill_scan} if self.device.type == "cpu" else {}),
+            **({"cpu_small_projections": self._small_projections} if self.device.type == "cpu" else {}),
         }

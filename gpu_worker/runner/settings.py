@@ -9,6 +9,7 @@ from hybridserve.errors import InvalidArgumentError
 
 DECODE_COMPILE_MODES = ("auto", "on", "off")
 PREFILL_SCANS = ("sequential", "chunked")
+SMALL_PROJECTIONS = ("auto", "mkl", "onednn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,10 @@ class RunnerConfig:
     # the prefill's SSD scan on CPU: sequential = the plain recurrence in C (backends/cpu/mamba_prefill; the
     # chunked form where no C compiler builds it) | chunked = chunked GEMMs (backends/cpu/packed_scan)
     cpu_prefill_scan: str = "sequential"
+    # float32 projections of under 2 MB of weight at up to 32 rows on CPU: mkl = F.linear (MKL's sgemm) | onednn =
+    # oneDNN on prepacked weights from 3 rows | auto = mkl where MKL takes its AVX-512 path (Intel), else onednn
+    # (gpu_worker.model.backends.cpu.linear.MKL_MAX_BYTES)
+    cpu_small_projections: str = "auto"
     # torch.compile the Mamba decode step on CPU, in the background at start-up (eager until it is ready):
     # auto = when a C++ compiler is found | on | off (gpu_worker.model.backends.cpu.compiled_decode)
     decode_compile: str = "off"
@@ -112,6 +117,11 @@ class RunnerConfig:
         if self.cpu_prefill_scan not in PREFILL_SCANS:
             raise InvalidArgumentError(
                 f"cpu_prefill_scan must be one of {', '.join(PREFILL_SCANS)}, got {self.cpu_prefill_scan!r}"
+            )
+        if self.cpu_small_projections not in SMALL_PROJECTIONS:
+            raise InvalidArgumentError(
+                f"cpu_small_projections must be one of {', '.join(SMALL_PROJECTIONS)},"
+                f" got {self.cpu_small_projections!r}"
             )
         if self.decode_compile not in DECODE_COMPILE_MODES:
             raise InvalidArgumentError(

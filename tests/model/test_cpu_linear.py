@@ -13,6 +13,8 @@ from torch import nn
 
 from gpu_worker.model.backends.cpu.linear import (
     EXACT_ROWS,
+    MKL_MAX_BYTES,
+    MKL_MAX_ROWS,
     ONEDNN_MIN_ROWS,
     PACK_FEW_ROWS_BYTES,
     PACK_HOST_SHARE,
@@ -22,10 +24,12 @@ from gpu_worker.model.backends.cpu.linear import (
     ROW_BUCKET,
     OneDnnLinear,
     bucket_rows,
+    mkl_takes_avx512,
     onednn_available,
     pack_available,
     pack_limit,
     packs_dtype,
+    small_projections,
     use_onednn_linears,
     warm_onednn_linears,
 )
@@ -224,3 +228,42 @@ def test_the_pack_limit_follows_the_host() -> None:
     model = nn.Sequential(nn.Linear(64, 64))
     use_onednn_linears(model, max_pack_bytes=64 * 64 * 4 - 1)
     assert not model[0].packs
+
+
+@pytest.mark.skipif(not pack_available(), reason="this torch build cannot pack a weight for oneDNN")
+def test_small_float32_weights_stay_with_mkl_up_to_its_rows() -> None:
+    """With `mkl_small` (Intel cores), a float32 weight under MKL_MAX_BYTES is F.linear's, bit for bit, up to
+    MKL_MAX_ROWS rows and takes its pack from the next row; larger and bfloat16 weights keep their packs from one
+    row, and without it the small weight takes its pack from PACKED_MIN_ROWS rows."""
+    torch.manual_seed(0)
+    wide = (MKL_MAX_BYTES // 4) // 256 + 1  # out features of a 256-wide float32 weight just over the bound
+    model = nn.Sequential(nn.Linear(256, 64), nn.Linear(64, 256), nn.Linear(256, wide, bias=False))
+    half = nn.Sequential(nn.Linear(256, 64)).to(torch.bfloat16)
+    use_onednn_linears(model, mkl_small=True)
+    use_onednn_linears(half, mkl_small=True)
+    assert [layer.min_rows for layer in model] == [MKL_MAX_ROWS + 1, MKL_MAX_ROWS + 1, 1]
+    assert half[0].min_rows == 1 and all(layer.packs for layer in model)
+    with torch.inference_mode():
+        for rows in (1, 8, MKL_MAX_ROWS):
+            x = torch.randn(rows, 256)
+            assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+        x = torch.randn(MKL_MAX_ROWS + 1, 256)
+        torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
+    assert model[0]._pack is not None  # the pack was taken from MKL_MAX_ROWS + 1 rows
+    plain = nn.Sequential(nn.Linear(256, 64))
+    use_onednn_linears(plain)
+    assert plain[0].min_rows == PACKED_MIN_ROWS
+
+
+def test_small_projections_resolve_by_the_cores() -> None:
+    assert small_projections("auto") == ("mkl" if mkl_takes_avx512() else "onednn")
+    assert small_projections("mkl") == "mkl" and small_projections("onednn") == "onednn"
+
+
+def test_the_small_projections_setting_is_checked() -> None:
+    from gpu_worker.runner.settings import RunnerConfig
+    from hybridserve.errors import InvalidArgumentError
+
+    assert RunnerConfig().cpu_small_projections == "auto"
+    with pytest.raises(InvalidArgumentError, match="cpu_small_projections must be one of auto, mkl, onednn"):
+        RunnerConfig(cpu_small_projections="blas")

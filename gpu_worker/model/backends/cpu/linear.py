@@ -47,6 +47,7 @@ native path) projections stay F.linear's.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import typing
 import weakref
@@ -73,6 +74,14 @@ PACK_FEW_ROWS_BYTES = 512 << 10
 # F.linear against oneDNN on the plain weight: one thread 23.1 / 17.3, two threads 23.4 / 10.8; a 3,080 x
 # 768 projection on two threads 0.181 / 0.096 (AMD EPYC, bench/RESULTS.md).
 PLAIN_FEW_ROWS_BYTES = 2 << 20
+# Where MKL's sgemm takes its AVX-512 path (Intel cores: `mkl_takes_avx512`), float32 weights under
+# MKL_MAX_BYTES go to F.linear up to MKL_MAX_ROWS rows, packed or not: whole compiled decode steps of the
+# benchmark model (all its weights under 2 MB), one thread, Intel Xeon (AVX-512, AMX), ms, oneDNN's packs
+# against F.linear: 4 rows 4.27 / 3.08, 8 rows 5.24-5.49 / 4.04-4.31, 16 rows 8.39 / 6.72, 32 rows 14.28 /
+# 12.0. Larger weights keep oneDNN (the 100k-vocabulary LM head at 8 rows on the same cores: 67.8 ms by
+# F.linear, 36.5 ms by oneDNN), and so do AMD cores, where MKL runs its AVX2 path (the tables above).
+MKL_MAX_BYTES = 2 << 20
+MKL_MAX_ROWS = 32
 # The most projection-weight bytes a model may have for its projections to be packed (one private copy
 # per process that runs the model: the 6.4M-parameter benchmark model has 25 MB, the 100k-vocabulary one
 # 0.5 GB in float32), and at most 1/PACK_HOST_SHARE of the host's memory (`pack_limit`). The 100k model in
@@ -108,6 +117,20 @@ def onednn_available() -> bool:
 
 
 @functools.cache
+def mkl_takes_avx512() -> bool:
+    """Whether MKL's sgemm runs its AVX-512 kernels here: an Intel CPU with AVX-512 (MKL picks its code
+    path by vendor; on AMD cores it takes AVX2). Read from /proc/cpuinfo; False where that is missing."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            text = info.read(1 << 16)
+    except OSError:
+        return False
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
+    flags = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return bool(vendor and vendor.group(1) == "GenuineIntel" and flags and " avx512f" in flags.group(1))
+
+
+@functools.cache
 def packs_dtype(dtype: torch.dtype) -> bool:
     """Whether weights of `dtype` are packed for oneDNN: float32 always; bfloat16 where oneDNN has a native
     bfloat16 path on these cores (AVX-512 BF16 or AMX; elsewhere it would convert every call)."""
@@ -126,6 +149,7 @@ class OneDnnLinear(nn.Linear):
     # set per module by set_packing (the class is switched in place: no __init__ runs)
     packs = False
     min_rows = ONEDNN_MIN_ROWS
+    mkl_small = False  # a small float32 weight stays with F.linear up to MKL_MAX_ROWS (use_onednn_linears)
     _pack: torch.Tensor | None = None
     _pack_of: tuple[int, int] | None = None  # (data pointer, version) of the weight `_pack` was made from
 
@@ -140,6 +164,8 @@ class OneDnnLinear(nn.Linear):
             self.min_rows = 1 if few else PACKED_MIN_ROWS
         else:
             self.min_rows = 1 if size >= PLAIN_FEW_ROWS_BYTES else ONEDNN_MIN_ROWS
+        if self.mkl_small and self.weight.dtype == torch.float32 and size < MKL_MAX_BYTES:
+            self.min_rows = MKL_MAX_ROWS + 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -218,10 +244,11 @@ def pack_limit(host_bytes: int) -> int:
     return min(PACK_MAX_BYTES, host_bytes // PACK_HOST_SHARE) if host_bytes > 0 else PACK_MAX_BYTES
 
 
-def use_onednn_linears(model: nn.Module, max_pack_bytes: int | None = None) -> int:
+def use_onednn_linears(model: nn.Module, max_pack_bytes: int | None = None, mkl_small: bool = False) -> int:
     """Switches every plain `nn.Linear` in `model` to `OneDnnLinear` (in place: the class changes, the
     parameters and the state dict do not), packing their weights where they total at most `max_pack_bytes`
-    (PACK_MAX_BYTES by default). Returns how many were switched; 0 when oneDNN is missing."""
+    (PACK_MAX_BYTES by default); with `mkl_small`, float32 weights under MKL_MAX_BYTES stay with F.linear
+    up to MKL_MAX_ROWS rows (`small_projections`). Returns how many were switched; 0 when oneDNN is missing."""
     if not onednn_available():
         return 0
     limit = PACK_MAX_BYTES if max_pack_bytes is None else max_pack_bytes
@@ -233,8 +260,17 @@ def use_onednn_linears(model: nn.Module, max_pack_bytes: int | None = None) -> i
     )
     for module in switched:
         module.__class__ = OneDnnLinear
+        typing.cast(OneDnnLinear, module).mkl_small = mkl_small
         typing.cast(OneDnnLinear, module).set_packing(packs)
     return len(switched)
+
+
+def small_projections(setting: str) -> str:
+    """RunnerConfig.cpu_small_projections resolved: "mkl" or "onednn" as given; auto: "mkl" where MKL's
+    sgemm takes its AVX-512 path (`mkl_takes_avx512`), else "onednn"."""
+    if setting == "auto":
+        return "mkl" if mkl_takes_avx512() else "onednn"
+    return setting
 
 
 def pack_available() -> bool:
