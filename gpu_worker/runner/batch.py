@@ -84,6 +84,9 @@ class ForwardOutput:
     # token and each row's first packed index, for the MTP head after sampling; None when no row uses it
     hidden: torch.Tensor | None = None
     token_start: tuple[int, ...] = ()
+    # each row's first maximal token [num_sequences] int64 and log-normaliser [num_sequences] float32 of
+    # `logits`, where a compiled decode program computed them (the sampler then reads them); None otherwise
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def score_targets(seq: SequenceChunk) -> list[int]:

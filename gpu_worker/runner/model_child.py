@@ -141,7 +141,7 @@ def _step(runner: ModelRunner, reader: TableReader, step: Step, conn: Connection
                 raise RuntimeError(f"expected the step's masks, got {type(ready).__name__}")
         bitmask, before = reader.masks_of(slots, masked_draft_counts(batch, sampling)) if masked else (None, [])
         rows_masks = bitmask[: len(slots)] if bitmask is not None else None
-        sampled = sample_step(out.logits, batch, sampling, reader.tables.history, rows_masks)
+        sampled = sample_step(out.logits, batch, sampling, reader.tables.history, rows_masks, out.stats)
         if out.draft_logits:  # speculation: the drafts checked, the states rolled back to the accepted ones
             sampled = verify_drafts(out, batch, sampling, sampled, reader.tables.history, bitmask, before)
             roll_back(runner.state_pool, batch, sampled.drafts, out.draft_records)

@@ -207,7 +207,7 @@ class LogitsRunner:
             self._history.publish(batch, sampling)
         tables = self._history.tables if self._history is not None else None
         rows_masks = bitmask[: len(sampling.masked)] if bitmask is not None else None
-        sampled = sample_step(out.logits, batch, sampling, tables, rows_masks)
+        sampled = sample_step(out.logits, batch, sampling, tables, rows_masks, out.stats)
         if out.draft_logits:  # speculation: the drafts checked, the states rolled back to the accepted ones
             sampled = verify_drafts(out, batch, sampling, sampled, tables, bitmask, before)
             roll_back(self.pools.state_pool, batch, sampled.drafts, out.draft_records)  # type: ignore[attr-defined]

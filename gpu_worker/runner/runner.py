@@ -404,7 +404,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             compiled = programs.run(packed.ctx, packed.input_ids)
             if compiled is None:  # its bucket and readiness were checked: the drafted rows ran already
                 raise RuntimeError(f"no decode program took the step's {len(plain)} plain rows")
-            plain_logits = compiled.index_select(0, packed.last_index)
+            plain_logits = compiled[0].index_select(0, packed.last_index)
         self._save_checkpoints(batch)
         real = slice(inputs.num_padding, None)
         logits = logits[real]  # [drafted rows, L, vocab]
@@ -495,7 +495,8 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             compiled = self.decode_steps.run(packed.ctx, packed.input_ids)  # None: no bucket holds it
             if compiled is not None:
                 self._save_checkpoints(batch)
-                return ForwardOutput(logits=compiled.index_select(0, packed.last_index))
+                logits, first_max, lse = (t.index_select(0, packed.last_index) for t in compiled)
+                return ForwardOutput(logits=logits, stats=(first_max, lse))
         hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]
         logits_of = self.model.compute_logits
         self._save_checkpoints(batch)

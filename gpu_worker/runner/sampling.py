@@ -187,24 +187,30 @@ def sample_step(
     sampling: StepSampling,
     history: HistoryTables | None = None,
     bitmask: torch.Tensor | None = None,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> StepOutput:
     """`sampling`'s tokens from `last_logits` [num_sequences, vocab]: the logits after each batch row's last
     token (the runner's forward output; the controlled rows are overwritten: sample_rows). `history` holds
     the state of the rows whose params need_history (written for this step already). `bitmask`
     [len(sampling.masked), words] int32: the masked rows' token masks, filled (required when
-    `sampling.masked` is not empty)."""
+    `sampling.masked` is not empty). `stats`: every row's first maximal token and log-normaliser where the
+    forward computed them (ForwardOutput.stats: a compiled decode program)."""
     if not sampling.rows:
         return EMPTY_OUTPUT
     rows = sampling.rows
-    logits = last_logits if len(rows) == last_logits.shape[0] else last_logits[list(rows)]  # all rows: no copy
+    every = len(rows) == last_logits.shape[0]
+    logits = last_logits if every else last_logits[list(rows)]  # all rows: no copy
+    if stats is not None and not every:
+        stats = (stats[0][list(rows)], stats[1][list(rows)])
     if sampling.masked and bitmask is None:
         raise InvalidArgumentError(f"sample_step: {len(sampling.masked)} masked rows and no bitmask")
     seqs = batch.sequences
     slots = [seqs[rows[j]].state_slot for j in sampling.special]
     positions = sample_positions(batch, sampling)
     return sample_rows(
-        logits, sampling.special, sampling.params, positions, sampling.masked, bitmask, slots=slots, history=history
-    )
+        logits, sampling.special, sampling.params, positions, sampling.masked, bitmask, slots=slots, history=history,
+        stats=stats,
+    )  # fmt: skip
 
 
 SPARSE_MASK_SHARE = 4  # a mask with at most 1/4 of its words non-zero is chosen from by a gather
@@ -342,6 +348,7 @@ def sample_rows(
     *,
     slots: Sequence[int] = (),
     history: HistoryTables | None = None,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> StepOutput:
     """`sample` where only `rows` (ascending) need more than the argmax: `params`/`positions` are theirs,
     one each (a position keys a seeded row's random stream; `slots`, their state slots, key `history` for
@@ -356,11 +363,13 @@ def sample_rows(
     log-normaliser: gpu_worker.model.backends.cpu.logit_stats), one gather and two tolists. Same tokens and
     log-probabilities as row by row. The masks and the controls (apply_controls) write into their rows of
     `logits` (a float32 tensor is not copied): the log-probabilities are of the raw logits (the rows
-    written are copied first)."""
+    written are copied first). `stats`, every row's first maximal token and log-normaliser of `logits` where
+    a compiled decode program has them already (the same kernel), spares that kernel here."""
     if len(params) != len(rows) or len(positions) != len(rows):
         raise InvalidArgumentError(f"sample_rows: {len(rows)} rows, {len(params)} params, {len(positions)} positions")
     logits = logits.float()
-    first_max, lse = logit_stats.stats(logits)  # [b] each, of the raw logits: one kernel over every row
+    # [b] each, of the raw logits: one kernel over every row, unless the forward's program ran it (`stats`)
+    first_max, lse = stats if stats is not None else logit_stats.stats(logits)
     vocab = logits.shape[-1]
     max_n = max([p.num_logprobs for p in params], default=0)
     top: list[TopLogprobs] | None = None

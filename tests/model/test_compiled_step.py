@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_worker.model.backends.cpu import logit_stats
 from gpu_worker.model.backends.cpu.compiled_step import parse_buckets
 from gpu_worker.runner.batch import Batch
 from gpu_worker.runner.runner import ModelRunner
@@ -65,8 +66,14 @@ def test_compiled_step_equals_the_eager_step(checkpoints, name: str) -> None:
         pairs.append(reqs)
     # 4 rows (its bucket, slots out of order), 3 (padded to 4), 1 (bucket 1), 2 (padded), then 4 again
     for order in ([2, 0, 3, 1], [3, 1, 0], [2], [1, 3], [0, 1, 2, 3], [3, 2, 1, 0]):
-        outs = [runner.forward(Batch(tuple(reqs[i].chunk(1) for i in order))).logits for runner, reqs in
-                zip((eager, compiled), pairs, strict=True)]  # fmt: skip
+        forwards = [runner.forward(Batch(tuple(reqs[i].chunk(1) for i in order))) for runner, reqs in
+                    zip((eager, compiled), pairs, strict=True)]  # fmt: skip
+        outs = [f.logits for f in forwards]
+        # the program's greedy tokens and log-normalisers: the sampler's kernel on the program's logits
+        assert forwards[0].stats is None and forwards[1].stats is not None
+        first_max, lse = logit_stats.stats(outs[1])
+        assert torch.equal(forwards[1].stats[0], first_max) and torch.equal(forwards[1].stats[1], lse)
+        assert torch.equal(first_max, outs[0].argmax(dim=-1)), f"{name}: rows {order}: greedy tokens differ"
         diff = (outs[0] - outs[1]).abs().max().item()
         assert diff <= TOL, f"{name}: rows {order}: logits differ by {diff}"
         for a, b in zip(_pools(eager), _pools(compiled), strict=True):

@@ -1,7 +1,8 @@
 """The sampler's argmax and log-normaliser kernel (gpu_worker.model.backends.cpu.logit_stats): each row's first
 maximal index and logsumexp equal torch's, at a small and a real (100,352) vocabulary, on rows a stride
 apart, with ties, a row masked out entirely and a NaN; the sampler built on it gives plain rows torch's
-argmax and log_softmax, and rows the controls write into the raw distribution's log-probabilities."""
+argmax and log_softmax, and rows the controls write into the raw distribution's log-probabilities; given a
+compiled program's stats, the sampler gives what it gives on its own."""
 
 from __future__ import annotations
 
@@ -69,3 +70,15 @@ def test_the_sampler_gives_raw_log_probabilities(kernel: None, vocab: int) -> No
     top_vals, top_ids = reference[2].topk(3)
     assert [t for t, _ in out.top_logprobs[2]] == top_ids.tolist()
     torch.testing.assert_close(torch.tensor([v for _, v in out.top_logprobs[2]]), top_vals, rtol=0, atol=1e-5)
+
+
+def test_the_sampler_reads_a_programs_stats_as_its_own(kernel: None) -> None:
+    """A compiled decode program hands the sampler each row's argmax and log-normaliser (ForwardOutput.stats):
+    the tokens, log-probabilities and alternatives are those it computes itself, plain and controlled rows alike."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 512, generator=g) * 3
+    rows, params = [1, 3], [SamplingParams(num_logprobs=2), SamplingParams(logit_bias=((7, 50.0),))]
+    own = sample_rows(logits.clone(), rows, params, [0, 0])
+    given = sample_rows(logits.clone(), rows, params, [0, 0], stats=logit_stats.stats(logits))
+    assert given.token_ids == own.token_ids and given.logprobs == own.logprobs
+    assert given.top_logprobs == own.top_logprobs and given.token_ids[3] == 7

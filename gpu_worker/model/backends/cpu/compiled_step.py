@@ -1,6 +1,7 @@
 """Whole decode steps compiled on CPU, one program per batch-size bucket (what CUDA graphs are on a GPU).
 
-`decode_program.decode_logits` (token ids to logits through every layer) is compiled by torch.compile
+`decode_program.decode_tokens` (token ids to logits through every layer, then each row's greedy token and
+log-normaliser) is compiled by torch.compile
 (inductor's C++ backend) once per bucket, at start-up: the runner's warm-up calls `compile_all` on a
 scratch decode row, and the worker reports ready after it. Every later start reads inductor's on-disk
 cache (TORCHINDUCTOR_CACHE_DIR; the worker defaults it to ~/.cache/hybridserve/inductor) and compiles
@@ -32,7 +33,10 @@ eagerly (gpu_worker.model.backends.cpu.compiled_decode, thread counts).
 The decode programs advance each Mamba layer's SSM state through a small C kernel (ssm_update), in place
 in one pass, where the machine's C compiler builds it; else through torch's gather and scatter.
 
-Sampling stays outside the programs (gpu_worker.runner.sampling runs on their logits)."""
+The sampler's part that every row needs is in the program: each row's first maximal token and its
+log-normaliser, through the sampler's own C kernel as a custom op (logit_stats), so a plain (greedy) row's
+token and log-probability come out of the program. Rows with controls, masks or alternatives are sampled
+after it from the logits (gpu_worker.runner.sampling), as after an eager step."""
 
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ import torch
 
 from gpu_worker.model.backends.cpu import ssm_update
 from gpu_worker.model.backends.cpu.compiled_decode import on_threads
-from gpu_worker.model.backends.cpu.decode_program import decode_logits, verify_logits
+from gpu_worker.model.backends.cpu.decode_program import decode_tokens, verify_logits
 from gpu_worker.model.backends.cpu.short_scan import restore_rows
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.model.model import HybridForCausalLM, KVCaches, StateTensors
@@ -65,6 +69,7 @@ MIN_PAGE_COLUMNS = 2  # the page table's width is dynamic from 2 (inductor speci
 # ITL (bench/bench_ab.py, bench/RESULTS.md). Each bucket adds about 10 s to a cold start, a second or two
 # from inductor's disk cache. Verify programs stay within COMPILED_SPECULATIVE_ROWS (engine settings).
 AUTO_BUCKETS = (1, 2, 4, 8, 16, 32)
+Greedy = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # logits [b, vocab], first maximal index [b], logsumexp [b]
 
 
 def parse_buckets(text: str, max_num_seqs: int) -> tuple[int, ...]:
@@ -109,7 +114,7 @@ class CompiledDecodeSteps:
         self.stacks = stacks
         limit = self.bucket_for(verify_rows) or (self.buckets[-1] if self.buckets else 0)
         self.verify_buckets = tuple(b for b in self.buckets if b <= limit) if self.verify_tokens else ()
-        self._program: Callable[..., torch.Tensor] = torch.compile(decode_logits)
+        self._program: Callable[..., Greedy] = torch.compile(decode_tokens)
         self._verify: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] = torch.compile(verify_logits)
         self._restore: Callable[..., None] = torch.compile(restore_rows)
         self.stance = STANCE  # tests use "fail_on_recompile" to prove the warm-up covers serving
@@ -134,16 +139,18 @@ class CompiledDecodeSteps:
         rows = (torch.arange(bucket) - (bucket - n)).clamp_(min=0)  # 0 for the padding, then 0..n-1
         return tuple(t.index_select(0, rows) for t in columns)
 
-    def run(self, ctx: ForwardContext, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Logits [num_decode, vocab] (packed order) of a decode-only step through its bucket's program;
-        None when no bucket holds it (the caller runs the eager forward)."""
+    def run(self, ctx: ForwardContext, input_ids: torch.Tensor) -> Greedy | None:
+        """A decode-only step through its bucket's program: logits [num_decode, vocab], each row's first
+        maximal token [num_decode] and log-normaliser [num_decode] (packed order); None when no bucket holds
+        it (the caller runs the eager forward)."""
         bucket = self.bucket_for(ctx.num_decode)
         if bucket is None or self.status != "ready":
             return None
         ids, pos, write, slots, table = self._inputs(ctx, input_ids, bucket)
         with torch.compiler.set_stance(self.stance):
-            logits = self._call(ids, pos, write, slots, table)
-        return logits[bucket - ctx.num_decode :]
+            logits, first_max, lse = self._call(ids, pos, write, slots, table)
+        real = slice(bucket - ctx.num_decode, None)
+        return logits[real], first_max[real], lse[real]
 
     def verify_bucket_for(self, num_rows: int) -> int | None:
         """The smallest verify bucket of at least `num_rows` rows; None when there is none."""
@@ -221,7 +228,7 @@ class CompiledDecodeSteps:
                     torch._dynamo.mark_dynamic(t, 1)
             self._restore(*args)
 
-    def _call(self, *columns: torch.Tensor) -> torch.Tensor:
+    def _call(self, *columns: torch.Tensor) -> Greedy:
         return self._program(self.model, *columns, self.page_size, self.kv_caches, self.states)
 
     def _compile_buckets(self, ctx: ForwardContext, input_ids: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ from gpu_worker.model.attention import PagedAttention
 from gpu_worker.model.backends.cpu import ssm_update
 from gpu_worker.model.backends.cpu.decode_fused import decode_inputs, gated_norm, mamba_decode_step
 from gpu_worker.model.backends.cpu.linear import OneDnnLinear, packed_linear
+from gpu_worker.model.backends.cpu.logit_stats import logit_stats_op
 from gpu_worker.model.backends.cpu.short_scan import scan_spans
 from gpu_worker.model.layers import MLP, activate, apply_rope, rope_cos_sin
 from gpu_worker.model.mamba2 import Mamba2Mixer
@@ -233,6 +234,28 @@ def decode_logits(
     final = model.final_norm(hidden)
     logits = linear(model.lm_head, final).float()
     return logits if c.logits_scaling == 1.0 else logits / c.logits_scaling
+
+
+def decode_tokens(
+    model: HybridForCausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    write_slots: torch.Tensor,
+    state_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    kv_caches: KVCaches,
+    states: StateTensors,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """decode_logits, then each row's greedy token and log-normaliser (logit_stats, the sampler's kernel):
+    (logits [b, vocab] float32, first maximal index [b] int64, logsumexp [b] float32). A plain row's token
+    and its log-probability (logits[token] - logsumexp) are then chosen in the program; the sampler reads
+    them (sampling.sample_rows' `stats`), and the rows with controls, masks or alternatives take their
+    tokens from the logits, as after an eager step."""
+    logits = decode_logits(model, input_ids, positions, write_slots, state_slots, page_table, page_size, kv_caches,
+                           states)  # fmt: skip
+    first_max, lse = logit_stats_op(logits)
+    return logits, first_max, lse
 
 
 # What a Mamba layer of a verify step returns for the rollback: its start states [b, H, P, N], a [b, H, L],

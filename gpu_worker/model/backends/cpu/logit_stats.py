@@ -9,7 +9,9 @@ the kernel: 1 row 0.165 / 0.056, 8 rows 1.255 / 0.269, 32 rows 5.539 / 1.172; at
 512 tokens both take 0.02-0.04 ms.
 
 `load()` builds it once per process (gpu_worker.model.backends.cpu.native); `stats(logits)` runs it, or
-torch's argmax and logsumexp where it cannot be built or the tensor is not a CPU float32 one."""
+torch's argmax and logsumexp where it cannot be built or the tensor is not a CPU float32 one. The compiled
+decode programs call it as a custom op (`hybridserve::logit_stats`, decode_program.decode_tokens), so a
+plain row's token is chosen inside the program and the sampler only reads it."""
 
 from __future__ import annotations
 
@@ -49,3 +51,15 @@ def stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(rows, dtype=torch.float32)
     kernel(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), argmax.data_ptr(), lse.data_ptr())
     return argmax, lse
+
+
+@torch.library.custom_op("hybridserve::logit_stats", mutates_args=())
+def logit_stats_op(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`stats` as an op a compiled program calls (an extern call inductor leaves as it is)."""
+    return stats(logits)
+
+
+@logit_stats_op.register_fake
+def _(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = logits.shape[0]
+    return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32)
