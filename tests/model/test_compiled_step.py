@@ -1,7 +1,9 @@
 """Whole decode steps compiled per batch-size bucket (gpu_worker.model.backends.cpu.compiled_step): the
 compiled step's logits equal the eager step's within 1e-5 and the pools' state rows and KV within 1e-5,
-for every family, on pages that are not consecutive and state slots out of order, with a bucket's
-padding rows; a step outside the buckets runs the eager forward without compiling; the setting's checks.
+for every family and a model of Mamba2 layers alone, on pages that are not consecutive and state slots out
+of order, with a bucket's padding rows; the program's greedy tokens and log-normalisers are the sampler's
+kernel's on its logits; a step outside the buckets runs the eager forward without compiling; the setting's
+checks.
 
 Two runners over one checkpoint step the same requests side by side: one eager (the reference), one
 with programs for buckets of 1 and 4 rows (compile time bounded: two graphs per family)."""
@@ -82,6 +84,32 @@ def test_compiled_step_equals_the_eager_step(checkpoints, name: str) -> None:
     assert compiled.describe()["compile_step_ssm"] == "kernel"  # the SSM state through ssm_update's kernel
     gaps = [b - a for r in pairs[1] for a, b in zip(r.page_ids, r.page_ids[1:], strict=False)]
     assert any(g != 1 for g in gaps), "the requests' pages were consecutive"
+
+
+@pytest.mark.slow
+def test_an_attention_free_model_compiles_its_steps(tmp_path: Path) -> None:
+    """A model of Mamba2 layers alone (no KV pool layers) decodes through its programs as it does eagerly."""
+    from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
+
+    spec = ModelSpec(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, attn_layer_indices=(),
+                     num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_state=16,
+                     mamba_chunk_size=64)  # fmt: skip
+    path = write_random_checkpoint(tmp_path / "mamba_only", spec, seed=0, with_tokenizer=False)
+    eager, compiled = _runner(path, ""), _runner(path, "1,2")
+    assert compiled.decode_steps is not None and compiled.decode_steps.status == "ready", compiled.describe()
+    compiled.decode_steps.stance = "fail_on_recompile"
+    prompts = [_prompt(96, 5, seed=1), _prompt(96, 3, seed=2)]
+    pairs = [[Request(r, p + _prompt(96, 4, seed=9)) for p in prompts] for r in (eager, compiled)]
+    for runner, reqs in zip((eager, compiled), pairs, strict=True):
+        runner.forward(Batch(tuple(r.chunk(len(p)) for r, p in zip(reqs, prompts, strict=True))))
+    for rows in ([0, 1], [1], [1, 0]):
+        outs = [runner.forward(Batch(tuple(reqs[i].chunk(1) for i in rows))) for runner, reqs in
+                zip((eager, compiled), pairs, strict=True)]  # fmt: skip
+        assert outs[1].stats is not None  # the program ran
+        diff = (outs[0].logits - outs[1].logits).abs().max().item()
+        assert diff <= TOL, f"rows {rows}: logits differ by {diff}"
+        for a, b in zip(_pools(eager), _pools(compiled), strict=True):
+            assert torch.allclose(a, b, atol=TOL, rtol=TOL), f"rows {rows}: pools differ"
 
 
 @pytest.mark.slow
