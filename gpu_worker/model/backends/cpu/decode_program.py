@@ -192,7 +192,7 @@ def mlp_decode(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
     return linear(mlp.down_proj, activate(linear(mlp.up_proj, x), mlp.activation))
 
 
-def decode_logits(
+def decode_tokens(
     model: HybridForCausalLM,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -202,10 +202,14 @@ def decode_logits(
     page_size: int,
     kv_caches: KVCaches,
     states: StateTensors,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode token per row: input_ids, positions, write_slots, state_slots [b] int64, page_table
-    [b, W] int64 -> float32 logits [b, vocab]. The pools are updated in place, row after row: a row that repeats
-    a later row's inputs (a bucket's padding, gpu_worker.model.backends.cpu.compiled_step) is overwritten by it."""
+    [b, W] int64 -> (float32 logits [b, vocab], each row's first maximal index [b] int64 and logsumexp [b]
+    float32, from the sampler's kernel: logit_stats). A plain row's token and its log-probability (logits[token]
+    - logsumexp) are thus chosen in the program; the sampler reads them (sampling.sample_rows' `stats`), and
+    rows with controls, masks or alternatives take their tokens from the logits, as after an eager step. The
+    pools are updated in place, row after row: a row that repeats a later row's inputs (a bucket's padding,
+    gpu_worker.model.backends.cpu.compiled_step) is overwritten by it."""
     c = model.config
     hidden = F.embedding(input_ids, model.embed.weight)
     if c.embedding_multiplier != 1.0:
@@ -233,27 +237,8 @@ def decode_logits(
         hidden = hidden + (h if c.residual_multiplier == 1.0 else h * c.residual_multiplier)
     final = model.final_norm(hidden)
     logits = linear(model.lm_head, final).float()
-    return logits if c.logits_scaling == 1.0 else logits / c.logits_scaling
-
-
-def decode_tokens(
-    model: HybridForCausalLM,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    write_slots: torch.Tensor,
-    state_slots: torch.Tensor,
-    page_table: torch.Tensor,
-    page_size: int,
-    kv_caches: KVCaches,
-    states: StateTensors,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """decode_logits, then each row's greedy token and log-normaliser (logit_stats, the sampler's kernel):
-    (logits [b, vocab] float32, first maximal index [b] int64, logsumexp [b] float32). A plain row's token
-    and its log-probability (logits[token] - logsumexp) are then chosen in the program; the sampler reads
-    them (sampling.sample_rows' `stats`), and the rows with controls, masks or alternatives take their
-    tokens from the logits, as after an eager step."""
-    logits = decode_logits(model, input_ids, positions, write_slots, state_slots, page_table, page_size, kv_caches,
-                           states)  # fmt: skip
+    if c.logits_scaling != 1.0:
+        logits = logits / c.logits_scaling
     first_max, lse = logit_stats_op(logits)
     return logits, first_max, lse
 
@@ -362,7 +347,7 @@ def verify_logits(
     position: any token, its position, its row's last real slot), lengths and state_slots [b], page_table
     [b, W] -> (float32 logits [b, L, vocab], the start states and the Mamba layers' SpanTensors stacked on a
     leading layer dimension: short_scan.StackedSpanRecord's tensors). Pools updated in place, row after row,
-    as decode_logits does."""
+    as decode_tokens does."""
     c = model.config
     b, length = input_ids.shape
     steps = torch.arange(length, device=input_ids.device)[None, :]
