@@ -104,8 +104,9 @@ FLAGS = {
         " (--compile-step-sizes, prompt lookup), else 4"
     ),
     "speculative_payoff": Flag(
-        "measure whether drafting pays at each batch size and stop drafting where it does not (retried after"
-        " 16, 32, ... 1024 steps); --no-speculative-payoff drafts whenever there are drafts"
+        "measure whether drafting pays (the tokens a drafted row gets accepted against the break-even of the"
+        " step's rows and drafted rows) and stop drafting where it does not (retried after 16, 32, ... 1024"
+        " steps); --no-speculative-payoff drafts whenever there are drafts"
     ),
     "scheduler_give_up_s": Flag("fail in-flight requests when no scheduler answers for this long"),
     "prefix_caching": Flag("reuse cached prefixes (KV + Mamba state at block boundaries)"),

@@ -28,17 +28,17 @@ DraftHistories); a grammar's drafts are cut at prepare to the prefix it accepts,
 sampled with the grammar's mask after the drafts before it (gpu_worker.engine.grammar.StepMasks).
 Speculation stops itself where it does not pay, two ways. A request whose drafts were all rejected
 proposes nothing for the next 2, 4, 8 or 16 steps (doubling with each further miss, reset by an
-accepted draft), so a workload whose text does not repeat drafts almost never. And a step drafts only
-where drafting has paid at its batch size (`Payoff`: a verify step's time against the tokens it yielded
-and a plain step's time, both measured), and never above --speculative-max-rows running requests."""
+accepted draft). And a step drafts only where its drafts are expected to pay (`Payoff`: the tokens a
+drafted row gets accepted, learned over every drafted step, against the break-even of the step's number
+of rows and of drafted rows, from measured step times), and never above --speculative-max-rows running
+requests. Prompt lookup reads an index of each request's n-grams (`NgramIndex`), a few dict reads a
+step; a step that could not pay at its size proposes nothing at all."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from gpu_worker.engine.request import Request
 from gpu_worker.engine.settings import EngineSettings
@@ -56,121 +56,150 @@ StepTokens = tuple[list[Request], list[int], list[float], list[TopLogprobs] | No
 MAX_BACKOFF_STEPS = 16
 
 
+class NgramIndex:
+    """A request's tokens for prompt lookup, and for each n-gram size where each n-gram last ended: a
+    proposal is a few dict reads (the last n tokens looked up, n from n_max down), and each step adds its
+    new positions, where a scan over every token cost about 10 us a request a step (190 tokens), every
+    step, whether anything matched or not (in random text almost nothing does). The tokens only grow (a
+    request's known tokens do, preemption included)."""
+
+    __slots__ = ("tokens", "n_min", "tables", "indexed")
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.tokens: list[int] = []
+        self.n_min = n_min
+        # longest first: n -> {n-gram: the latest position it ends at, among positions before `indexed`}
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_max, n_min - 1, -1)}
+        self.indexed = 0
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest of the longest earlier occurrences of the tokens' last
+        n tokens (n_min <= n <= n_max); none without one. An occurrence fewer than `k` tokens back is a loop
+        of that period: the drafts repeat it (`k` of them)."""
+        tokens = self.tokens
+        n = len(tokens)
+        if n <= self.n_min or k <= 0:
+            return []
+        for end in range(self.indexed, n - 1):  # the positions before the last, not indexed yet
+            for size, table in self.tables.items():
+                if end >= size - 1:
+                    table[tuple(tokens[end - size + 1 : end + 1])] = end
+        self.indexed = max(self.indexed, n - 1)
+        for size, table in self.tables.items():
+            at = table.get(tuple(tokens[n - size :])) if n > size else None
+            if at is not None:
+                break
+        else:
+            return []
+        drafts = tokens[at + 1 : at + 1 + k]
+        period = n - 1 - at  # a match this close repeats with this period: the drafts go on repeating it
+        while len(drafts) < k:
+            drafts.append(drafts[len(drafts) - period])
+        return drafts
+
+
 @dataclass(eq=False, slots=True)
 class DraftState:
-    """One request's proposer state: its tokens as an array (grown, never rewritten: a request's known
-    tokens only grow, preemption included), the back-off, and its totals."""
+    """One request's proposer state: its prompt-lookup index (built on its first proposal), the back-off,
+    and its totals."""
 
-    tokens: np.ndarray = field(default_factory=lambda: np.empty(64, dtype=np.int64))
-    length: int = 0  # tokens[:length] are the request's first tokens
+    index: NgramIndex | None = None
     resume_at: int = 0  # the step from which it proposes again (backing off before it)
     misses: int = 0  # verified steps in a row with every draft rejected
 
-    def sync(self, request: Request, upto: int) -> np.ndarray:
-        """The request's first `upto` tokens, the array grown by what it lacks."""
-        if upto > self.length:
-            if upto > len(self.tokens):
-                grown = np.empty(max(upto, 2 * len(self.tokens)), dtype=np.int64)
-                grown[: self.length] = self.tokens[: self.length]
-                self.tokens = grown
-            self.tokens[self.length : upto] = request.tokens(self.length, upto)
-            self.length = upto
-        return self.tokens[:upto]
-
-
-def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to `k` tokens that followed the latest of the longest earlier occurrences of `tokens`' last n
-    tokens (n_min <= n <= n_max); none without one. An occurrence fewer than `k` tokens back is a loop
-    of that period: the drafts repeat it (`k` of them). One comparison over the tokens, then the few
-    candidates that end with the last token are extended backwards."""
-    n = len(tokens)
-    if n <= n_min or k <= 0:
-        return []
-    last = tokens[n - 1]
-    ends = np.flatnonzero(tokens[: n - 1] == last)  # earlier positions holding the last token
-    if len(ends) == 0:
-        return []
-    length = np.ones(len(ends), dtype=np.int64)  # matched length ending at each candidate
-    alive = np.ones(len(ends), dtype=bool)
-    for back in range(1, n_max):
-        ok = alive & (ends >= back)
-        ok[ok] = tokens[ends[ok] - back] == tokens[n - 1 - back]
-        length += ok
-        alive = ok
-        if not alive.any():
-            break
-    best = int(length.max())
-    if best < n_min:
-        return []
-    at = int(ends[np.flatnonzero(length == best)[-1]])
-    drafts = [int(t) for t in tokens[at + 1 : at + 1 + k]]
-    period = n - 1 - at  # a match this close repeats with this period: the drafts go on repeating it
-    while len(drafts) < k:
-        drafts.append(drafts[len(drafts) - period])
-    return drafts
+    def sync(self, request: Request, n_min: int, n_max: int) -> NgramIndex:
+        """The request's index, grown by the tokens it lacks."""
+        index = self.index
+        if index is None:
+            index = self.index = NgramIndex(n_min, n_max)
+        have, known = len(index.tokens), request.num_tokens
+        if known > have:
+            index.tokens.extend(request.tokens(have, known))
+        return index
 
 
 class Payoff:
-    """Whether drafting pays at a batch size, learned from the steps themselves. A verify step runs off
-    the compiled decode program and scores 1 + k positions a row, so it may cost several plain steps (on
-    CPU with the whole-step program, a one-row verify step costs about six): drafting pays at n rows when
-    the tokens per row it yields, times a plain step's time, exceed a drafted step's time. Both times and
-    the yield are moving averages (a fifth of the way a step) over decode-only steps of n rows. Unmeasured,
-    drafting is tried; where it did not pay it is tried again after 16 steps, then 32, ... 1024 (doubling
-    while it still does not pay), each time until a drafted step of that size was measured, so a workload
-    that changes is noticed and a losing one costs little."""
+    """Whether a step's drafts pay, learned from the steps themselves. A step of n rows, d of them
+    drafted, costs D seconds against a plain step's P and yields n tokens plus those accepted: it pays
+    when D / (n + accepted) < P / n, that is when the tokens accepted per drafted row exceed
+    (D - P) / d * n / P, the break-even. The break-even is the machine's (what a verify row costs against
+    a plain row's share of a step: on CPU a lone verify row among eight costs about seven plain rows more,
+    eight of them about two and a half more each), so it is measured per (n, d); the tokens accepted per drafted row are the
+    workload's (how often its text repeats), so they are one moving average over every drafted step,
+    whatever its size. Step times are moving averages (a fifth of the way a step) over decode-only steps.
+    A (n, d) not drafted at yet is given the lowest extra cost a drafted row had at any size (the
+    cheapest it could be), and tried when nothing was measured. Where drafting does not pay, it is tried again after 16
+    steps, then 32, ... 1024 (doubling while it does not pay, back to 16 once a drafted step pays): one
+    schedule for every size, a try lasting until the next drafted step was measured, so a workload that
+    changes is noticed and a losing one costs about one drafted step an interval."""
 
     FIRST_RETRY, LAST_RETRY = 16, 1024
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled  # False (--no-speculative-payoff): drafting always counts as paying
         self._plain: dict[int, float] = {}  # rows -> seconds of a decode step without drafts
-        self._drafted: dict[int, float] = {}  # rows -> seconds of a decode step with drafts
-        self._yield: dict[int, float] = {}  # rows -> tokens a row of those steps yielded
-        self._retry: dict[int, tuple[int, int]] = {}  # rows -> (the step from which to try again, the interval)
-        self._trial: set[int] = set()  # sizes tried again, not measured drafting since
-        self._last: dict[int, bool] = {}  # rows -> what `pays` said last
+        self._drafted: dict[tuple[int, int], float] = {}  # (rows, rows drafted) -> seconds of such a step
+        self.accepted: float | None = None  # tokens accepted per drafted row, every size
+        self._retry_at: int | None = None  # the step from which drafting is tried again where it does not pay
+        self._interval = self.FIRST_RETRY
+        self._trying = False  # tried again: drafting on until a drafted step was measured
+        self._last: dict[int, bool] = {}  # rows -> the last verdict at that size
 
-    def pays(self, rows: int, step: int) -> bool:
+    def break_even(self, rows: int, drafted: int | None = None) -> float | None:
+        """Tokens a drafted row must get accepted for a step of `rows` rows, `drafted` of them drafted, to
+        pay: measured, else (and with `drafted` None) the lowest measured per row at any size, scaled to
+        this one; None where none is known."""
+        plain = self._plain.get(rows)
+        if plain is None:
+            return None
+        seconds = self._drafted.get((rows, drafted)) if drafted else None
+        if drafted and seconds is not None:
+            return (seconds - plain) / drafted * rows / plain
+        extra = [(s - self._plain[n]) / d for (n, d), s in self._drafted.items() if n in self._plain]
+        return min(extra) * rows / plain if extra else None
+
+    def pays(self, rows: int, drafted: int | None, step: int) -> bool:
+        """Whether a step of `rows` rows should verify the drafts of `drafted` of them (at `step`); with
+        `drafted` None, whether any number of them could (a False lets the step skip proposing)."""
         if not self.enabled:
             return True
-        plain, drafted = self._plain.get(rows), self._drafted.get(rows)
-        if plain is None or drafted is None or self._yield[rows] * plain > drafted or rows in self._trial:
-            self._last[rows] = True
-            return True
-        self._last[rows] = self._decide(rows, step)
-        return self._last[rows]
+        bar = self.break_even(rows, drafted)
+        verdict = bar is None or self.accepted is None or self.accepted > bar or self._trying or self._retry(step)
+        self._last[rows] = verdict
+        return verdict
 
     def paid(self, rows: int) -> bool:
-        """What `pays` last said at `rows` (True before it was asked)."""
+        """The last verdict at `rows` (True before one was asked for)."""
         return self._last.get(rows, True)
 
-    def _decide(self, rows: int, step: int) -> bool:
-        retry = self._retry.get(rows)
-        if retry is None:  # it stopped paying: try again later
-            self._retry[rows] = (step + self.FIRST_RETRY, self.FIRST_RETRY)
+    def _retry(self, step: int) -> bool:
+        if self._retry_at is None:  # it stopped paying: try again later
+            self._retry_at = step + self._interval
             return False
-        at, interval = retry
-        if step < at:
+        if step < self._retry_at:
             return False
-        interval = min(2 * interval, self.LAST_RETRY)
-        self._retry[rows] = (step + interval, interval)
-        self._trial.add(rows)  # drafting is on again until a drafted step of this size is measured
+        self._interval = min(2 * self._interval, self.LAST_RETRY)
+        self._retry_at = step + self._interval
+        self._trying = True  # drafting is on again until a drafted step is measured
         return True
 
-    def observe(self, rows: int, seconds: float, drafted: bool, accepted: int) -> None:
-        """A decode-only step of `rows` rows took `seconds`; `drafted`: it verified drafts, `accepted` of them."""
-        times = self._drafted if drafted else self._plain
-        if drafted:
-            self._trial.discard(rows)
-        old = times.get(rows)
-        times[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        if drafted:
-            tokens = 1.0 + accepted / rows
-            old = self._yield.get(rows)
-            self._yield[rows] = tokens if old is None else 0.8 * old + 0.2 * tokens
-            if self._yield[rows] * self._plain.get(rows, 0.0) > self._drafted[rows]:
-                self._retry.pop(rows, None)  # it pays again: the next miss waits the first interval
+    def observe(self, rows: int, seconds: float, drafted: int, accepted: int) -> None:
+        """A decode-only step of `rows` rows took `seconds`; `drafted` of its rows verified drafts,
+        `accepted` of those drafts were accepted."""
+        if not drafted:
+            self._plain[rows] = _average(self._plain.get(rows), seconds)
+            return
+        self._trying = False
+        self._drafted[rows, drafted] = _average(self._drafted.get((rows, drafted)), seconds)
+        self.accepted = _average(self.accepted, accepted / drafted)
+        bar = self.break_even(rows, drafted)
+        if bar is not None and self.accepted > bar:  # it pays here: the next stop waits the first interval
+            self._interval = self.FIRST_RETRY
+
+
+def _average(old: float | None, new: float) -> float:
+    """A moving average a fifth of the way to each new value."""
+    return new if old is None else 0.8 * old + 0.2 * new
 
 
 def speculator_for(settings: EngineSettings) -> Speculator | None:
@@ -213,16 +242,16 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def propose(self, request: Request, upto: int, limit: int) -> list[int]:
-        """At most `limit` drafts from the request's first `upto` tokens; none while it backs off."""
+    def propose(self, request: Request, limit: int) -> list[int]:
+        """At most `limit` drafts after the request's known tokens; none while it backs off."""
         if limit <= 0 or not self.may_draft(request):
             return []
         state = self._state(request)
         if self.step < state.resume_at:
             return []
         if self.mtp:  # the head's proposal after exactly these tokens
-            return list(request.mtp_drafts[:limit]) if request.mtp_drafts_at == upto else []
-        return propose_ngram(state.sync(request, upto), min(limit, self.k), self.n_min, self.n_max)
+            return list(request.mtp_drafts[:limit]) if request.mtp_drafts_at == request.num_tokens else []
+        return state.sync(request, self.n_min, self.n_max).propose(min(limit, self.k))
 
     def head_drafts(self, request: Request, num_running: int) -> int:
         """SequenceChunk.mtp_drafts of a row of `request` that yields: -1 when the MTP head does not run for
@@ -249,7 +278,8 @@ class Speculator:
         steps of at most `max_rows` running requests where drafting pays (`Payoff`; a larger batch decodes
         without drafts: its step is cheap per token already). A request of the step in flight is proposed
         from its known tokens."""
-        if len(running) > self.max_rows or not self.payoff.pays(len(running), self.step):
+        rows = len(running)
+        if rows > self.max_rows or not self.payoff.pays(rows, None, self.step):
             return running
         out = list(running)
         for i, (state, request) in enumerate(zip(running, requests, strict=True)):
@@ -259,9 +289,12 @@ class Speculator:
             if self.mtp and request.num_computed_tokens >= request.num_tokens:  # in flight: its proposal comes
                 n = min(limit, self.k) if self.may_draft(request) and self.step >= self._state(request).resume_at else 0
             else:
-                n = len(self.propose(request, request.num_tokens, limit))
+                n = len(self.propose(request, limit))
             if n > 0:
                 out[i] = state._replace(num_draft_tokens=n)
+        drafted = sum(1 for state in out if state.num_draft_tokens)
+        if not drafted or not self.payoff.pays(rows, drafted, self.step):
+            return running
         return tuple(out)
 
     def drafts_for(self, request: Request, granted: int, checkpoint_at: int | None) -> tuple[int, ...]:
@@ -272,7 +305,7 @@ class Speculator:
         limit = min(granted, request.params.max_tokens - len(request.output_token_ids) - 1)
         if checkpoint_at is not None:
             limit = min(limit, checkpoint_at - start - 2)
-        drafts = self.propose(request, request.num_tokens, limit)
+        drafts = self.propose(request, limit)
         grammar = request.grammar
         if drafts and grammar is not None:  # no step runs now: the matcher is the engine thread's
             grammar.sync(request.output_token_ids)
@@ -335,7 +368,7 @@ def observe_step(speculator: Speculator, record: StepRecord) -> None:
     if not served or len(served) > speculator.max_rows or any(s.is_prefill for s in served):
         return
     seconds = record.wall_s - record.plan_wait_s
-    speculator.payoff.observe(len(served), seconds, bool(record.drafts), record.num_accepted_tokens)
+    speculator.payoff.observe(len(served), seconds, len(record.drafts), record.num_accepted_tokens)
 
 
 def step_drafts(prepared: PreparedStep, sampled: StepOutput | None) -> tuple[tuple[str, int, int], ...]:

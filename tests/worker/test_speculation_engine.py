@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu_worker.api.server import add_arguments, settings_from_args
 from gpu_worker.engine.prepare import Row, _chain_room
@@ -22,7 +23,7 @@ from gpu_worker.engine.settings import (
     draft_rows_for,
     speculative_rows,
 )
-from gpu_worker.engine.speculation import MAX_BACKOFF_STEPS, Payoff, Speculator, propose_ngram
+from gpu_worker.engine.speculation import MAX_BACKOFF_STEPS, NgramIndex, Payoff, Speculator
 from gpu_worker.runner.protocol import KVPagePool, SamplingParams, SequenceChunk, Verified
 from gpu_worker.runner.settings import RunnerConfig
 from hybridserve.errors import InvalidArgumentError
@@ -30,7 +31,44 @@ from scheduler_svc.core import SchedulerConfig, Slice
 
 
 def ngram(tokens: list[int], k: int = 4, lo: int = 2, hi: int = 4) -> list[int]:
-    return propose_ngram(np.array(tokens, dtype=np.int64), k, lo, hi)
+    index = NgramIndex(lo, hi)
+    index.tokens.extend(tokens)
+    return index.propose(k)
+
+
+def scanned(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """Prompt lookup by its definition, a scan: every earlier position's match length with the end."""
+    n = len(tokens)
+    best, at = 0, -1
+    for end in range(n - 1):
+        length = 0
+        while length < min(hi, end + 1) and tokens[end - length] == tokens[n - 1 - length]:
+            length += 1
+        if length >= max(best, 1):
+            best, at = length, end
+    if best < lo or k <= 0:
+        return []
+    drafts = tokens[at + 1 : at + 1 + k]
+    while len(drafts) < k:
+        drafts.append(drafts[len(drafts) - (n - 1 - at)])
+    return drafts
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), min_size=0, max_size=60), st.integers(1, 40), st.integers(1, 5),
+    st.integers(1, 3), st.integers(0, 2),
+)  # fmt: skip
+def test_the_index_proposes_what_a_scan_of_the_tokens_finds_as_they_grow(
+    tokens: list[int], split: int, k: int, lo: int, extra: int
+) -> None:
+    """The index, grown a step at a time (a proposal after each), proposes what scanning every position
+    proposes: the latest of the longest matches, the loop repeated."""
+    hi = lo + extra
+    index = NgramIndex(lo, hi)
+    for start in [*range(0, len(tokens), split), len(tokens)]:
+        index.tokens.extend(tokens[len(index.tokens) : start])
+        assert index.propose(k) == scanned(index.tokens, k, lo, hi), index.tokens
 
 
 def test_prompt_lookup_takes_what_followed_the_latest_longest_match() -> None:
@@ -77,13 +115,13 @@ def test_which_requests_draft_and_a_grammar_cuts_its_drafts() -> None:
     a constrained request drafts what its grammar accepts of its proposal, checked after its own output;
     a request scoring its prompt drafts none."""
     spec = Speculator(4, 2, 4, max_rows=4, page_size=16)
-    assert spec.propose(make_request("a", LOOP), len(LOOP), 4) == [7, 8, 9, 7]
-    assert spec.propose(make_request("b", LOOP, presence_penalty=0.5), len(LOOP), 4) == [7, 8, 9, 7]
-    assert spec.propose(make_request("c", LOOP, min_tokens=3, held_token_ids=(0,)), len(LOOP), 4) == [7, 8, 9, 7]
+    assert spec.propose(make_request("a", LOOP), 4) == [7, 8, 9, 7]
+    assert spec.propose(make_request("b", LOOP, presence_penalty=0.5), 4) == [7, 8, 9, 7]
+    assert spec.propose(make_request("c", LOOP, min_tokens=3, held_token_ids=(0,)), 4) == [7, 8, 9, 7]
     constrained = make_request("g", LOOP[:6])
     constrained.output_token_ids.append(LOOP[6])
     constrained.num_computed_tokens = 6  # its newest token, LOOP[6], to compute with the drafts
-    proposal = spec.propose(constrained, 7, 4)
+    proposal = spec.propose(constrained, 4)
     assert len(proposal) == 4
     for accepts in (4, 2, 0):
         constrained.grammar = grammar = _Grammar(accepts)  # type: ignore[assignment]
@@ -91,9 +129,9 @@ def test_which_requests_draft_and_a_grammar_cuts_its_drafts() -> None:
         assert grammar.synced_to == [LOOP[6]], "the grammar checks the drafts after the request's output"
     scoring = make_request("s", LOOP)
     scoring.scoring = True
-    assert spec.propose(scoring, len(LOOP), 4) == []
-    assert spec.propose(make_request("d", LOOP), len(LOOP), 2) == [7, 8]  # the limit cuts
-    assert spec.propose(make_request("e", LOOP), len(LOOP), 0) == []
+    assert spec.propose(scoring, 4) == []
+    assert spec.propose(make_request("d", LOOP), 2) == [7, 8]  # the limit cuts
+    assert spec.propose(make_request("e", LOOP), 0) == []
 
 
 def test_a_request_whose_drafts_all_miss_backs_off_doubling_up_to_the_cap() -> None:
@@ -103,14 +141,14 @@ def test_a_request_whose_drafts_all_miss_backs_off_doubling_up_to_the_cap() -> N
     for _ in range(6):
         spec.verified(request, Verified(0, 4, (), (), ()))
         start = spec.step
-        while not spec.propose(request, len(LOOP), 4):
+        while not spec.propose(request, 4):
             spec.step += 1
         pauses.append(spec.step - start)
     assert pauses == [2, 4, 8, 16, MAX_BACKOFF_STEPS, MAX_BACKOFF_STEPS]
     spec.verified(request, Verified(0, 4, (7,), (0.0,), ((),)))  # an accepted draft resets it
     spec.verified(request, Verified(0, 4, (), (), ()))
     start = spec.step
-    while not spec.propose(request, len(LOOP), 4):
+    while not spec.propose(request, 4):
         spec.step += 1
     assert spec.step - start == 2
     assert (request.num_draft_tokens, request.num_accepted_tokens) == (32, 1)
@@ -172,28 +210,53 @@ def test_the_drafting_row_limit_on_auto_follows_the_compiled_verify_programs() -
 
 def test_drafting_stops_where_its_steps_cost_more_than_they_yield_and_is_tried_again_later() -> None:
     payoff = Payoff()
-    assert payoff.pays(1, 0), "unmeasured: tried"
-    payoff.observe(1, 0.002, drafted=False, accepted=0)
-    payoff.observe(1, 0.012, drafted=True, accepted=4)  # 5 tokens for 6 plain steps' time
+    assert payoff.pays(1, 1, 0), "unmeasured: tried"
+    payoff.observe(1, 0.002, drafted=0, accepted=0)
+    payoff.observe(1, 0.012, drafted=1, accepted=4)  # 5 tokens for 6 plain steps' time
+    assert payoff.break_even(1, 1) == pytest.approx(5.0)
     tries = []
     for step in range(2000):
-        if payoff.pays(1, step):
+        if payoff.pays(1, 1, step):
             tries.append(step)
-            payoff.observe(1, 0.012, drafted=True, accepted=4)  # the try measured: it still does not pay
-    assert tries == [16, 48, 112, 240, 496, 1008, 2032][: len(tries)] and len(tries) == 6
+            payoff.observe(1, 0.012, drafted=1, accepted=4)  # the try measured: it still does not pay
+    assert tries == [16, 48, 112, 240, 496, 1008]
     assert not payoff.paid(1)
-    # a try stays on until a drafted step of its size was measured (a step whose requests drafted nothing
-    # does not count): the MTP head must run a step before drafts exist to measure
-    assert [payoff.pays(1, step) for step in (2032, 2033, 2034)] == [True, True, True] and payoff.paid(1)
-    payoff.observe(1, 0.012, drafted=True, accepted=4)
-    assert not payoff.pays(1, 2035)
+    # a try stays on until a drafted step was measured (a step whose requests drafted nothing does not
+    # count): the MTP head must run a step before drafts exist to measure
+    assert [payoff.pays(1, 1, step) for step in (2032, 2033, 2034)] == [True, True, True] and payoff.paid(1)
+    payoff.observe(1, 0.012, drafted=1, accepted=4)
+    assert not payoff.pays(1, 1, 2035)
     off = Payoff(enabled=False)  # --no-speculative-payoff: drafting always counts as paying
-    off.observe(1, 0.002, drafted=False, accepted=0)
-    off.observe(1, 0.012, drafted=True, accepted=0)
-    assert all(off.pays(1, step) for step in range(100)) and off.paid(1)
-    payoff.observe(2, 0.003, drafted=False, accepted=0)
-    payoff.observe(2, 0.006, drafted=True, accepted=6)  # 4 tokens a row for two plain steps' time
-    assert all(payoff.pays(2, step) for step in range(100))
+    off.observe(1, 0.002, drafted=0, accepted=0)
+    off.observe(1, 0.012, drafted=1, accepted=0)
+    assert all(off.pays(1, 1, step) for step in range(100)) and off.paid(1)
+    payoff.observe(2, 0.003, drafted=0, accepted=0)
+    for _ in range(20):  # 4 tokens a drafted row, where each costs a plain row (1.5 ms): acceptance past 3
+        payoff.observe(2, 0.006, drafted=2, accepted=8)
+    assert payoff.break_even(2, 2) == pytest.approx(1.0) and payoff.accepted > 3
+    assert all(payoff.pays(2, 2, step) for step in range(3000, 3100))
+
+
+def test_the_acceptance_is_the_workloads_across_sizes_and_the_break_even_each_step_shapes() -> None:
+    """What a drafted row gets accepted is learned over every drafted step and decides at every size:
+    text that does not repeat, measured at one row, keeps a size never drafted at from proposing at all.
+    The break-even is measured per (rows, rows drafted): one verify row among eight costs the step six
+    plain rows, eight of them two each."""
+    payoff = Payoff()
+    payoff.observe(1, 0.002, drafted=0, accepted=0)
+    payoff.observe(8, 0.008, drafted=0, accepted=0)
+    payoff.observe(1, 0.005, drafted=1, accepted=0)  # 1.5 plain steps more for nothing
+    assert payoff.break_even(1, 1) == pytest.approx(1.5) and payoff.accepted == 0
+    assert payoff.break_even(8) == pytest.approx(3.0), "unmeasured: the lowest extra a drafted row cost, 3 ms"
+    assert not payoff.pays(8, None, 10) and not payoff.pays(8, 1, 11)
+    for _ in range(10):  # the text repeats now: every draft accepted, at one row
+        payoff.observe(1, 0.005, drafted=1, accepted=4)
+    assert 3.0 < payoff.accepted < 4.0
+    assert payoff.pays(8, None, 12), "it could pay at eight rows now"
+    payoff.observe(8, 0.014, drafted=1, accepted=4)
+    assert payoff.break_even(8, 1) == pytest.approx(6.0) and not payoff.pays(8, 1, 13)
+    payoff.observe(8, 0.024, drafted=8, accepted=32)
+    assert payoff.break_even(8, 8) == pytest.approx(2.0) and payoff.pays(8, 8, 14)
 
 
 def test_mtp_drafts_are_the_heads_proposal_after_exactly_the_known_tokens() -> None:
@@ -205,12 +268,14 @@ def test_mtp_drafts_are_the_heads_proposal_after_exactly_the_known_tokens() -> N
     request = make_request("r", [5, 6, 7])
     request.output_token_ids.append(9)
     request.num_computed_tokens = 3
-    assert spec.propose(request, request.num_tokens, 3) == []  # nothing proposed yet
+    assert spec.propose(request, 3) == []  # nothing proposed yet
     row = Row(request, Slice("r", 1, False, False), SequenceChunk((9,), 3, (), 0), True, ())
     spec.proposed([row], [(0, (1, 2, 3))])
     assert (request.mtp_drafts, request.mtp_drafts_at) == ((1, 2, 3), 4)
-    assert spec.propose(request, 4, 3) == [1, 2, 3] and spec.propose(request, 4, 2) == [1, 2]
-    assert spec.propose(request, 5, 3) == []  # a proposal after other tokens: stale
+    assert spec.propose(request, 3) == [1, 2, 3] and spec.propose(request, 2) == [1, 2]
+    request.output_token_ids.append(8)
+    assert spec.propose(request, 3) == []  # a proposal after other tokens: stale
+    request.output_token_ids.pop()
     state = request.sched_state()
     assert spec.with_drafts((state,), [request])[0].num_draft_tokens == 3
     request.num_computed_tokens = 4  # its newest token is in the step in flight
@@ -220,12 +285,12 @@ def test_mtp_drafts_are_the_heads_proposal_after_exactly_the_known_tokens() -> N
     scoring.scoring = True
     assert spec.head_drafts(scoring, 1) == -1
     spec.verified(request, Verified(0, 3, (), (), ()))  # every draft rejected: backs off
-    assert spec.head_drafts(request, 1) == 0 and spec.propose(request, 4, 3) == []
+    assert spec.head_drafts(request, 1) == 0 and spec.propose(request, 3) == []
     assert Speculator(3, 2, 4, max_rows=2, page_size=16).head_drafts(request, 1) == -1  # prompt lookup
     spec.step = 100
-    spec.payoff.observe(1, 0.002, drafted=False, accepted=0)
-    spec.payoff.observe(1, 0.012, drafted=True, accepted=0)
-    assert not spec.payoff.pays(1, spec.step) and spec.head_drafts(request, 1) == -1  # where it does not pay: off
+    spec.payoff.observe(1, 0.002, drafted=0, accepted=0)
+    spec.payoff.observe(1, 0.012, drafted=1, accepted=0)
+    assert not spec.payoff.pays(1, 1, spec.step) and spec.head_drafts(request, 1) == -1  # where it does not pay: off
 
 
 def test_a_drafting_row_gets_pages_for_the_heads_chain_from_what_the_step_left() -> None:
