@@ -14,7 +14,11 @@ them in turn (who goes first alternating, each run once both are idle) with the 
             mostly rejected (speculation must then stop itself: a request whose drafts all miss backs off)
 
 Printed per cell: output tokens/s, TTFT p50, ITL p50 for both sides with the ratio on/off, and the
-acceptance rate (accepted / drafted tokens, from the worker's GetInfo counters over the cell's runs).
+acceptance rate (accepted / drafted tokens, from the worker's GetInfo counters over the cell's runs);
+with more than one round, each round's on/off ratio and their median (rounds are paired: both sides
+within a minute of each other, so the median of their ratios is less moved by the machine's swings
+than the ratio of each side's median). On a noisy machine many short rounds read better than a few long
+ones: `--rounds 15 --min-requests 2`.
 
 Then, with `--vllm-python` (or $HYBRIDSERVE_VLLM_PYTHON, or ~/.cache/hybridserve/vllm-venv), vLLM's CPU
 server at one client with its own speculation of the same method (`--speculative-config`: n-gram with
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -118,9 +123,11 @@ def table(args: argparse.Namespace, sides: dict[str, tuple[str, str]], roots: li
                       f"{_ratio(on.itl_median_s, off.itl_median_s) if ratio else '':>8}"
                       f"{rate if ratio else '':>10}{m.requests_failed:>8}", flush=True)  # fmt: skip
             if args.rounds > 1:
-                tps = " ".join(_ratio(b.output_tokens_per_s, a.output_tokens_per_s)
-                               for a, b in zip(runs["off"], runs["on"], strict=True))  # fmt: skip
-                print(f"{'':<23}rounds on/off out tok/s: {tps}; drafted {drafted}, accepted {accepted}", flush=True)
+                paired = [b.output_tokens_per_s / a.output_tokens_per_s if a.output_tokens_per_s else 0.0
+                          for a, b in zip(runs["off"], runs["on"], strict=True)]  # fmt: skip
+                tps = " ".join(f"{r:.2f}x" for r in paired)
+                print(f"{'':<23}rounds on/off out tok/s: {tps} (median {statistics.median(paired):.2f}x); "
+                      f"drafted {drafted}, accepted {accepted}", flush=True)  # fmt: skip
             for error in off.errors + on.errors:
                 print(f"  error: {error}", flush=True)
 

@@ -17,7 +17,7 @@ FAMILIES = {  # label -> (init-model arch, MoE)
     "nemotron_h-moe": ("nemotron_h", True),
 }
 SERVED_NAME = "bench"  # the model name both OpenAI servers answer to
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 900.0  # a cold compile cache: every bucket and verify program of each model process, on 2 slow cores
 SERVER_CACHE_MB = 2048  # both servers' cache memory: vLLM's KV space (GiB), our worker's budget (KV + states)
 COMPILED_LINE = "compiled the Mamba decode step"  # gpu_worker.model.backends.cpu.compiled_decode logs it when ready
 

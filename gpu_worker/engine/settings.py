@@ -34,7 +34,7 @@ class EngineSettings:
     # where verify steps have compiled programs (prompt lookup on CPU with --compile-step-sizes: the largest
     # bucket up to that many), else SPECULATIVE_ROWS (speculative_rows; EngineSettings built directly: the latter)
     speculative_max_rows: int = 0
-    # measure whether drafting pays at each batch size and stop where it does not (speculation.Payoff); off:
+    # measure whether a step's drafts pay and stop drafting where they do not (speculation.Payoff); off:
     # draft whenever there are drafts (what a timing-independent test, or a benchmark of the raw path, wants)
     speculative_payoff: bool = True
 

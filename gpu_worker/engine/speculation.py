@@ -255,8 +255,8 @@ class Speculator:
 
     def head_drafts(self, request: Request, num_running: int) -> int:
         """SequenceChunk.mtp_drafts of a row of `request` that yields: -1 when the MTP head does not run for
-        it (prompt lookup, a request that never drafts, more running requests than draft, or a batch size
-        where drafting does not pay: `Payoff`), 0 when it backs off (the head keeps its KV), else k. A row
+        it (prompt lookup, a request that never drafts, more running requests than draft, or a step where
+        drafting does not pay: `Payoff`, its last verdict at that size), 0 when it backs off (the head keeps its KV), else k. A row
         that does not yield takes 0 (its KV). Where the head did not run, its KV has holes: drafts there
         are worse when it runs again, never the output."""
         if not self.mtp or not self.may_draft(request) or num_running > self.max_rows:
