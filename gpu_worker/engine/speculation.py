@@ -124,9 +124,9 @@ class Payoff:
     when D / (n + accepted) < P / n, that is when the tokens accepted per drafted row exceed
     (D - P) / d * n / P, the break-even. The break-even is the machine's (what a verify row costs against
     a plain row's share of a step: on CPU a lone verify row among eight costs about seven plain rows more,
-    eight of them about two and a half more each), so it is measured per (n, d); the tokens accepted per drafted row are the
-    workload's (how often its text repeats), so they are one moving average over every drafted step,
-    whatever its size. Step times are moving averages (a fifth of the way a step) over decode-only steps.
+    eight of them about two and a half more each), so it is measured per (n, d); the tokens accepted per
+    drafted row are the workload's (how often its text repeats), so they are one moving average over every
+    drafted step, whatever its size. Step times are moving averages (a fifth of the way a step) over decode-only steps.
     A (n, d) not drafted at yet is given the lowest extra cost a drafted row had at any size (the
     cheapest it could be), and tried when nothing was measured. Where drafting does not pay, it is tried again after 16
     steps, then 32, ... 1024 (doubling while it does not pay, back to 16 once a drafted step pays): one
@@ -256,9 +256,9 @@ class Speculator:
     def head_drafts(self, request: Request, num_running: int) -> int:
         """SequenceChunk.mtp_drafts of a row of `request` that yields: -1 when the MTP head does not run for
         it (prompt lookup, a request that never drafts, more running requests than draft, or a step where
-        drafting does not pay: `Payoff`, its last verdict at that size), 0 when it backs off (the head keeps its KV), else k. A row
-        that does not yield takes 0 (its KV). Where the head did not run, its KV has holes: drafts there
-        are worse when it runs again, never the output."""
+        drafting does not pay: `Payoff`, its last verdict at that size), 0 when it backs off (the head keeps
+        its KV), else k. A row that does not yield takes 0 (its KV). Where the head did not run, its KV has
+        holes: drafts there are worse when it runs again, never the output."""
         if not self.mtp or not self.may_draft(request) or num_running > self.max_rows:
             return -1
         if not self.payoff.paid(num_running):
