@@ -13,7 +13,17 @@ captured graph launches them all at once. A graph replays fixed addresses and sh
 Steps a graph cannot run (prefill chunks, all-position logits, more sequences than the largest bucket, a
 context longer than the page table) run eagerly. Only the CUDA backend's kernels honour padded rows, so
 graphs are built only when they are attached. `capture` is injectable: tests pass a stand-in that
-records what would be captured and runs the step eagerly."""
+records what would be captured and runs the step eagerly.
+
+Verify steps of speculative decoding (`VerifyGraphs`) have graphs of their own, one per bucket of rows:
+every row of the step, drafted or not, is a row of L = 1 + k positions through
+`decode_program.verify_logits` (the function the CPU compiles; attention through the paged decode kernel,
+a position a row), padded as there: a row's padded positions repeat its last real token's K/V and slot
+and leave its state as it is (dt = 0), and a bucket's padding rows repeat row 0, writing the same values
+to the same places. A plain row beside drafted ones is padded to L too: one launch sequence for the
+step, where the eager path runs each drafted row as a prefill chunk of its own. The graphs return every
+position's logits and the Mamba layers' span tensors (short_scan.StackedSpanRecord), valid until the next
+replay: the step's verification and rollback read them before it."""
 
 from __future__ import annotations
 
@@ -25,9 +35,12 @@ import torch
 
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.runner.batch import Batch
-from gpu_worker.runner.input_builder import PackedInputs
+from gpu_worker.runner.input_builder import PackedInputs, VerifyInputs
 
 DecodeForward = Callable[[torch.Tensor, ForwardContext], torch.Tensor]  # (input_ids, ctx) -> logits [b, vocab]
+# (input ids, positions, write slots [b, L]; lengths, state slots [b]; page table [b, W]) -> (logits [b, L, vocab],
+# the stacked span tensors): decode_program.verify_logits over the runner's model and pools
+VerifyForward = Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]
 Replay = Callable[[], None]
 
 
@@ -180,4 +193,117 @@ class DecodeGraphs:
             "cuda_graph_buckets": ",".join(str(b) for b in sorted(self._replays)),
             "cuda_graph_pool_bytes": self.pool_bytes,
             "cuda_graph_max_context_tokens": self.max_context_tokens,
+        }
+
+
+class VerifyGraphs:
+    """Verify steps under CUDA graphs (module docstring): static buffers for the largest bucket, one
+    captured `forward` per bucket of rows, and the copy-in of a step's VerifyInputs."""
+
+    def __init__(
+        self,
+        forward: VerifyForward,
+        max_rows: int,
+        length: int,
+        max_pages_per_seq: int,
+        page_size_tokens: int,
+        device: torch.device,
+        capture: GraphCapture,
+    ) -> None:
+        if length < 2:
+            raise ValueError(f"a verify row has at least 2 positions, got {length}")
+        self.forward, self.capture, self.device = forward, capture, device
+        self.buckets = bucket_sizes(max_rows)
+        self.length, self.max_pages, self.page_size = length, max_pages_per_seq, page_size_tokens
+        m, pin = self.buckets[-1], device.type == "cuda"
+        # [3, m, L]: input ids, positions, KV write slots; [2, m]: lengths, state slots; the page table [m, W]
+        self.tokens = torch.zeros(3, m, length, dtype=torch.int64, device=device)
+        self.rows = torch.zeros(2, m, dtype=torch.int64, device=device)
+        self.page_table = torch.zeros(m, max_pages_per_seq, dtype=torch.int64, device=device)
+        self._table_scratch = torch.zeros(m * max_pages_per_seq, dtype=torch.int64, device=device)
+        self._tokens_host = torch.zeros(3, m, length, dtype=torch.int64, pin_memory=pin)
+        self._rows_host = torch.zeros(2, m, dtype=torch.int64, pin_memory=pin)
+        self._table_host = torch.zeros(m * max_pages_per_seq, dtype=torch.int64, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None  # type: ignore[no-untyped-call]  # staging may be rewritten
+        self._replays: dict[int, Replay] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.pool_bytes = 0
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    def _step(self, bucket: int) -> None:
+        ids, positions, writes = self.tokens[:, :bucket]
+        lengths, slots = self.rows[:, :bucket]
+        self._outputs[bucket] = self.forward(ids, positions, writes, lengths, slots, self.page_table[:bucket])
+
+    def capture_all(self, scratch_slot: int = 0, scratch_page: int = 0) -> int:
+        """Capture every bucket, largest first, on rows of one token at position 0 of `scratch_slot` and
+        `scratch_page` (call it before any request holds them: what the capture writes there nobody reads;
+        a slot is zeroed or restored when a request takes it, a page written before it is read). Returns
+        the bytes the graphs hold."""
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        self.tokens.zero_()
+        self.tokens[2] = scratch_page * self.page_size
+        self.rows[0] = 1
+        self.rows[1] = scratch_slot
+        self.page_table.fill_(scratch_page)
+        for bucket in sorted(self.buckets, reverse=True):
+            self._replays[bucket] = self.capture(partial(self._step, bucket))
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            self.pool_bytes = torch.cuda.memory_allocated(self.device) - before
+        return self.pool_bytes
+
+    def can_run(self, batch: Batch) -> bool:
+        """Rows that are all a decode's newest token, with or without drafts, at most L tokens, within the
+        largest bucket and the page table, with no checkpoint inside a row (a decode row may save one at
+        its end)."""
+        seqs = batch.sequences
+        return (
+            0 < len(seqs) <= self.max_rows
+            and not batch.return_all_logits
+            and all(
+                len(s.token_ids) == 1 + s.num_draft_tokens <= self.length
+                and not s.boundary_checkpoints
+                and not s.score
+                and s.start_pos + self.length <= self.max_pages * self.page_size
+                for s in seqs
+            )
+        )
+
+    def run(self, inputs: VerifyInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Replay the bucket of `inputs` (built on the host for a bucket: gpu_worker.runner.input_builder.
+        build_verify_inputs); the logits [bucket, L, vocab] and span tensors, valid until the next `run`."""
+        bucket, length = inputs.input_ids.shape
+        width = inputs.page_table.shape[1]
+        if bucket not in self._replays or length != self.length or width > self.max_pages:
+            raise ValueError(
+                f"no captured verify graph for {bucket} rows of {length} tokens over {width} pages (buckets"
+                f" {self.buckets} of {self.length} tokens, {self.max_pages} pages)"
+            )
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have left the staging buffers
+        self._tokens_host[0, :bucket] = inputs.input_ids
+        self._tokens_host[1, :bucket] = inputs.positions
+        self._tokens_host[2, :bucket] = inputs.write_slots
+        self._rows_host[0, :bucket] = inputs.lengths
+        self._rows_host[1, :bucket] = inputs.state_slots
+        self._table_host[: bucket * width].view(bucket, width).copy_(inputs.page_table)
+        self.tokens.copy_(self._tokens_host, non_blocking=True)
+        self.rows.copy_(self._rows_host, non_blocking=True)
+        self._table_scratch[: bucket * width].copy_(self._table_host[: bucket * width], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self.page_table[:bucket, :width].copy_(self._table_scratch[: bucket * width].view(bucket, width))
+        self._replays[bucket]()
+        return self._outputs[bucket]
+
+    def describe(self) -> dict[str, int | str]:
+        return {
+            "cuda_graph_verify_buckets": ",".join(str(b) for b in sorted(self._replays)),
+            "cuda_graph_verify_tokens": self.length,
+            "cuda_graph_verify_pool_bytes": self.pool_bytes,
         }

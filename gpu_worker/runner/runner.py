@@ -24,19 +24,20 @@ from gpu_worker.model.backends import kernel_backend
 from gpu_worker.model.backends.cpu import mamba_prefill
 from gpu_worker.model.backends.cpu.compiled_decode import DecodeCompiler, can_compile, use_persistent_cache
 from gpu_worker.model.backends.cpu.compiled_step import MIN_PAGE_COLUMNS, CompiledDecodeSteps, parse_buckets
+from gpu_worker.model.backends.cpu.decode_program import verify_logits
 from gpu_worker.model.backends.cpu.linear import (
     pack_limit,
     small_projections,
     use_onednn_linears,
     warm_onednn_linears,
 )
-from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY, StackedSpanRecord
+from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY, StackedSpanRecord, restore_rows
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.runner.batch import Batch, ForwardOutput, score_targets
-from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
+from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs, VerifyGraphs, pick_bucket
 from gpu_worker.runner.input_builder import VerifyInputs, build_inputs, build_verify_inputs, validate_batch
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.memory import MemorySplit, PoolShape, size_pools
@@ -262,6 +263,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             )  # fmt: skip
         self._graphs_s = 0.0  # the CUDA graph capture's seconds
         self.decode_graphs = self._capture_decode_graphs()
+        self.verify_graphs = self._capture_verify_graphs()
         self.decode_compiler = self._start_decode_compile()
         self.decode_steps = self._decode_steps()
 
@@ -440,6 +442,64 @@ class ModelRunner(RunnerFacts, LogitsRunner):
                  self._graphs_s)  # fmt: skip
         return graphs
 
+    def _capture_verify_graphs(self) -> VerifyGraphs | None:
+        """CUDA graphs for speculative decoding's verify steps (cuda_graphs.VerifyGraphs), where decode steps
+        have graphs and prompt lookup drafts (the MTP head reads every position's hidden state: its steps
+        run eagerly). Steps of up to the rows that may draft: a step that drafts has no more rows."""
+        cfg = self.runner_config
+        if self.decode_graphs is None or cfg.verify_tokens < 2 or cfg.mtp_draft_tokens or not cfg.num_draft_rows:
+            return None
+        started = time.perf_counter()
+        rows = min(cfg.num_draft_rows // (cfg.verify_tokens - 1), cfg.max_num_seqs, cfg.cuda_graph_max_batch)
+        graphs = VerifyGraphs(
+            self._verify_step, max(rows, 1), cfg.verify_tokens, self.decode_graphs.max_pages, cfg.kv_page_size_tokens,
+            self.device, CudaGraphCapture(),
+        )  # fmt: skip
+        with torch.inference_mode():
+            graphs.capture_all()
+        seconds = time.perf_counter() - started
+        self._graphs_s += seconds
+        log.info("captured CUDA graphs of verify steps (%s rows of %d tokens) in %.1f s",
+                 ",".join(map(str, graphs.buckets)), cfg.verify_tokens, seconds)  # fmt: skip
+        return graphs
+
+    def _verify_step(
+        self, ids: torch.Tensor, positions: torch.Tensor, writes: torch.Tensor, lengths: torch.Tensor,
+        slots: torch.Tensor, table: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+        """A captured verify step: decode_program.verify_logits over this runner's model and pools."""
+        page = self.kv_page_size_tokens
+        return verify_logits(self.model, ids, positions, writes, lengths, slots, table, page, self._kv_caches,
+                             self._states)  # fmt: skip
+
+    def _forward_verify_graphed(self, batch: Batch) -> ForwardOutput:
+        """A verify step replayed from its bucket's CUDA graph (cuda_graphs.VerifyGraphs: every row padded to
+        L positions, the plain ones too); the rollback rebuilds a rejected row's state from the graph's span
+        tensors, as after the CPU's verify program."""
+        graphs = self.verify_graphs
+        assert graphs is not None
+        seqs = batch.sequences
+        bucket = pick_bucket(graphs.buckets, len(seqs))
+        assert bucket is not None  # can_run checked the rows
+        inputs = build_verify_inputs(
+            batch, self.kv_page_size_tokens, self.state_pool.num_slots, graphs.length, bucket, MIN_PAGE_COLUMNS
+        )  # fmt: skip
+        if inputs.fresh_slots is not None:  # a one-token prompt's only chunk, beside the drafted rows
+            self.state_pool.zero_slots(inputs.fresh_slots.to(self.device))
+        logits, spans = graphs.run(inputs)
+        self._save_checkpoints(batch)
+        logits = logits[inputs.num_padding :]  # [rows, L, vocab]
+        ends = (inputs.lengths[inputs.num_padding :] - 1).to(self.device)
+        last = logits[torch.arange(len(seqs), device=self.device), ends]
+        drafts = tuple((i, logits[i, : 1 + s.num_draft_tokens]) for i, s in enumerate(seqs) if s.num_draft_tokens)
+        records: tuple[StackedSpanRecord, ...] = ()
+        if spans:  # padding rows answer to no slot
+            slots = (-1,) * inputs.num_padding + tuple(s.state_slot for s in seqs)
+            conv, ssm = self.state_pool.stacked_states()
+            initial, a, xdt, B, windows = spans
+            records = (StackedSpanRecord(conv, ssm, slots, initial, a, xdt, B, windows, restore_rows),)
+        return ForwardOutput(logits=last, draft_logits=drafts, draft_records=records)
+
     def _decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The captured step: forward and float32 logits of every row."""
         return self.model.compute_logits(self.model(input_ids, ctx, self._kv_caches, self._states))
@@ -475,12 +535,16 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         records: list[object] | None = None
         if drafting:  # speculation: a rejected row's state is rebuilt from the short spans, or kept in draft rows
             check_drafted(batch)
+            if self.verify_graphs is not None and not eager and self.verify_graphs.can_run(batch):
+                return self._forward_verify_graphed(batch)
             programs = self.decode_steps
             if programs is not None and programs.verify_buckets and not eager and not batch.return_all_logits:
                 verified = self._forward_verify(batch, programs)
                 if verified is not None:
                     return verified
-            records = [] if keeps_short_spans(batch, self.device) else None
+            # the CPU mixers keep the short spans; the CUDA backend's kernels (attached on CPU in tests) do not
+            keeps = keeps_short_spans(batch, self.device) and self._first_mixer_ops() is None
+            records = [] if keeps else None
             if records is None:
                 batch = with_draft_rows(batch, self.state_pool)
         packed = build_inputs(batch, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
@@ -544,6 +608,11 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         self._save_checkpoints(batch)
         return ForwardOutput(logits=logits.index_select(0, packed.last_index.to(self.device)))
 
+    def _first_mixer_ops(self) -> object | None:
+        """The kernels attached to the model's first Mamba mixer (gpu_worker.model.backends), if any."""
+        mixer = next((m for m in self.model.modules() if isinstance(m, Mamba2Mixer)), None)
+        return mixer.ops if mixer is not None else None
+
     def _save_checkpoints(self, batch: Batch) -> None:
         for seq in batch.sequences:
             if seq.save_checkpoint_id is not None:
@@ -558,6 +627,8 @@ class ModelRunner(RunnerFacts, LogitsRunner):
     def describe(self) -> dict[str, int | str]:
         """Sizes for logs and GetInfo."""
         graphs = self.decode_graphs.describe() if self.decode_graphs is not None else {}
+        if self.verify_graphs is not None:
+            graphs.update(self.verify_graphs.describe())
         return {
             "architecture": self.config.architecture,
             "kernels": kernel_backend(self.model),

@@ -18,16 +18,20 @@ from gpu_worker.runner.batch import Batch
 from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.settings import RunnerConfig
 from tests.model.model_helpers import Request, hf_logits
+from tests.worker.test_cuda_graph_runner import _drive_verify
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 FP32_TOL = 2e-3  # GPU float32: other reduction orders than the CPU reference
 
 
-def _runner(path: Path, dtype: str, graphs: bool, device: str = "cuda", kernels: str = "auto") -> ModelRunner:
+def _runner(
+    path: Path, dtype: str, graphs: bool, device: str = "cuda", kernels: str = "auto", verify_tokens: int = 0
+) -> ModelRunner:
     cfg = RunnerConfig(
         memory_budget_bytes=16 << 20, kv_page_size_tokens=4, max_num_seqs=6, num_checkpoint_slots=2,
         device=device, dtype=dtype, cuda_graph_max_batch=4 if graphs else 0, cuda_graph_max_context_tokens=256,
+        verify_tokens=verify_tokens, num_draft_rows=4 * (verify_tokens - 1) if verify_tokens else 0,
     )  # fmt: skip
     if kernels == "auto":
         return ModelRunner.from_model_dir(path, cfg)
@@ -92,6 +96,23 @@ def test_graphs_replay_the_eager_kernels_exactly_enough(small_checkpoint) -> Non
     info = graphed.describe()
     assert info["cuda_graph_buckets"] == "1,2,4" and int(info["cuda_graph_pool_bytes"]) > 0
     assert _max_diff(_drive(graphed, seqs), _drive(eager, seqs)) <= 1e-2
+
+
+def test_graphed_verify_steps_match_the_eager_kernels_and_roll_back_alike(small_checkpoint) -> None:
+    """Speculative decoding's verify steps under CUDA graphs (cuda_graphs.VerifyGraphs, captured for real):
+    drafted rows and a plain one in one step, a rejected draft rolled back from the graph's span tensors,
+    decode steps after it; against the eager kernels (the drafted rows as prefill chunks, their states kept
+    in the pool's draft rows), float32."""
+    _, path = small_checkpoint
+    graphed = _runner(path, "float32", True, verify_tokens=4)
+    eager = _runner(path, "float32", False, verify_tokens=4)
+    assert eager.verify_graphs is None and graphed.verify_graphs is not None
+    info = graphed.describe()
+    assert info["cuda_graph_verify_buckets"] == "1,2,4" and int(info["cuda_graph_verify_pool_bytes"]) > 0
+    got, want = _drive_verify(graphed), _drive_verify(eager)
+    assert len(got) == len(want) == 8
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert (a.float().cpu() - b.float().cpu()).abs().max().item() <= FP32_TOL, f"output {i}"
 
 
 @pytest.mark.parametrize("graphs", [True, False])

@@ -1,6 +1,7 @@
 """The CUDA-graph decode runner on CPU: bucket selection, padding and static-buffer reuse, with a stand-in
 capture that records what would be captured and runs each step eagerly; then the whole runner on the
-CUDA backend's kernels (Triton's interpreter without a GPU) against the torch path."""
+CUDA backend's kernels (Triton's interpreter without a GPU) against the torch path, for decode steps and
+for speculative decoding's verify steps (cuda_graphs.VerifyGraphs) with their rollback."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import torch
 from gpu_worker.model.backends import attach_kernels
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.runner.batch import Batch, SequenceChunk
-from gpu_worker.runner.cuda_graphs import DecodeGraphs, bucket_sizes, pick_bucket
-from gpu_worker.runner.input_builder import build_inputs
+from gpu_worker.runner.cuda_graphs import DecodeGraphs, VerifyGraphs, bucket_sizes, pick_bucket
+from gpu_worker.runner.input_builder import build_inputs, build_verify_inputs
 from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.settings import RunnerConfig
+from gpu_worker.runner.speculation import Verified, roll_back
 from hybridserve_cli.init_model import ModelSpec, write_random_checkpoint
 
 CPU = torch.device("cpu")
@@ -178,3 +180,114 @@ def test_graphed_decode_on_the_kernels_matches_the_torch_path(tiny_model: Path) 
     assert capture.num_replays == 5  # every decode step replayed; the prefill ran eagerly
     for i, (a, b) in enumerate(zip(want, got, strict=True)):
         assert (a - b).abs().max().item() <= 1e-4, f"step {i}"
+
+
+class FakeVerify:
+    """Records what each verify call saw: the bucket, its columns and the buffers' addresses."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, object]] = []
+
+    def __call__(self, *columns: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        ids, positions, writes, lengths, slots, table = columns
+        self.calls.append({
+            "rows": ids.shape[0], "columns": [c.clone() for c in columns], "ptrs": [c.data_ptr() for c in columns],
+        })  # fmt: skip
+        return ids[:, :, None].float() * torch.arange(VOCAB, dtype=torch.float32), [slots.clone()]
+
+
+def test_verify_graphs_capture_on_scratch_and_replay_a_step_from_the_same_buffers() -> None:
+    forward, capture = FakeVerify(), RecordingCapture()
+    graphs = VerifyGraphs(forward, max_rows=4, length=3, max_pages_per_seq=5, page_size_tokens=4, device=CPU,
+                          capture=capture)  # fmt: skip
+    graphs.capture_all(scratch_slot=2, scratch_page=7)
+    assert [c["rows"] for c in forward.calls] == [4, 2, 1]  # largest first, one capture each
+    for call in forward.calls:  # one token at position 0 of the scratch slot and page, nothing else touched
+        ids, positions, writes, lengths, slots, table = call["columns"]  # type: ignore[misc]
+        assert (positions == 0).all() and (writes == 28).all() and (lengths == 1).all() and (slots == 2).all()
+        assert (table == 7).all() and table.shape[1] == 5
+    captured = {c["rows"]: c["ptrs"] for c in forward.calls}
+
+    # a drafted row (newest token 9 at position 5, drafts 4 and 6) beside a plain decode: bucket 2
+    seqs = (SequenceChunk((9, 4, 6), 5, (3, 1), 1, num_draft_tokens=2), SequenceChunk((8,), 2, (6,), 0))
+    batch = Batch(seqs)
+    assert graphs.can_run(batch)
+    logits, spans = graphs.run(build_verify_inputs(batch, 4, 8, 3, 2, 2))
+    seen = forward.calls[-1]
+    assert capture.num_replays == 1 and seen["rows"] == 2 and seen["ptrs"] == captured[2]
+    ids, positions, writes, lengths, slots, table = seen["columns"]  # type: ignore[misc]
+    assert ids.tolist() == [[9, 4, 6], [8, 8, 8]]  # a plain row's padded positions repeat its token
+    assert positions.tolist() == [[5, 6, 7], [2, 3, 4]]
+    assert writes.tolist() == [[1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3], [6 * 4 + 2] * 3]  # padding: its last real slot
+    assert lengths.tolist() == [3, 1] and slots.tolist() == [1, 0]
+    assert table[:, :2].tolist() == [[3, 1], [6, 0]]
+    assert logits.shape == (2, 3, VOCAB) and logits[0, :, 1].tolist() == [9.0, 4.0, 6.0]
+
+    three = Batch(tuple(SequenceChunk((5, 1), 9, (0, 2, 4), slot, num_draft_tokens=1) for slot in (3, 5, 6)))
+    graphs.run(build_verify_inputs(three, 4, 8, 3, 4, 2))  # three rows: one padding row first, repeating row 0
+    seen = forward.calls[-1]
+    assert seen["rows"] == 4 and seen["ptrs"] == captured[4]
+    assert seen["columns"][4].tolist() == [3, 3, 5, 6]  # type: ignore[index]
+    assert capture.num_captured == 3 and capture.num_replays == 2
+
+
+def test_only_verify_steps_that_fit_replay() -> None:
+    graphs = VerifyGraphs(FakeVerify(), 4, 3, 4, 4, CPU, RecordingCapture())
+    drafted = SequenceChunk((1, 2, 3), 4, (0, 1), 0, num_draft_tokens=2)
+    assert graphs.can_run(Batch((drafted, SequenceChunk((5,), 2, (2,), 1))))
+    assert not graphs.can_run(Batch((drafted,), return_all_logits=True))
+    assert not graphs.can_run(Batch((drafted._replace(token_ids=(1, 2, 3, 4), num_draft_tokens=3),)))  # > L
+    assert not graphs.can_run(Batch((SequenceChunk((1, 2), 0, (0,), 0),)))  # a prefill chunk
+    assert not graphs.can_run(Batch((SequenceChunk((7,), 0, (0,), 0, score=True),)))
+    assert not graphs.can_run(Batch(tuple(SequenceChunk((1,), 0, (i,), i) for i in range(5))))  # > 4 rows
+    assert not graphs.can_run(Batch((drafted._replace(start_pos=14, page_ids=(0, 1, 2, 3)),)))  # past the table
+    assert graphs.can_run(Batch((drafted._replace(start_pos=13, page_ids=(0, 1, 2, 3)),)))
+
+
+def _drive_verify(runner: ModelRunner) -> list[torch.Tensor]:
+    """Three prompts prefilled, then a verify step (three drafts on one row, two on another, a plain decode
+    beside them), the first row's drafts rejected after its first and rolled back, then two decode steps
+    from the state the rollback left; returns each step's logits, every verified position's, and the
+    rolled-back rows' states."""
+    kv, pool = runner.kv_pool, runner.state_pool
+    slots = [pool.allocate_slot() for _ in range(3)]
+    pages = [tuple(kv.allocate(5)) for _ in range(3)]
+    prompts = [[3, 9, 27, 17, 51, 25, 11], [4, 8, 15, 16, 23], [42, 5, 6, 7, 8, 9]]
+    chunks = (SequenceChunk(tuple(p), 0, pg, s) for p, pg, s in zip(prompts, pages, slots, strict=True))
+    out = [runner.forward(Batch(tuple(chunks))).logits]
+    lens = [len(p) for p in prompts]
+    verify = Batch((
+        SequenceChunk((30, 31, 32, 33), lens[0], pages[0], slots[0], num_draft_tokens=3),
+        SequenceChunk((40,), lens[1], pages[1], slots[1]),
+        SequenceChunk((50, 51, 52), lens[2], pages[2], slots[2], num_draft_tokens=2),
+    ))  # fmt: skip
+    step = runner.forward(verify)
+    out.append(step.logits)
+    out.extend(logits for _, logits in step.draft_logits)
+    verified = [Verified(0, 3, (31,), (0.0,), ((),)), Verified(2, 2, (51, 52), (0.0, 0.0), ((), ()))]
+    roll_back(pool, verify, verified, step.draft_records)
+    conv, ssm = pool.stacked_states()
+    out.extend(t[:, slots].clone() for t in (conv, ssm))
+    lens = [lens[0] + 2, lens[1] + 1, lens[2] + 3]
+    for k in range(2):
+        seqs = tuple(SequenceChunk((20 + i + k,), lens[i], pages[i], slots[i]) for i in range(3))
+        out.append(runner.forward(Batch(seqs)).logits)
+        lens = [n + 1 for n in lens]
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU kernels need the interpreter; CUDA: test_gpu_backend")
+def test_graphed_verify_on_the_kernels_matches_the_torch_path_and_rolls_back_alike(tiny_model: Path) -> None:
+    eager = _runner(tiny_model)
+    graphed = _runner(tiny_model)
+    attach_kernels(graphed.model, "triton")
+    capture = RecordingCapture()
+    graphed.verify_graphs = VerifyGraphs(graphed._verify_step, 4, 4, 8, 4, CPU, capture)
+    graphed.verify_graphs.capture_all()
+    assert capture.num_captured == 3  # buckets of 1, 2 and 4 rows
+    want, got = _drive_verify(eager), _drive_verify(graphed)
+    assert capture.num_replays == 1  # the verify step replayed (3 rows: bucket 4, one padding row)
+    assert len(want) == len(got) == 8
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert a.shape == b.shape, f"output {i}"
+        assert (a - b).abs().max().item() <= 1e-4, f"output {i}"

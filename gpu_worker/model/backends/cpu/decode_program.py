@@ -28,7 +28,10 @@ newest token and its drafts, gpu_worker.runner.speculation; plain decode rows be
                rebuilt without a second forward (short_scan.ShortSpanRecord, as the eager path keeps)
     attention  K/V of each real position written at its slot; a padded position writes its row's last
                real position's K/V again, at that slot (the same values: the order of the writes does not
-               matter); then each position attends over its row's pages, keys after it masked
+               matter); then each position attends over its row's pages, keys after it masked (with the
+               CUDA backend's kernels attached, through its paged decode kernel, a decode row a position
+               reading only the keys up to it: gpu_worker.runner.cuda_graphs.VerifyGraphs replays this
+               function, as it stands, under CUDA graphs)
 Logits at every position (verification samples each one)."""
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """x [rows, in] @ weight [out, in]^T (+ bias): oneDNN from ONEDNN_ROWS rows for weights of at least
     ONEDNN_MIN_BYTES (float32), else F.linear (MKL)."""
     big = weight.numel() * weight.element_size() >= ONEDNN_MIN_BYTES
-    if x.shape[0] >= ONEDNN_ROWS and big and weight.dtype == torch.float32:
+    if x.shape[0] >= ONEDNN_ROWS and big and weight.dtype == torch.float32 and weight.device.type == "cpu":
         return cast(torch.Tensor, onednn_linear(x, weight, bias))
     return F.linear(x, weight, bias)
 
@@ -316,6 +319,12 @@ def attention_verify(
     slots = write_slots.reshape(-1)
     k_cache.index_copy_(0, slots, k.view(b, length, kvh, dim).gather(1, pick).view(b * length, kvh, dim))
     v_cache.index_copy_(0, slots, v.gather(1, pick).view(b * length, kvh, dim))
+    ops = attn.ops
+    if ops is not None:  # the CUDA backend's kernels (a verify step under a CUDA graph): each position a decode row
+        seen = positions.gather(1, take).reshape(-1)  # a padded position attends as its row's last real one
+        table = page_table.repeat_interleave(length, dim=0)  # [b * L, W]
+        out = ops.paged_rows_attention(q, k_cache, v_cache, table, seen + 1, page_size, attn.scale)
+        return linear(attn.o_proj, out.reshape(b * length, attn.num_heads * dim))
     width = page_table.shape[1] * page_size
     pages = page_table.reshape(-1)
     keys = k_cache.view(-1, page_size, kvh, dim).index_select(0, pages).view(b, width, kvh, dim)

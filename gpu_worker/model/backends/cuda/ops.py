@@ -84,6 +84,21 @@ class TritonOps:
             )
         return out
 
+    def paged_rows_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        page_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, heads, d], each row a query over keys [0, seq_lens[t]) through page_table [T, W] (K/V already
+        written) -> [T, heads, d]: the verify step's attention (decode_program.attention_verify), every
+        position of a verify row a decode row of its own."""
+        return attn_k.paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, page_size, scale)
+
     def mamba_mix(
         self,
         mixer: Mamba2Mixer,
