@@ -103,8 +103,11 @@ def random_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed
     return LoadedModel(Path("random"), config, family, built, None, (), f"random-{seed}", device, dtype)
 
 
-def runner_config(loaded: LoadedModel, max_batch: int, tokens_per_seq: int, page: int, graphs: bool) -> RunnerConfig:
-    """A memory budget that holds `max_batch` state slots and their KV pages, nothing more."""
+def runner_config(
+    loaded: LoadedModel, max_batch: int, tokens_per_seq: int, page: int, graphs: bool, draft_rows: int = 0
+) -> RunnerConfig:
+    """A memory budget that holds `max_batch` state slots and their KV pages (and `draft_rows` more states,
+    speculation's), nothing more."""
     c = loaded.config
     kv_per_token = KVPagePool.bytes_per_token(c.num_attention_layers, c.num_key_value_heads, c.head_dim, loaded.dtype)
     state = MambaStatePool.bytes_per_slot(
@@ -113,7 +116,8 @@ def runner_config(loaded: LoadedModel, max_batch: int, tokens_per_seq: int, page
     )  # fmt: skip
     pages = max_batch * -(-tokens_per_seq // page) + 2
     return RunnerConfig(
-        memory_budget_bytes=state * max_batch + max(kv_per_token, 1) * page * pages, kv_page_size_tokens=page,
+        memory_budget_bytes=state * (max_batch + draft_rows) + max(kv_per_token, 1) * page * pages,
+        kv_page_size_tokens=page, num_draft_rows=draft_rows,
         max_num_seqs=max_batch, num_checkpoint_slots=0, device=str(loaded.device),
         dtype=str(loaded.dtype).removeprefix("torch."), cuda_graph_max_batch=max_batch if graphs else 0,
         cuda_graph_max_context_tokens=-(-tokens_per_seq // page) * page,

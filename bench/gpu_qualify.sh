@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU qualification of the CUDA path, in one run on a fresh GPU machine: at most 7.5 minutes (the phase
-# limits add up to 450 s; about 4-5 minutes expected).
+# GPU qualification of the CUDA path, in one run on a fresh GPU machine: at most 8.75 minutes (the phase
+# limits add up to 525 s; about 5 minutes expected).
 #
 #   bench/gpu_qualify.sh              # on the GPU machine, from the repository root (or anywhere)
 #   bench/gpu_qualify.sh --dry-run    # rehearsal on CPU: every phase, tiny shapes, kernels interpreted
@@ -15,9 +15,11 @@
 #   env       device, versions, imports
 #   kernels   tests/model/test_triton_kernels.py: every Triton kernel compiled on the GPU vs its torch contract
 #   gpu-tests tests/model/test_gpu*.py: the CUDA backend (graphs on/off) vs transformers and the CPU path,
-#             float32 and bf16
+#             float32 and bf16; verify graphs vs the eager kernels
 #   bench     bench/bench_gpu.py: prefill/decode throughput at batch 1, 8, 32, 128, 256 on a random
 #             hidden-2048, 32-layer Bamba, torch path vs Triton eager vs CUDA graphs, vs the HBM floor
+#   verify    bench/bench_gpu_verify.py: speculative decoding's verify steps (1, 4, 8 rows of 1 + 4 tokens)
+#             from their CUDA graphs vs the eager kernels, and against a plain decode step, same model
 # Output: $OUT/gpu_report.md (plus the phase logs next to it) when OUT is set, else bench/results/.
 set -o pipefail
 set -u
@@ -91,6 +93,9 @@ run_phase kernels 75 "$PY" -m pytest -p no:cacheprovider -v --timeout 60 tests/m
 run_phase gpu-tests 165 "$PY" -m pytest -p no:cacheprovider -v --timeout 90 tests/model/test_gpu.py \
     tests/model/test_gpu_backend.py
 run_phase bench 170 "$PY" bench/bench_gpu.py --out "$DEST/bench.md" "${BENCH_ARGS[@]}"
+VERIFY_ARGS=()
+[ "$DRY" = 1 ] && VERIFY_ARGS=(--dry-run)
+run_phase verify 75 "$PY" bench/bench_gpu_verify.py --out "$DEST/verify.md" ${VERIFY_ARGS[@]+"${VERIFY_ARGS[@]}"}
 
 {
     echo "# GPU qualification report"
@@ -124,6 +129,15 @@ run_phase bench 170 "$PY" bench/bench_gpu.py --out "$DEST/bench.md" "${BENCH_ARG
         echo "No benchmark output; the last lines of its log:"
         echo '```'
         tail -n 40 "$DEST/bench.log" 2>/dev/null
+        echo '```'
+    fi
+    echo
+    if [ -s "$DEST/verify.md" ]; then
+        sed 's/^# /### /' "$DEST/verify.md"
+    else
+        echo "No verify benchmark output; the last lines of its log:"
+        echo '```'
+        tail -n 40 "$DEST/verify.log" 2>/dev/null
         echo '```'
     fi
 } >"$REPORT"
