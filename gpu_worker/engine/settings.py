@@ -98,8 +98,9 @@ COMPILED_SPECULATIVE_ROWS = 8  # compiled verify programs: 8 clients drafting ga
 
 def speculative_rows(max_rows: int, method: str, compiled_buckets: tuple[int, ...]) -> int:
     """--speculative-max-rows with 0 (auto) resolved: where prompt lookup's verify steps have compiled
-    programs (`compiled_buckets`, RunnerConfig.compile_step_sizes parsed; the MTP head keeps verify steps
-    eager), the largest bucket up to COMPILED_SPECULATIVE_ROWS, else SPECULATIVE_ROWS."""
+    programs (`compiled_buckets`, RunnerConfig.compile_step_sizes parsed), the largest bucket up to
+    COMPILED_SPECULATIVE_ROWS, else SPECULATIVE_ROWS (the MTP head's steps go through the programs too, but
+    the head's own cost per row comes on top, and 8 drafting rows with it were not measured)."""
     if max_rows:
         return max_rows
     fitting = [b for b in compiled_buckets if b <= COMPILED_SPECULATIVE_ROWS]

@@ -38,7 +38,13 @@ from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.runner.batch import Batch, ForwardOutput, score_targets
 from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs, VerifyGraphs, pick_bucket
-from gpu_worker.runner.input_builder import VerifyInputs, build_inputs, build_verify_inputs, validate_batch
+from gpu_worker.runner.input_builder import (
+    PackedInputs,
+    VerifyInputs,
+    build_inputs,
+    build_verify_inputs,
+    validate_batch,
+)
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.memory import MemorySplit, PoolShape, size_pools
 from gpu_worker.runner.mtp import MtpProposer, Proposals
@@ -209,6 +215,25 @@ class RunnerFacts:
         self.pools = PoolSet(*pools, plan.kv_bytes_per_token, plan.state_bytes_per_request, self.device)
 
 
+def _program_hidden(
+    verify_hidden: torch.Tensor, drafted: list[int], plain_hidden: torch.Tensor | None, plain: list[int],
+    packed: PackedInputs | None,
+) -> tuple[torch.Tensor, tuple[int, ...]]:  # fmt: skip
+    """ForwardOutput.hidden and token_start of a verify step through the programs, laid out as the eager
+    forward's: the drafted rows' L positions each ([drafted, L, hidden], in batch order), then the plain
+    rows' decode group (`plain_hidden`, packed by `packed`); token_start[i] is batch row i's first position."""
+    length = verify_hidden.shape[1]
+    starts = [0] * (len(drafted) + len(plain))
+    for k, i in enumerate(drafted):
+        starts[i] = k * length
+    flat = verify_hidden.reshape(-1, verify_hidden.shape[-1])
+    if plain_hidden is None or packed is None:
+        return flat, tuple(starts)
+    for j, i in enumerate(plain):
+        starts[i] = len(flat) + packed.token_start[j]
+    return torch.cat([flat, plain_hidden]), tuple(starts)
+
+
 class ModelRunner(RunnerFacts, LogitsRunner):
     """Runs packed batches in this process (gpu_worker.runner.protocol.Runner; `forward` gives the logits
     alone). Not thread-safe: one engine thread calls it."""
@@ -328,8 +353,8 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             return None
         use_persistent_cache()
         cfg = self.runner_config
-        # verify steps with the MTP head run eagerly (the head reads every position's hidden state)
-        verify = cfg.verify_tokens if not cfg.mtp_draft_tokens and cfg.verify_tokens > 1 else 0
+        # the programs return the final hidden states too: the MTP head's steps run through them as well
+        verify = cfg.verify_tokens if cfg.verify_tokens > 1 else 0
         rows = cfg.num_draft_rows // (verify - 1) if verify else 0
         return CompiledDecodeSteps(
             self.model, self._kv_caches, self._states, self.kv_page_size_tokens, buckets, verify, rows,
@@ -363,14 +388,16 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         return (inputs.input_ids, inputs.positions, inputs.write_slots, inputs.lengths, inputs.state_slots,
                 inputs.page_table)  # fmt: skip
 
-    def _forward_verify(self, batch: Batch, programs: CompiledDecodeSteps) -> ForwardOutput | None:
+    def _forward_verify(self, batch: Batch, programs: CompiledDecodeSteps, heads: bool) -> ForwardOutput | None:
         """A step of verify rows, and plain decodes beside them, through the compiled programs
         (compiled_step): the drafted rows through their bucket's verify program (every position's logits,
         and the short-span records their rollback reads, as the eager short-span scan leaves them), the
         others through the decode program of theirs. Two calls rather than the plain rows padded to 1 + k
         positions: a verify row costs about three plain ones (bench_decode: 8 verify rows 20.5 ms, 8 decode rows
         6.0, one verify row 6.1), so one drafted row among eight would cost the step 20.5 ms padded and about
-        12 split. None when no program holds the step (the caller runs it eagerly)."""
+        12 split. With `heads` (the MTP head runs after the step) the final hidden states of every position
+        come back laid out as the eager forward's (`_program_hidden`). None when no program holds the step
+        (the caller runs it eagerly)."""
         seqs = batch.sequences
         length = programs.verify_tokens
         drafted = [i for i, s in enumerate(seqs) if s.num_draft_tokens]
@@ -398,8 +425,8 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         ran = programs.run_verify(*self._verify_columns(inputs))
         if ran is None:  # nothing ran
             return None
-        logits, spans = ran
-        plain_logits = None
+        logits, spans, verify_hidden = ran
+        plain_logits = plain_hidden = None
         if packed is not None:
             if packed.fresh_slots is not None:
                 self.state_pool.zero_slots(packed.fresh_slots)
@@ -407,6 +434,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             if compiled is None:  # its bucket and readiness were checked: the drafted rows ran already
                 raise RuntimeError(f"no decode program took the step's {len(plain)} plain rows")
             plain_logits = compiled[0].index_select(0, packed.last_index)
+            plain_hidden = compiled[3]
         self._save_checkpoints(batch)
         real = slice(inputs.num_padding, None)
         logits = logits[real]  # [drafted rows, L, vocab]
@@ -422,7 +450,11 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             initial, a, xdt, B, windows = spans
             conv, ssm = self.state_pool.stacked_states()
             records = (StackedSpanRecord(conv, ssm, slots, initial, a, xdt, B, windows, programs.restore),)
-        return ForwardOutput(logits=last, draft_logits=drafts, draft_records=records)
+        out = ForwardOutput(logits=last, draft_logits=drafts, draft_records=records)
+        if not heads:
+            return out
+        hidden, token_start = _program_hidden(verify_hidden[real], drafted, plain_hidden, plain, packed)
+        return replace(out, hidden=hidden, token_start=token_start)
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, only on CUDA with the kernels attached (see cuda_graphs)."""
@@ -469,8 +501,9 @@ class ModelRunner(RunnerFacts, LogitsRunner):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
         """A captured verify step: decode_program.verify_logits over this runner's model and pools."""
         page = self.kv_page_size_tokens
-        return verify_logits(self.model, ids, positions, writes, lengths, slots, table, page, self._kv_caches,
-                             self._states)  # fmt: skip
+        logits, spans, _ = verify_logits(self.model, ids, positions, writes, lengths, slots, table, page,
+                                         self._kv_caches, self._states)  # fmt: skip
+        return logits, spans
 
     def _forward_verify_graphed(self, batch: Batch) -> ForwardOutput:
         """A verify step replayed from its bucket's CUDA graph (cuda_graphs.VerifyGraphs: every row padded to
@@ -521,10 +554,12 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         if while_waiting is not None:
             while_waiting()
         scoring = any(seq.score for seq in batch.sequences)
-        # the MTP head reads every position's hidden state: only the eager forward keeps them
+        # the MTP head reads every position's hidden state: the eager forward and the CPU programs return
+        # them, the CUDA graphs do not
         heads = self.mtp is not None and any(seq.mtp_drafts >= 0 for seq in batch.sequences)
-        eager = scoring or heads
-        if self.decode_graphs is not None and not eager and self.decode_graphs.can_run(batch):
+        eager = scoring
+        graphs = not scoring and not heads
+        if self.decode_graphs is not None and graphs and self.decode_graphs.can_run(batch):
             return self._forward_graphed(batch)
         if self.decode_compiler is not None:  # between steps: switch to the compiled decode once built
             self.decode_compiler.attach_if_ready()
@@ -535,11 +570,11 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         records: list[object] | None = None
         if drafting:  # speculation: a rejected row's state is rebuilt from the short spans, or kept in draft rows
             check_drafted(batch)
-            if self.verify_graphs is not None and not eager and self.verify_graphs.can_run(batch):
+            if self.verify_graphs is not None and graphs and self.verify_graphs.can_run(batch):
                 return self._forward_verify_graphed(batch)
             programs = self.decode_steps
             if programs is not None and programs.verify_buckets and not eager and not batch.return_all_logits:
-                verified = self._forward_verify(batch, programs)
+                verified = self._forward_verify(batch, programs, heads)
                 if verified is not None:
                     return verified
             # the CPU mixers keep the short spans; the CUDA backend's kernels (attached on CPU in tests) do not
@@ -559,8 +594,12 @@ class ModelRunner(RunnerFacts, LogitsRunner):
             compiled = self.decode_steps.run(packed.ctx, packed.input_ids)  # None: no bucket holds it
             if compiled is not None:
                 self._save_checkpoints(batch)
-                logits, first_max, lse = (t.index_select(0, packed.last_index) for t in compiled)
-                return ForwardOutput(logits=logits, stats=(first_max, lse))
+                logits, first_max, lse = (t.index_select(0, packed.last_index) for t in compiled[:3])
+                if not heads:
+                    return ForwardOutput(logits=logits, stats=(first_max, lse))
+                return ForwardOutput(
+                    logits=logits, stats=(first_max, lse), hidden=compiled[3], token_start=packed.token_start
+                )  # fmt: skip
         hidden = self.model(packed.input_ids, packed.ctx, self._kv_caches, self._states)  # [T, hidden]
         logits_of = self.model.compute_logits
         self._save_checkpoints(batch)

@@ -2,7 +2,8 @@
 random MTP head: it loads without changing the model, and the drafts it proposes after each step are
 those of a dense reference of the head (every position recomputed from scratch, no pages), through
 chunked prefill, plain decodes and verified steps with drafts accepted and rejected, two requests
-packed in one batch, chained drafts running past a request's pages into the scratch pages."""
+packed in one batch, chained drafts running past a request's pages into the scratch pages; with the
+steps through the CPU's compiled programs too."""
 
 from __future__ import annotations
 
@@ -24,12 +25,17 @@ from tests.model.model_helpers import MTP_SPECS, Request, hf_logits, run_schedul
 K = 4
 
 
-def _runner(path: Path, mtp: int = K) -> ModelRunner:
+def _runner(path: Path, mtp: int = K, sizes: str = "") -> ModelRunner:
+    """With `sizes`, whole decode and verify steps compiled for those batch sizes (compiled_step), at warm-up."""
     cfg = RunnerConfig(
         memory_budget_bytes=8 << 20, kv_page_size_tokens=4, max_num_seqs=4, num_checkpoint_slots=2, device="cpu",
-        dtype="float32", num_draft_rows=2 * K, mtp_draft_tokens=mtp,
+        dtype="float32", num_draft_rows=2 * K, mtp_draft_tokens=mtp, compile_step_sizes=sizes,
+        verify_tokens=1 + K if sizes else 0,
     )  # fmt: skip
-    return ModelRunner.from_model_dir(path, cfg)
+    runner = ModelRunner.from_model_dir(path, cfg)
+    if sizes:
+        runner.warm_up()
+    return runner
 
 
 def _reference_drafts(runner: ModelRunner, known: list[int], k: int) -> list[int]:
@@ -87,11 +93,24 @@ def test_the_head_loads_beside_an_unchanged_model(mtp_checkpoints) -> None:
         _runner(bare)
 
 
-@pytest.mark.parametrize("name", MTP_SPECS)
-def test_drafts_are_a_dense_reference_heads(mtp_checkpoints, name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "sizes"),
+    [*((name, "") for name in MTP_SPECS), pytest.param("nemotron_dense", "1,2", marks=pytest.mark.slow)],
+)
+def test_drafts_are_a_dense_reference_heads(mtp_checkpoints, name: str, sizes: str) -> None:
+    """`sizes`: the runner's decode and verify steps through their compiled programs, which return the
+    hidden states the head reads (steps with a prefill chunk run the eager forward)."""
     hf, path = mtp_checkpoints[name]
     vocab = hf.config.vocab_size
-    runner, reference = _runner(path), _runner(path)
+    runner, reference = _runner(path, sizes=sizes), _runner(path)
+    programs = runner.decode_steps
+    calls: list[str] = []
+    if sizes:
+        assert programs is not None and programs.status == "ready" and programs.verify_buckets == (1, 2)
+        programs.stance = "fail_on_recompile"  # every step below was compiled at warm-up
+        decode, verify = programs._program, programs._verify
+        programs._program = lambda *a: calls.append("decode") or decode(*a)  # type: ignore[method-assign]
+        programs._verify = lambda *a: calls.append("verify") or verify(*a)  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (11, 6)]
     b = Request(runner, prompts[1])  # b takes the lower state slot: packed order differs from batch order
@@ -138,3 +157,5 @@ def test_drafts_are_a_dense_reference_heads(mtp_checkpoints, name: str) -> None:
         assert got[0] == tuple(_reference_drafts(reference, a.token_ids + [a_out], K)), f"{name}: a at step {step}"
         assert got[1] == tuple(_reference_drafts(reference, b.token_ids, K)), f"{name}: b at step {step}"
     assert accepted_any and rejected_any
+    if sizes:  # steps 1 to 5: a plain row beside b's verify row (both programs), or two plain rows
+        assert calls.count("verify") == 4 and calls.count("decode") == 5, calls

@@ -33,6 +33,9 @@ eagerly (gpu_worker.model.backends.cpu.compiled_decode, thread counts).
 The decode programs advance each Mamba layer's SSM state through a small C kernel (ssm_update), in place
 in one pass, where the machine's C compiler builds it; else through torch's gather and scatter.
 
+The programs return the final hidden states too (after the final norm), which the MTP head reads
+(gpu_worker.runner.mtp): the steps where the head runs go through them like any other.
+
 The sampler's part that every row needs is in the program: each row's first maximal token and its
 log-normaliser, through the sampler's own C kernel as a custom op (logit_stats), so a plain (greedy) row's
 token and log-probability come out of the program. Rows with controls, masks or alternatives are sampled
@@ -69,7 +72,10 @@ MIN_PAGE_COLUMNS = 2  # the page table's width is dynamic from 2 (inductor speci
 # ITL (bench/bench_ab.py, bench/RESULTS.md). Each bucket adds about 10 s to a cold start, a second or two
 # from inductor's disk cache. Verify programs stay within COMPILED_SPECULATIVE_ROWS (engine settings).
 AUTO_BUCKETS = (1, 2, 4, 8, 16, 32)
-Greedy = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # logits [b, vocab], first maximal index [b], logsumexp [b]
+# logits [b, vocab], first maximal index [b], logsumexp [b], final hidden states [b, hidden]
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# logits [b, L, vocab], the span tensors, final hidden states [b, L, hidden]
+Verified = tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]
 
 
 def parse_buckets(text: str, max_num_seqs: int) -> tuple[int, ...]:
@@ -114,8 +120,8 @@ class CompiledDecodeSteps:
         self.stacks = stacks
         limit = self.bucket_for(verify_rows) or (self.buckets[-1] if self.buckets else 0)
         self.verify_buckets = tuple(b for b in self.buckets if b <= limit) if self.verify_tokens else ()
-        self._program: Callable[..., Greedy] = torch.compile(decode_tokens)
-        self._verify: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] = torch.compile(verify_logits)
+        self._program: Callable[..., Decoded] = torch.compile(decode_tokens)
+        self._verify: Callable[..., Verified] = torch.compile(verify_logits)
         self._restore: Callable[..., None] = torch.compile(restore_rows)
         self.stance = STANCE  # tests use "fail_on_recompile" to prove the warm-up covers serving
         self.status = "compiling"  # compiling | ready | failed: ...
@@ -139,34 +145,35 @@ class CompiledDecodeSteps:
         rows = (torch.arange(bucket) - (bucket - n)).clamp_(min=0)  # 0 for the padding, then 0..n-1
         return tuple(t.index_select(0, rows) for t in columns)
 
-    def run(self, ctx: ForwardContext, input_ids: torch.Tensor) -> Greedy | None:
+    def run(self, ctx: ForwardContext, input_ids: torch.Tensor) -> Decoded | None:
         """A decode-only step through its bucket's program: logits [num_decode, vocab], each row's first
-        maximal token [num_decode] and log-normaliser [num_decode] (packed order); None when no bucket holds
-        it (the caller runs the eager forward)."""
+        maximal token [num_decode], log-normaliser [num_decode] and final hidden state [num_decode, hidden]
+        (packed order); None when no bucket holds it (the caller runs the eager forward)."""
         bucket = self.bucket_for(ctx.num_decode)
         if bucket is None or self.status != "ready":
             return None
         ids, pos, write, slots, table = self._inputs(ctx, input_ids, bucket)
         with torch.compiler.set_stance(self.stance):
-            logits, first_max, lse = self._call(ids, pos, write, slots, table)
+            logits, first_max, lse, hidden = self._call(ids, pos, write, slots, table)
         real = slice(bucket - ctx.num_decode, None)
-        return logits[real], first_max[real], lse[real]
+        return logits[real], first_max[real], lse[real], hidden[real]
 
     def verify_bucket_for(self, num_rows: int) -> int | None:
         """The smallest verify bucket of at least `num_rows` rows; None when there is none."""
         return next((b for b in self.verify_buckets if b >= num_rows), None)
 
-    def run_verify(self, *columns: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """A verify step's logits [bucket, L, vocab] and the Mamba layers' stacked SpanTensors through its
-        bucket's program, on `columns` (input ids, positions, write slots [bucket, L]; lengths, state slots [bucket];
-        the page table [bucket, W >= MIN_PAGE_COLUMNS]: gpu_worker.runner.input_builder.VerifyInputs); None
-        when the programs are not ready or no bucket holds the rows."""
+    def run_verify(self, *columns: torch.Tensor) -> Verified | None:
+        """A verify step's logits [bucket, L, vocab], the Mamba layers' stacked SpanTensors and the final
+        hidden states [bucket, L, hidden] through its bucket's program, on `columns` (input ids, positions,
+        write slots [bucket, L]; lengths, state slots [bucket]; the page table [bucket, W >= MIN_PAGE_COLUMNS]:
+        gpu_worker.runner.input_builder.VerifyInputs); None when the programs are not ready or no bucket
+        holds the rows."""
         if self.status != "ready" or columns[0].shape[0] not in self.verify_buckets:
             return None
         with torch.compiler.set_stance(self.stance):
             return self._call_verify(*columns)
 
-    def _call_verify(self, *columns: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _call_verify(self, *columns: torch.Tensor) -> Verified:
         return self._verify(self.model, *columns, self.page_size, self.kv_caches, self.states)
 
     def compile_all(
@@ -228,7 +235,7 @@ class CompiledDecodeSteps:
                     torch._dynamo.mark_dynamic(t, 1)
             self._restore(*args)
 
-    def _call(self, *columns: torch.Tensor) -> Greedy:
+    def _call(self, *columns: torch.Tensor) -> Decoded:
         return self._program(self.model, *columns, self.page_size, self.kv_caches, self.states)
 
     def _compile_buckets(self, ctx: ForwardContext, input_ids: torch.Tensor) -> None:
@@ -241,7 +248,7 @@ class CompiledDecodeSteps:
         for bucket in self.verify_buckets:
             columns = verify_scratch(bucket)
             torch._dynamo.mark_dynamic(columns[-1], 1)
-            _, spans = self._call_verify(*columns)
+            _, spans, _ = self._call_verify(*columns)
             self._compile_restore(spans, columns[4])
 
     @property

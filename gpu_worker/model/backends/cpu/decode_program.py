@@ -205,10 +205,11 @@ def decode_tokens(
     page_size: int,
     kv_caches: KVCaches,
     states: StateTensors,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode token per row: input_ids, positions, write_slots, state_slots [b] int64, page_table
     [b, W] int64 -> (float32 logits [b, vocab], each row's first maximal index [b] int64 and logsumexp [b]
-    float32, from the sampler's kernel: logit_stats). A plain row's token and its log-probability (logits[token]
+    float32, from the sampler's kernel: logit_stats; the final hidden states [b, hidden], after the final
+    norm, which the MTP head reads: gpu_worker.runner.mtp). A plain row's token and its log-probability (logits[token]
     - logsumexp) are thus chosen in the program; the sampler reads them (sampling.sample_rows' `stats`), and
     rows with controls, masks or alternatives take their tokens from the logits, as after an eager step. The
     pools are updated in place, row after row: a row that repeats a later row's inputs (a bucket's padding,
@@ -243,7 +244,7 @@ def decode_tokens(
     if c.logits_scaling != 1.0:
         logits = logits / c.logits_scaling
     first_max, lse = logit_stats_op(logits)
-    return logits, first_max, lse
+    return logits, first_max, lse, final
 
 
 # What a Mamba layer of a verify step returns for the rollback: its start states [b, H, P, N], a [b, H, L],
@@ -351,12 +352,12 @@ def verify_logits(
     page_size: int,
     kv_caches: KVCaches,
     states: StateTensors,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Rows of up to L tokens (module docstring): input_ids, positions, write_slots [b, L] int64 (a padded
     position: any token, its position, its row's last real slot), lengths and state_slots [b], page_table
     [b, W] -> (float32 logits [b, L, vocab], the start states and the Mamba layers' SpanTensors stacked on a
-    leading layer dimension: short_scan.StackedSpanRecord's tensors). Pools updated in place, row after row,
-    as decode_tokens does."""
+    leading layer dimension: short_scan.StackedSpanRecord's tensors, the final hidden states [b, L, hidden]
+    as decode_tokens returns them). Pools updated in place, row after row, as decode_tokens does."""
     c = model.config
     b, length = input_ids.shape
     steps = torch.arange(length, device=input_ids.device)[None, :]
@@ -389,7 +390,9 @@ def verify_logits(
         else:
             h = mlp_decode(cast(MLP, block.mixer), h)
         hidden = hidden + (h if c.residual_multiplier == 1.0 else h * c.residual_multiplier)
-    logits = linear(model.lm_head, model.final_norm(hidden)).float()
+    final = model.final_norm(hidden)
+    logits = linear(model.lm_head, final).float()
     if c.logits_scaling != 1.0:
         logits = logits / c.logits_scaling
-    return logits.view(b, length, -1), [torch.stack(parts) for parts in zip(*spans, strict=True)] if spans else []
+    stacked = [torch.stack(parts) for parts in zip(*spans, strict=True)] if spans else []
+    return logits.view(b, length, -1), stacked, final.view(b, length, -1)
