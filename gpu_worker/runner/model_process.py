@@ -84,7 +84,8 @@ from gpu_worker.runner.messages import (
     step_output,
     table_mask_words,
 )
-from gpu_worker.runner.runner import ModelRunner, PoolPlan, RunnerFacts
+from gpu_worker.runner.pool_plan import PoolPlan, RunnerFacts
+from gpu_worker.runner.runner import ModelRunner
 from gpu_worker.runner.sampling import EMPTY_OUTPUT, StepOutput, StepSampling
 from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.shared_memory import SharedArena, share_weights

@@ -4,10 +4,7 @@ The engine's loop is: build a `Batch` from the plan -> `runner.forward(batch)` -
 The runner knows nothing about requests or queues: the engine allocates pages and slots from
 `runner.kv_pool` / `runner.state_pool`, fills page tables, and frees them when a request ends.
 
-Pool sizing (gpu_worker.runner.memory): the pools' memory is `memory_budget_bytes` when given (and on CPU,
-CPU_MEMORY_BUDGET_BYTES by default), else on CUDA `gpu_memory_utilization` of the device less the weights
-and the profiled activation budget (gpu_worker.runner.profile). The state pool gets `max_num_seqs` live
-slots plus `num_checkpoint_slots` checkpoints; the rest becomes KV pages."""
+The pools are sized by `PoolPlan` (gpu_worker.runner.pool_plan)."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,7 +29,6 @@ from gpu_worker.model.backends.cpu.linear import (
     warm_onednn_linears,
 )
 from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY, StackedSpanRecord, restore_rows
-from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
@@ -46,26 +42,22 @@ from gpu_worker.runner.input_builder import (
     validate_batch,
 )
 from gpu_worker.runner.kv_pool import KVPagePool
-from gpu_worker.runner.memory import MemorySplit, PoolShape, size_pools
 from gpu_worker.runner.mtp import MtpProposer, Proposals
+from gpu_worker.runner.pool_plan import PoolPlan, RunnerFacts
 from gpu_worker.runner.profile import (
-    activation_budget,
     bound_step_memory,
-    device_memory,
     host_memory_bytes,
     weights_bytes,
 )
-from gpu_worker.runner.protocol import LogitsRunner, PoolSet
+from gpu_worker.runner.protocol import LogitsRunner
 from gpu_worker.runner.sampling import StepOutput, StepSampling
 from gpu_worker.runner.settings import RunnerConfig
 from gpu_worker.runner.shared_memory import Allocator
 from gpu_worker.runner.speculation import check_drafted, draft_logits, keeps_short_spans, with_draft_rows
-from gpu_worker.runner.state_pool import MambaStatePool, state_shapes
+from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.tuning import StepThreads, decode_threads, set_cpu_threads
 from gpu_worker.runner.warmup import WarmupTimes, scratch_steps
-from hybridserve.errors import InvalidArgumentError
 
-CPU_MEMORY_BUDGET_BYTES = 256 << 20  # the pools' memory on CPU unless --memory-budget-mb says otherwise
 log = logging.getLogger("hybridserve.worker")
 # The SSD scan's chunk length is a kernel choice: the result does not depend on it (up to float
 # rounding). Checkpoints pick it for GPUs (e.g. 256); on CPU the [chunk x chunk] decay matrices make
@@ -82,73 +74,6 @@ LONE_STEP_MIN_TOKENS = 64
 # prompt's chunk (8 clients, 1,000..3,000-token prompts: 242.8 against 223.5 tok/s); for the short
 # chunks of 16..256-token prompts beside decode rows it cost 3% (943.9 against 971.9 tok/s).
 WIDEN_MIN_TOKENS = 512
-
-
-def kv_layers(model: ModelConfig, config: RunnerConfig) -> int:
-    """Layers of the KV pool: the model's attention layers, and the MTP head's when it runs (their KV in
-    the same pages, after the model's)."""
-    return model.num_attention_layers + (model.num_mtp_attention_layers if config.mtp_draft_tokens else 0)
-
-
-@dataclass(frozen=True, slots=True)
-class PoolPlan:
-    """The pools' sizes for a model and a config (the worker and its model process compute the same)."""
-
-    loaded: LoadedModel
-    config: RunnerConfig  # with num_checkpoint_slots resolved from the memory split
-    kv_bytes_per_token: int
-    state_bytes_per_request: int
-    memory: MemorySplit
-
-    @property
-    def num_pages(self) -> int:
-        return self.memory.num_kv_pages
-
-    @property
-    def num_kv_layers(self) -> int:
-        return kv_layers(self.loaded.config, self.config)
-
-    @classmethod
-    def of(cls, loaded: LoadedModel, config: RunnerConfig) -> PoolPlan:
-        """Sizes the pools (see gpu_worker.runner.memory); on CUDA this profiles a worst-case step first."""
-        c = loaded.config
-        if config.mtp_draft_tokens and loaded.model.mtp is None:
-            raise InvalidArgumentError(
-                f"--speculative-method mtp: {loaded.model_dir} has no multi-token-prediction layers "
-                "(config.json num_nextn_predict_layers is 0); use --speculative-method ngram"
-            )
-        kv_bytes = KVPagePool.bytes_per_token(kv_layers(c, config), c.num_key_value_heads, c.head_dim, loaded.dtype)
-        state_bytes = MambaStatePool.bytes_per_slot(c.num_mamba_layers, *state_shapes(c), loaded.dtype)
-        shape = PoolShape(
-            kv_bytes, config.kv_page_size_tokens, state_bytes, config.max_num_seqs, config.num_checkpoint_slots,
-            config.checkpoint_memory_bytes, config.num_draft_rows,
-        )  # fmt: skip
-        activations = activation_budget(
-            loaded, config.max_num_batched_tokens, config.kv_page_size_tokens, config.max_num_seqs, config.max_model_len
-        )
-        budget, source = config.memory_budget_bytes, "--memory-budget-mb"
-        if not budget and loaded.device.type != "cuda":
-            budget, source = CPU_MEMORY_BUDGET_BYTES, f"the CPU default {CPU_MEMORY_BUDGET_BYTES >> 20} MiB"
-        memory = size_pools(
-            shape, weights_bytes=weights_bytes(loaded.model), activation_bytes=activations.total_bytes,
-            device=device_memory(loaded.device), utilization=config.gpu_memory_utilization, budget_bytes=budget,
-            budget_source=source,
-        )  # fmt: skip
-        memory = activations.annotate(memory)
-        config = replace(config, num_checkpoint_slots=memory.num_checkpoint_slots)
-        return cls(loaded, config, kv_bytes, state_bytes, memory)
-
-    def build(self, alloc: Allocator | None = None) -> tuple[KVPagePool, MambaStatePool]:
-        c, cfg, loaded = self.loaded.config, self.config, self.loaded
-        kv_pool = KVPagePool(
-            self.num_pages, cfg.kv_page_size_tokens, self.num_kv_layers, c.num_key_value_heads, c.head_dim,
-            loaded.dtype, loaded.device, alloc,
-        )  # fmt: skip
-        state_pool = MambaStatePool(
-            cfg.max_num_seqs, cfg.num_checkpoint_slots, c.num_mamba_layers, *state_shapes(c), loaded.dtype,
-            loaded.device, alloc, cfg.num_draft_rows,
-        )  # fmt: skip
-        return kv_pool, state_pool
 
 
 def prompt_scores(
@@ -168,51 +93,6 @@ def prompt_scores(
         index = torch.tensor(targets, device=logp.device)[:, None]
         out.append((i, logp.gather(1, index).view(-1).tolist()))
     return tuple(out)
-
-
-class RunnerFacts:
-    """What the engine, the service and the prefix cache read of a runner (gpu_worker.runner.protocol.Runner),
-    from its loaded model, its config and its pools; shared by the in-process runner and the model
-    process's (gpu_worker.runner.model_process)."""
-
-    loaded: LoadedModel
-    device: torch.device
-    runner_config: RunnerConfig
-    memory: MemorySplit  # the pools' memory and where it came from
-    pools: PoolSet
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.loaded.config
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.loaded.eos_token_ids
-
-    @property
-    def kv_page_size_tokens(self) -> int:
-        return self.runner_config.kv_page_size_tokens
-
-    @property
-    def kv_pool(self) -> KVPagePool:
-        return self.pools.kv_pool
-
-    @property
-    def state_pool(self) -> MambaStatePool:
-        return self.pools.state_pool
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.pools.kv_bytes_per_token
-
-    @property
-    def state_bytes_per_request(self) -> int:
-        return self.pools.state_bytes_per_request
-
-    def _set_plan(self, plan: PoolPlan, pools: tuple[KVPagePool, MambaStatePool]) -> None:
-        self.runner_config = plan.config
-        self.memory = plan.memory
-        self.pools = PoolSet(*pools, plan.kv_bytes_per_token, plan.state_bytes_per_request, self.device)
 
 
 def _program_hidden(
