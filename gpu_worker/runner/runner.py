@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,18 +27,15 @@ from gpu_worker.model.backends.cpu.linear import (
     use_onednn_linears,
     warm_onednn_linears,
 )
-from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY, StackedSpanRecord, restore_rows
+from gpu_worker.model.backends.cpu.short_scan import RECORDS_KEY
 from gpu_worker.model.context import ForwardContext
 from gpu_worker.model.loader import LoadedModel, load_model
 from gpu_worker.model.mamba2 import Mamba2Mixer
 from gpu_worker.runner.batch import Batch, ForwardOutput, score_targets
-from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs, VerifyGraphs, pick_bucket
+from gpu_worker.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs, VerifyGraphs
 from gpu_worker.runner.input_builder import (
-    PackedInputs,
-    VerifyInputs,
     build_inputs,
     build_verify_inputs,
-    validate_batch,
 )
 from gpu_worker.runner.kv_pool import KVPagePool
 from gpu_worker.runner.mtp import MtpProposer, Proposals
@@ -56,6 +52,7 @@ from gpu_worker.runner.shared_memory import Allocator
 from gpu_worker.runner.speculation import check_drafted, draft_logits, keeps_short_spans, with_draft_rows
 from gpu_worker.runner.state_pool import MambaStatePool
 from gpu_worker.runner.tuning import StepThreads, decode_threads, set_cpu_threads
+from gpu_worker.runner.verify_forward import through_graphs, through_programs, verify_columns
 from gpu_worker.runner.warmup import WarmupTimes, scratch_steps
 
 log = logging.getLogger("hybridserve.worker")
@@ -95,25 +92,6 @@ def prompt_scores(
     return tuple(out)
 
 
-def _program_hidden(
-    verify_hidden: torch.Tensor, drafted: list[int], plain_hidden: torch.Tensor | None, plain: list[int],
-    packed: PackedInputs | None,
-) -> tuple[torch.Tensor, tuple[int, ...]]:  # fmt: skip
-    """ForwardOutput.hidden and token_start of a verify step through the programs, laid out as the eager
-    forward's: the drafted rows' L positions each ([drafted, L, hidden], in batch order), then the plain
-    rows' decode group (`plain_hidden`, packed by `packed`); token_start[i] is batch row i's first position."""
-    length = verify_hidden.shape[1]
-    starts = [0] * (len(drafted) + len(plain))
-    for k, i in enumerate(drafted):
-        starts[i] = k * length
-    flat = verify_hidden.reshape(-1, verify_hidden.shape[-1])
-    if plain_hidden is None or packed is None:
-        return flat, tuple(starts)
-    for j, i in enumerate(plain):
-        starts[i] = len(flat) + packed.token_start[j]
-    return torch.cat([flat, plain_hidden]), tuple(starts)
-
-
 class ModelRunner(RunnerFacts, LogitsRunner):
     """Runs packed batches in this process (gpu_worker.runner.protocol.Runner; `forward` gives the logits
     alone). Not thread-safe: one engine thread calls it."""
@@ -130,6 +108,8 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         (the worker's own runner for small steps beside its model process)."""
         self.loaded = loaded
         self.model = loaded.model
+        # where the mixers' kernels are read (attached later in tests): the CPU's keep short spans, Triton's not
+        self._mixer = next((m for m in self.model.modules() if isinstance(m, Mamba2Mixer)), None)
         self.device = loaded.device
         self.step_threads: StepThreads | None = None
         self._stop_warming = threading.Event()
@@ -253,7 +233,7 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         packed = build_inputs(one, self.kv_page_size_tokens, self.state_pool.num_slots, self.device)
 
         def verify_scratch(bucket: int) -> tuple[torch.Tensor, ...]:  # the same row, one real token
-            return self._verify_columns(build_verify_inputs(
+            return verify_columns(build_verify_inputs(
                 one, self.kv_page_size_tokens, self.state_pool.num_slots, programs.verify_tokens, bucket,
                 MIN_PAGE_COLUMNS,
             ))  # fmt: skip
@@ -262,79 +242,6 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         threads = self._decode_thread_counts(max(max(programs.buckets), verify_tokens))
         programs.compile_all(packed.ctx, packed.input_ids, verify_scratch, threads)
         return programs.seconds
-
-    @staticmethod
-    def _verify_columns(inputs: VerifyInputs) -> tuple[torch.Tensor, ...]:
-        return (inputs.input_ids, inputs.positions, inputs.write_slots, inputs.lengths, inputs.state_slots,
-                inputs.page_table)  # fmt: skip
-
-    def _forward_verify(self, batch: Batch, programs: CompiledDecodeSteps, heads: bool) -> ForwardOutput | None:
-        """A step of verify rows, and plain decodes beside them, through the compiled programs
-        (compiled_step): the drafted rows through their bucket's verify program (every position's logits,
-        and the short-span records their rollback reads, as the eager short-span scan leaves them), the
-        others through the decode program of theirs. Two calls rather than the plain rows padded to 1 + k
-        positions: a verify row costs about three plain ones (bench_decode: 8 verify rows 20.5 ms, 8 decode rows
-        6.0, one verify row 6.1), so one drafted row among eight would cost the step 20.5 ms padded and about
-        12 split. With `heads` (the MTP head runs after the step) the final hidden states of every position
-        come back laid out as the eager forward's (`_program_hidden`). None when no program holds the step
-        (the caller runs it eagerly)."""
-        seqs = batch.sequences
-        length = programs.verify_tokens
-        drafted = [i for i, s in enumerate(seqs) if s.num_draft_tokens]
-        plain = [i for i, s in enumerate(seqs) if not s.num_draft_tokens]
-        bucket = programs.verify_bucket_for(len(drafted))
-        if bucket is None or programs.status != "ready" or (plain and programs.bucket_for(len(plain)) is None):
-            return None
-        if any(len(seqs[i].token_ids) > 1 for i in plain) or any(len(seqs[i].token_ids) > length for i in drafted):
-            return None  # a prefill chunk (the packed paths), or more drafts than the programs take
-        validate_batch(batch, self.kv_page_size_tokens, self.state_pool.num_slots)
-        verify = Batch(tuple(seqs[i] for i in drafted))
-        inputs = build_verify_inputs(
-            verify, self.kv_page_size_tokens, self.state_pool.num_slots, length, bucket, MIN_PAGE_COLUMNS
-        )  # fmt: skip
-        if self.step_threads is not None:  # a decode step's threads (a verify row is no prefill to widen for)
-            self.step_threads.for_step(sum(len(s.token_ids) for s in seqs), 0)
-        packed = None
-        if plain:
-            packed = build_inputs(
-                Batch(tuple(seqs[i] for i in plain)), self.kv_page_size_tokens, self.state_pool.num_slots,
-                self.device,
-            )  # fmt: skip
-        if inputs.fresh_slots is not None:
-            self.state_pool.zero_slots(inputs.fresh_slots)
-        ran = programs.run_verify(*self._verify_columns(inputs))
-        if ran is None:  # nothing ran
-            return None
-        logits, spans, verify_hidden = ran
-        plain_logits = plain_hidden = None
-        if packed is not None:
-            if packed.fresh_slots is not None:
-                self.state_pool.zero_slots(packed.fresh_slots)
-            compiled = programs.run(packed.ctx, packed.input_ids)
-            if compiled is None:  # its bucket and readiness were checked: the drafted rows ran already
-                raise RuntimeError(f"no decode program took the step's {len(plain)} plain rows")
-            plain_logits = compiled[0].index_select(0, packed.last_index)
-            plain_hidden = compiled[3]
-        self._save_checkpoints(batch)
-        real = slice(inputs.num_padding, None)
-        logits = logits[real]  # [drafted rows, L, vocab]
-        verify_last = logits[torch.arange(len(drafted)), inputs.lengths[real] - 1]
-        last = verify_last
-        if plain_logits is not None:
-            last = verify_last.new_empty(len(seqs), verify_last.shape[-1])
-            last[drafted], last[plain] = verify_last, plain_logits
-        drafts = tuple((i, logits[k, : 1 + seqs[i].num_draft_tokens]) for k, i in enumerate(drafted))
-        records: tuple[StackedSpanRecord, ...] = ()
-        if spans:  # whole, as the rollback's program was compiled on; padding rows answer to no slot
-            slots = (-1,) * inputs.num_padding + tuple(seqs[i].state_slot for i in drafted)
-            initial, a, xdt, B, windows = spans
-            conv, ssm = self.state_pool.stacked_states()
-            records = (StackedSpanRecord(conv, ssm, slots, initial, a, xdt, B, windows, programs.restore),)
-        out = ForwardOutput(logits=last, draft_logits=drafts, draft_records=records)
-        if not heads:
-            return out
-        hidden, token_start = _program_hidden(verify_hidden[real], drafted, plain_hidden, plain, packed)
-        return replace(out, hidden=hidden, token_start=token_start)
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, only on CUDA with the kernels attached (see cuda_graphs)."""
@@ -385,34 +292,6 @@ class ModelRunner(RunnerFacts, LogitsRunner):
                                          self._kv_caches, self._states)  # fmt: skip
         return logits, spans
 
-    def _forward_verify_graphed(self, batch: Batch) -> ForwardOutput:
-        """A verify step replayed from its bucket's CUDA graph (cuda_graphs.VerifyGraphs: every row padded to
-        L positions, the plain ones too); the rollback rebuilds a rejected row's state from the graph's span
-        tensors, as after the CPU's verify program."""
-        graphs = self.verify_graphs
-        assert graphs is not None
-        seqs = batch.sequences
-        bucket = pick_bucket(graphs.buckets, len(seqs))
-        assert bucket is not None  # can_run checked the rows
-        inputs = build_verify_inputs(
-            batch, self.kv_page_size_tokens, self.state_pool.num_slots, graphs.length, bucket, MIN_PAGE_COLUMNS
-        )  # fmt: skip
-        if inputs.fresh_slots is not None:  # a one-token prompt's only chunk, beside the drafted rows
-            self.state_pool.zero_slots(inputs.fresh_slots.to(self.device))
-        logits, spans = graphs.run(inputs)
-        self._save_checkpoints(batch)
-        logits = logits[inputs.num_padding :]  # [rows, L, vocab]
-        ends = (inputs.lengths[inputs.num_padding :] - 1).to(self.device)
-        last = logits[torch.arange(len(seqs), device=self.device), ends]
-        drafts = tuple((i, logits[i, : 1 + s.num_draft_tokens]) for i, s in enumerate(seqs) if s.num_draft_tokens)
-        records: tuple[StackedSpanRecord, ...] = ()
-        if spans:  # padding rows answer to no slot
-            slots = (-1,) * inputs.num_padding + tuple(s.state_slot for s in seqs)
-            conv, ssm = self.state_pool.stacked_states()
-            initial, a, xdt, B, windows = spans
-            records = (StackedSpanRecord(conv, ssm, slots, initial, a, xdt, B, windows, restore_rows),)
-        return ForwardOutput(logits=last, draft_logits=drafts, draft_records=records)
-
     def _decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The captured step: forward and float32 logits of every row."""
         return self.model.compute_logits(self.model(input_ids, ctx, self._kv_caches, self._states))
@@ -450,15 +329,11 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         records: list[object] | None = None
         if drafting:  # speculation: a rejected row's state is rebuilt from the short spans, or kept in draft rows
             check_drafted(batch)
-            if self.verify_graphs is not None and graphs and self.verify_graphs.can_run(batch):
-                return self._forward_verify_graphed(batch)
-            programs = self.decode_steps
-            if programs is not None and programs.verify_buckets and not eager and not batch.return_all_logits:
-                verified = self._forward_verify(batch, programs, heads)
-                if verified is not None:
-                    return verified
+            verified = None if eager else self._verify_ahead(batch, heads)
+            if verified is not None:
+                return verified
             # the CPU mixers keep the short spans; the CUDA backend's kernels (attached on CPU in tests) do not
-            keeps = keeps_short_spans(batch, self.device) and self._first_mixer_ops() is None
+            keeps = keeps_short_spans(batch, self.device) and (self._mixer is None or self._mixer.ops is None)
             records = [] if keeps else None
             if records is None:
                 batch = with_draft_rows(batch, self.state_pool)
@@ -527,10 +402,19 @@ class ModelRunner(RunnerFacts, LogitsRunner):
         self._save_checkpoints(batch)
         return ForwardOutput(logits=logits.index_select(0, packed.last_index.to(self.device)))
 
-    def _first_mixer_ops(self) -> object | None:
-        """The kernels attached to the model's first Mamba mixer (gpu_worker.model.backends), if any."""
-        mixer = next((m for m in self.model.modules() if isinstance(m, Mamba2Mixer)), None)
-        return mixer.ops if mixer is not None else None
+    def _verify_ahead(self, batch: Batch, heads: bool) -> ForwardOutput | None:
+        """A verify step through its CUDA graph or the CPU's compiled programs (gpu_worker.runner.
+        verify_forward; the graphs return no hidden states for the MTP head), its checkpoints saved; None
+        where neither holds it."""
+        page, pool, programs = self.kv_page_size_tokens, self.state_pool, self.decode_steps
+        out = None
+        if self.verify_graphs is not None and not heads and self.verify_graphs.can_run(batch):
+            out = through_graphs(batch, self.verify_graphs, pool, page, self.device)
+        elif programs is not None and programs.verify_buckets and not batch.return_all_logits:
+            out = through_programs(batch, programs, pool, page, self.device, self.step_threads, heads)
+        if out is not None:
+            self._save_checkpoints(batch)
+        return out
 
     def _save_checkpoints(self, batch: Batch) -> None:
         for seq in batch.sequences:
