@@ -122,23 +122,16 @@ run_phase verify 75 "$PY" bench/bench_gpu_verify.py --out "$DEST/verify.md" ${VE
     done
     echo
     echo "## Benchmark"
-    echo
-    if [ -s "$DEST/bench.md" ]; then
-        sed 's/^# /### /' "$DEST/bench.md"
-    else
-        echo "No benchmark output; the last lines of its log:"
-        echo '```'
-        tail -n 40 "$DEST/bench.log" 2>/dev/null
-        echo '```'
-    fi
-    echo
-    if [ -s "$DEST/verify.md" ]; then
-        sed 's/^# /### /' "$DEST/verify.md"
-    else
-        echo "No verify benchmark output; the last lines of its log:"
-        echo '```'
-        tail -n 40 "$DEST/verify.log" 2>/dev/null
-        echo '```'
-    fi
+    for name in bench verify; do  # each phase's markdown, else the end of its log
+        echo
+        if [ -s "$DEST/$name.md" ]; then
+            sed 's/^# /### /' "$DEST/$name.md"
+        else
+            echo "No output from phase $name; the last lines of its log:"
+            echo '```'
+            tail -n 40 "$DEST/$name.log" 2>/dev/null
+            echo '```'
+        fi
+    done
 } >"$REPORT"
 log "report written to $REPORT ($((SECONDS - STARTED))s in all)"

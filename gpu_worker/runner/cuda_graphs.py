@@ -70,6 +70,20 @@ def pick_bucket(buckets: tuple[int, ...], num_seqs: int) -> int | None:
     return None
 
 
+def capture_buckets(
+    buckets: tuple[int, ...], capture: GraphCapture, step: Callable[[int], None], device: torch.device
+) -> tuple[dict[int, Replay], int]:
+    """`step(bucket)` captured for every bucket, largest first (into one pool, the largest's activations
+    serve the rest); the replays, and on CUDA the bytes the graphs hold."""
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if cuda else 0
+    replays = {bucket: capture(partial(step, bucket)) for bucket in sorted(buckets, reverse=True)}
+    if not cuda:
+        return replays, 0
+    torch.cuda.synchronize(device)
+    return replays, torch.cuda.memory_allocated(device) - before
+
+
 class CudaGraphCapture:
     """torch.cuda.CUDAGraph capture into one pool shared by every bucket (capture largest first)."""
 
@@ -142,14 +156,8 @@ class DecodeGraphs:
 
     def capture_all(self) -> int:
         """Capture every bucket, largest first; returns the bytes the graphs hold (their shared pool)."""
-        cuda = self.device.type == "cuda"
-        before = torch.cuda.memory_allocated(self.device) if cuda else 0
         self._pad_from(0)  # capture-time runs touch no pool row
-        for bucket in sorted(self.buckets, reverse=True):
-            self._replays[bucket] = self.capture(partial(self._step, bucket))
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            self.pool_bytes = torch.cuda.memory_allocated(self.device) - before
+        self._replays, self.pool_bytes = capture_buckets(self.buckets, self.capture, self._step, self.device)
         return self.pool_bytes
 
     def can_run(self, batch: Batch) -> bool:
@@ -243,18 +251,12 @@ class VerifyGraphs:
         `scratch_page` (call it before any request holds them: what the capture writes there nobody reads;
         a slot is zeroed or restored when a request takes it, a page written before it is read). Returns
         the bytes the graphs hold."""
-        cuda = self.device.type == "cuda"
-        before = torch.cuda.memory_allocated(self.device) if cuda else 0
         self.tokens.zero_()
         self.tokens[2] = scratch_page * self.page_size
         self.rows[0] = 1
         self.rows[1] = scratch_slot
         self.page_table.fill_(scratch_page)
-        for bucket in sorted(self.buckets, reverse=True):
-            self._replays[bucket] = self.capture(partial(self._step, bucket))
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            self.pool_bytes = torch.cuda.memory_allocated(self.device) - before
+        self._replays, self.pool_bytes = capture_buckets(self.buckets, self.capture, self._step, self.device)
         return self.pool_bytes
 
     def can_run(self, batch: Batch) -> bool:
