@@ -13,11 +13,15 @@ them in turn (who goes first alternating, each run once both are idle) with the 
     random  random prompts, sampled at temperature 1: text that does not repeat, where drafts are rare and
             mostly rejected (speculation must then stop itself: a request whose drafts all miss backs off)
 
-Printed per cell: output tokens/s, TTFT p50, ITL p50 for both sides with the ratio on/off, and the
-acceptance rate (accepted / drafted tokens, from the worker's GetInfo counters over the cell's runs);
-with more than one round, each round's on/off ratio and their median (rounds are paired: both sides
-within a minute of each other, so the median of their ratios is less moved by the machine's swings
-than the ratio of each side's median). On a noisy machine many short rounds read better than a few long
+Printed per cell: output tokens/s, TTFT p50, ITL p50 for both sides with the ratio on/off, the CPU
+milliseconds per output token of each side's processes (worker and gateway: what the tokens cost, where
+tokens/s also moves with whatever else the machine's cores do while a run lasts), and the acceptance
+rate (accepted / drafted tokens, from the worker's GetInfo counters over the cell's runs); with more than
+one round, each round's on/off ratios (tokens/s and CPU per token), their median (rounds are paired:
+both sides within a minute of each other, so the median of their ratios is less moved by the machine's
+swings than the ratio of each side's median), their geometric mean and its 95% bootstrap interval:
+where that interval's low end clears a target, the rounds show it beyond the machine's swings. On a
+noisy machine many short rounds read better than a few long
 ones: `--rounds 15 --min-requests 2`.
 
 Then, with `--vllm-python` (or $HYBRIDSERVE_VLLM_PYTHON, or ~/.cache/hybridserve/vllm-venv), vLLM's CPU
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import shlex
 import statistics
 import sys
@@ -95,39 +101,75 @@ def prompts_for(workload: str, clients: int, args: argparse.Namespace) -> list[l
     return make_prompts(n, args.prompt_len, longest, args.vocab_size, seed=args.seed + clients)
 
 
-def table(args: argparse.Namespace, sides: dict[str, tuple[str, str]], roots: list[int]) -> None:
-    """Every (workload, clients) cell on both sides; `sides`: name -> (gateway URL, worker gRPC address)."""
+def ratio_interval(ratios: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """(geometric mean, low, high) of paired on/off ratios: the mean of their logarithms and its 95%
+    percentile bootstrap interval (rounds resampled with replacement, `draws` times, a fixed seed)."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    if not logs:
+        return math.nan, math.nan, math.nan
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
+    low, high = means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+    return math.exp(statistics.fmean(logs)), math.exp(low), math.exp(high)
+
+
+def _spread(ratios: list[float]) -> str:
+    """Each round's ratio, their median, geometric mean and its 95% bootstrap interval."""
+    mean, low, high = ratio_interval(ratios)
+    rounds = " ".join(f"{r:.2f}x" for r in ratios)
+    return (f"{rounds} (median {statistics.median(ratios):.2f}x; geometric mean {mean:.3f}x, 95% interval"
+            f" {low:.3f}x..{high:.3f}x)")  # fmt: skip
+
+
+def cpu_ms_per_token(cpu_s: list[float], runs: list[Any]) -> list[float]:
+    """Each run's CPU milliseconds (its stack's processes) per output token."""
+    return [c * 1000 / max(r.output_tokens_per_s * r.wall_s, 1.0) for c, r in zip(cpu_s, runs, strict=True)]
+
+
+def table(
+    args: argparse.Namespace, sides: dict[str, tuple[str, str]], roots: list[int], side_roots: dict[str, list[int]]
+) -> None:
+    """Every (workload, clients) cell on both sides; `sides`: name -> (gateway URL, worker gRPC address);
+    `side_roots`: name -> the pids of that side's services (its CPU seconds)."""
     from http_load import median_summary
-    from proc_cpu import wait_quiet
+    from proc_cpu import tree_cpu_s, wait_quiet
 
     print(f"\n{'workload':<9}{'clients':>8}{'side':>6}{'out tok/s':>11}{'ratio':>8}{'TTFT p50 ms':>13}"
-          f"{'ITL p50 ms':>12}{'ratio':>8}{'accepted':>10}{'failed':>8}", flush=True)  # fmt: skip
+          f"{'ITL p50 ms':>12}{'ratio':>8}{'CPU ms/tok':>12}{'ratio':>8}{'accepted':>10}{'failed':>8}",
+          flush=True)  # fmt: skip
     for workload in args.workloads.split(","):
         temperature = WORKLOADS[workload]
         for clients in (int(c) for c in args.clients.split(",")):
             prompts = prompts_for(workload, clients, args)
             runs: dict[str, list[Any]] = {"off": [], "on": []}
+            cpu: dict[str, list[float]] = {"off": [], "on": []}
             before = spec_counters(sides["on"][1])
             for round_index in range(args.rounds):
                 for side in ("off", "on") if round_index % 2 == 0 else ("on", "off"):
                     wait_quiet(roots)
+                    start = tree_cpu_s(side_roots[side])
                     runs[side].append(run_load(sides[side][0], prompts, clients, args.max_tokens, temperature))
+                    cpu[side].append(tree_cpu_s(side_roots[side]) - start)
             drafted, accepted = (b - a for a, b in zip(before, spec_counters(sides["on"][1]), strict=True))
             off, on = median_summary(runs["off"]), median_summary(runs["on"])
             rate = f"{accepted / drafted:.0%}" if drafted else "none"
+            per_token = {side: cpu_ms_per_token(cpu[side], runs[side]) for side in runs}
+            cpu_ms = {side: statistics.median(v) for side, v in per_token.items()}
             for side, m in (("off", off), ("on", on)):
                 ratio = side == "on"
                 print(f"{workload:<9}{clients:>8}{side:>6}{m.output_tokens_per_s:>11.1f}"
                       f"{_ratio(on.output_tokens_per_s, off.output_tokens_per_s) if ratio else '':>8}"
                       f"{_ms(m.ttft_p50_s):>13}{_ms(m.itl_median_s):>12}"
                       f"{_ratio(on.itl_median_s, off.itl_median_s) if ratio else '':>8}"
+                      f"{cpu_ms[side]:>12.2f}{_ratio(cpu_ms['on'], cpu_ms['off']) if ratio else '':>8}"
                       f"{rate if ratio else '':>10}{m.requests_failed:>8}", flush=True)  # fmt: skip
             if args.rounds > 1:
                 paired = [b.output_tokens_per_s / a.output_tokens_per_s if a.output_tokens_per_s else 0.0
                           for a, b in zip(runs["off"], runs["on"], strict=True)]  # fmt: skip
-                tps = " ".join(f"{r:.2f}x" for r in paired)
-                print(f"{'':<23}rounds on/off out tok/s: {tps} (median {statistics.median(paired):.2f}x); "
-                      f"drafted {drafted}, accepted {accepted}", flush=True)  # fmt: skip
+                cpu_paired = [b / a for a, b in zip(per_token["off"], per_token["on"], strict=True)]
+                print(f"{'':<23}rounds on/off out tok/s: {_spread(paired)}", flush=True)
+                print(f"{'':<23}rounds on/off CPU ms/token: {_spread(cpu_paired)}", flush=True)
+            print(f"{'':<23}drafted {drafted}, accepted {accepted}", flush=True)
             for error in off.errors + on.errors:
                 print(f"  error: {error}", flush=True)
 
@@ -256,10 +298,11 @@ def main() -> int:
             for side, flags in (("off", extra), ("on", (*extra, *spec))):
                 stack, worker, url = start_ours(model, scheduler, max_seqs, args.decode_compile, 1, flags)
                 stacks[side], sides[side] = stack, (url, worker)
-            roots = [s.child.pid for st in stacks.values() for s in st.services]
+            side_roots = {side: [s.child.pid for s in st.services] for side, st in stacks.items()}
+            roots = [pid for pids in side_roots.values() for pid in pids]
             for url, _ in sides.values():  # a fresh server's first calls stream in bursts
                 run_load(url, repeat_prompts(2, 16, args.vocab_size, 99), 2, 8, 0.0)
-            table(args, sides, roots)
+            table(args, sides, roots, side_roots)
             if not args.skip_vllm:
                 vllm_cell(args, model, sides["on"], roots)
         finally:
