@@ -43,7 +43,6 @@ up: the worker stays NOT_SERVING and must be restarted.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -53,16 +52,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import send_handle
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gpu_worker.model.loader import LoadedModel, load_model
-from gpu_worker.runner import model_child
 from gpu_worker.runner.batch import Batch, ForwardOutput
+from gpu_worker.runner.child_handle import ChildHandle, ModelProcessError
 from gpu_worker.runner.messages import (
     PROTOCOL_VERSION,
     Failed,
@@ -71,7 +68,6 @@ from gpu_worker.runner.messages import (
     Step,
     StepDone,
     StepTables,
-    Stop,
     TableWriter,
     Warm,
     WarmUp,
@@ -99,16 +95,11 @@ from hybridserve.errors import InvalidArgumentError
 log = logging.getLogger("hybridserve.worker.model_process")
 START_TIMEOUT_S = 600.0  # loading and (on a cold cache) nothing else: the decode compile runs in the background
 WARM_UP_TIMEOUT_S = 1800.0  # the warm-up waits for the decode compile: a cold inductor cache on a busy machine
-STOP_TIMEOUT_S = 10.0
 MODEL_PROCESS_MODES = ("auto", "on", "off")
 
 SUPERVISE_INTERVAL_S = 0.25  # how often the supervisor looks for a dead model process between steps
 MAX_REPLACEMENTS = 5  # dead model processes replaced within REPLACEMENT_WINDOW_S before the worker gives up
 REPLACEMENT_WINDOW_S = 600.0
-
-
-class ModelProcessError(RuntimeError):
-    """The model process is gone (crashed, killed, or never started)."""
 
 
 def wants_model_process(config: RunnerConfig, device: torch.device) -> bool:
@@ -167,7 +158,7 @@ class ProcessRunner(RunnerFacts):
         self._child_config = child_config
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._children: list[_Child] = []
+        self._children: list[ChildHandle] = []
         self._alive = False
         self._warming_up = False  # warm_up waits for the children
         self._replacements: list[float] = []  # when dead model processes were replaced (monotonic)
@@ -211,7 +202,7 @@ class ProcessRunner(RunnerFacts):
         children = []
         try:
             for index in range(count):
-                children.append(_Child.start(
+                children.append(ChildHandle.start(
                     self._context, index, count, self.loaded, self._child_config, self._arena, self._weights,
                     self._weight_names,
                 ))  # fmt: skip
@@ -448,66 +439,6 @@ class ProcessRunner(RunnerFacts):
         for arena in (getattr(self, "_arena", None), getattr(self, "_weights", None)):
             if arena is not None:
                 arena.close()
-
-
-class _Child:
-    """One model process and the worker's end of its pipe."""
-
-    def __init__(self, process: Any, conn: Connection) -> None:
-        self.process = process
-        self.conn = conn
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    @classmethod
-    def start(
-        cls, context: Any, index: int, count: int, loaded: LoadedModel, config: RunnerConfig, arena: SharedArena,
-        weights: SharedArena, weight_names: list[str],
-    ) -> _Child:  # fmt: skip
-        conn, child_conn = context.Pipe()
-        process = context.Process(
-            target=model_child.serve,
-            args=(child_conn, str(loaded.model_dir), config, arena.shapes, weights.shapes, weight_names,
-                  log.getEffectiveLevel(), index, count),
-            name=f"hybridserve-model-{index}", daemon=True,
-        )  # fmt: skip
-        process.start()
-        child_conn.close()
-        child = cls(process, conn)
-        try:
-            for fd in arena.fds + weights.fds:
-                send_handle(conn, fd, process.pid)
-        except BaseException:
-            child.stop()
-            raise
-        return child
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid  # type: ignore[no-any-return]
-
-    def send(self, message: Any) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        self.bytes_sent += len(data)
-        self.conn.send_bytes(data)
-
-    def receive(self, timeout_s: float | None) -> Any:
-        if timeout_s is not None and not self.conn.poll(timeout_s):
-            raise ModelProcessError(f"no answer from the model process within {timeout_s:.0f} s")
-        data = self.conn.recv_bytes()
-        self.bytes_received += len(data)
-        return pickle.loads(data)
-
-    def stop(self) -> None:
-        if self.process.pid is None:
-            return
-        with contextlib.suppress(OSError, ValueError):  # already gone, or the pipe closed
-            self.conn.send_bytes(pickle.dumps(Stop()))
-        self.process.join(STOP_TIMEOUT_S)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(STOP_TIMEOUT_S)
-        self.conn.close()
 
 
 def _strip_weights(model: torch.nn.Module) -> None:
