@@ -1,12 +1,13 @@
 """Token sampling, where the logits are: in the process (or on the device) that ran the forward.
 
 A step's sampling is `sample_step(logits, batch, sampling, history, bitmask)`: one token for each row that
-yields (`StepSampling.rows`), as a logits-processor pipeline (`PIPELINE`, vLLM's order): a grammar's token
-mask first (below), then the per-request controls (logit_bias, the min_tokens mask, repetition_penalty,
-presence and frequency penalties: `apply_controls`), then temperature, min-p, top-k and top-p, then the
-draw; greedy rows (temperature 0) take the argmax of the masked and controlled logits. Rows that need
-nothing but the argmax and its log-probability (`SamplingParams.is_plain`) cost no Python of their own,
-and a step without controls runs none of `apply_controls`. The controls run once per step over the rows
+yields (`StepSampling.rows`), as a logits-processor pipeline (`PIPELINE`, vLLM's order; the processors are in
+gpu_worker.runner.logits_processors): a grammar's token mask first (below), then the per-request controls
+(logit_bias, the min_tokens mask, repetition_penalty, presence and frequency penalties: `apply_controls`),
+then temperature, min-p, top-k and top-p, then the draw; greedy rows (temperature 0) take the argmax of
+the masked and controlled logits. Rows that need nothing but the argmax and its log-probability
+(`SamplingParams.is_plain`) cost no Python of their own, and a step without controls runs none of
+`apply_controls`. The controls run once per step over the rows
 that have them, as tensors (scatters for the bias and the mask, a gather and a scatter at the tokens each
 row has seen for the penalties), never per token in Python. Log-probabilities are those of the model's
 raw distribution (log_softmax of the unmodified logits), for the chosen token and the top-n alternatives.
@@ -36,8 +37,9 @@ import torch
 
 from gpu_worker.model.backends.cpu import logit_stats
 from gpu_worker.runner.batch import Batch
+from gpu_worker.runner.logits_processors import apply_controls, choose_masked, filter_logits, has_filters
 from gpu_worker.runner.random_stream import STREAMS
-from gpu_worker.runner.token_masks import TokenMasks, disallowed_tokens, mask_rows_, outside_masks
+from gpu_worker.runner.token_masks import TokenMasks, mask_rows_, outside_masks
 from hybridserve.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -213,121 +215,6 @@ def sample_step(
     )  # fmt: skip
 
 
-SPARSE_MASK_SHARE = 4  # a mask with at most 1/4 of its words non-zero is chosen from by a gather
-
-
-def _choose_masked(
-    row: torch.Tensor, words: np.ndarray[Any, Any], drawn: tuple[int, SamplingParams] | None, noise: torch.Tensor
-) -> torch.Tensor:
-    """The token of one masked row without filters, from its logits `row` [vocab] (a view: written in
-    place) and its mask `words`: the best allowed token, or, for a sampled row (`drawn`: its index into
-    `noise` and its params), the race's winner among the allowed tokens with its noise. A mask that allows
-    few tokens (a grammar between structural tokens) is chosen from at the allowed ids alone; a wider one
-    puts the others at -inf first (an empty mask too: the row's logits then all -inf, as if masked first). The
-    same tokens either way."""
-    vocab = row.shape[0]
-    nonzero = np.flatnonzero(words)  # the words that allow some token
-    if 0 < len(nonzero) <= len(words) // SPARSE_MASK_SHARE:
-        bits = np.unpackbits(words[nonzero].view(np.uint8), bitorder="little").reshape(len(nonzero), 32)
-        allowed = (nonzero[:, None] * 32 + np.arange(32))[bits.astype(bool)]  # ascending
-        ids = torch.from_numpy(allowed[allowed < vocab]).to(row.device)
-        if len(ids):
-            values = row[ids]
-            if drawn is None:
-                return ids[values.argmax()]
-            k, params = drawn
-            probs = _filter_logits(values[None, :], [params]).softmax(dim=-1)[0]
-            return ids[(probs / noise[k, ids]).argmax()]
-    row.masked_fill_(disallowed_tokens(torch.from_numpy(words[None, :]), vocab, row.device)[0], float("-inf"))
-    if drawn is None:
-        return row.argmax()
-    k, params = drawn
-    probs = _filter_logits(row[None, :], [params]).softmax(dim=-1)[0]
-    return (probs / noise[k]).argmax()
-
-
-def _has_filters(p: SamplingParams, vocab: int) -> bool:
-    """A sampled row whose filters (min-p, top-k, top-p) depend on the whole distribution: masking it
-    after the draw would change which tokens the filters keep."""
-    return p.temperature != 0.0 and (p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0)
-
-
-def apply_controls(
-    logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
-    history: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None,
-) -> None:  # fmt: skip
-    """The per-request controls, in place, on `logits` [b, vocab] at `rows` (one per `params`; `history`
-    (HistoryTables.rows) one row per params that needs_history, in order), vLLM's order: logit_bias (added
-    to the raw logits), the min_tokens mask (held ids at -inf), repetition_penalty (transformers': a seen
-    token's logit divided by it when positive, multiplied when not), frequency and presence penalties
-    (OpenAI's: logit - frequency * count - presence * (count > 0), over the generated tokens). Every
-    control is a scatter or a gather-and-scatter at the ids concerned: nothing reads the whole vocabulary."""
-    device = logits.device
-    bias = [(rows[j], t, b) for j, p in enumerate(params) for t, b in p.logit_bias]
-    if bias:
-        r, t, b = zip(*bias, strict=True)
-        index = (torch.tensor(r, device=device), torch.tensor(t, device=device))
-        logits.index_put_(index, torch.tensor(b, device=device, dtype=logits.dtype), accumulate=True)
-    with_history = [j for j, p in enumerate(params) if p.needs_history]
-    if not with_history:
-        return
-    assert history is not None and len(history[3]) == len(with_history)
-    ids, counts, valid, generated = history
-    held = [
-        (rows[j], t) for j, n in zip(with_history, generated, strict=True) if n < params[j].min_tokens
-        for t in params[j].held_token_ids
-    ]  # fmt: skip
-    if held:
-        r, t = zip(*held, strict=True)
-        logits[torch.tensor(r, device=device), torch.tensor(t, device=device)] = float("-inf")
-    hp = [params[j] for j in with_history]
-    if not any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in hp):
-        return
-    at = torch.tensor([rows[j] for j in with_history], device=device)[:, None].expand_as(ids)
-    values = logits[at, ids]  # [k, u]: the logits of the tokens each row has seen
-    if any(p.repetition_penalty != 1.0 for p in hp):
-        rep = torch.tensor([p.repetition_penalty for p in hp], device=device, dtype=values.dtype)[:, None]
-        values = torch.where(values > 0, values / rep, values * rep)
-    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in hp):
-        freq = torch.tensor([p.frequency_penalty for p in hp], device=device, dtype=values.dtype)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in hp], device=device, dtype=values.dtype)[:, None]
-        values = values - freq * counts - pres * (counts > 0).to(values.dtype)
-    logits[at[valid], ids[valid]] = values[valid]  # each (row, id) once: the ids of a row are distinct
-
-
-def _filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The pipeline's filters on rows [b, vocab]: temperature, min-p, top-k and top-p -> logits with
-    excluded tokens at -inf (the per-request controls ran before: apply_controls)."""
-    device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
-    logits = logits / temps[:, None]
-    if any(p.min_p > 0.0 for p in params):  # vLLM's: below min_p times the best token's probability
-        probs = logits.softmax(dim=-1)
-        floor = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)[:, None]
-        logits = logits.masked_fill(probs < floor * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    vocab = logits.shape[-1]
-    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_ps = [p.top_p for p in params]
-    if all(k == vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=device)[None, :]
-    drop = rank >= torch.tensor(top_ks, device=device)[:, None]
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-    drop |= mass_before >= torch.tensor(top_ps, device=device, dtype=torch.float32)[:, None]
-    drop[:, 0] = False  # always keep the best token
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-
-
-# the order apply_token_masks, apply_controls, _filter_logits and sample_rows apply them
-PIPELINE = (
-    "grammar_mask", "logit_bias", "min_tokens", "repetition_penalty", "presence_frequency_penalty", "temperature",
-    "min_p", "top_k", "top_p", "draw",
-)  # fmt: skip
-
-
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> StepOutput:
     """Pick one token per row of `logits` [b, vocab] (float32); `params`/`positions` are per row (no row may
     need_history: that state lives in a runner's HistoryTables)."""
@@ -370,15 +257,7 @@ def sample_rows(
     logits = logits.float()
     # [b] each, of the raw logits: one kernel over every row, unless the forward's program ran it (`stats`)
     first_max, lse = stats if stats is not None else logit_stats.stats(logits)
-    vocab = logits.shape[-1]
-    max_n = max([p.num_logprobs for p in params], default=0)
-    top: list[TopLogprobs] | None = None
-    if max_n:  # the alternatives, of the raw logits (before anything below writes into them)
-        vals, idx = logits[list(rows)].topk(min(max_n, vocab), dim=-1)
-        vals_l, idx_l = (vals - lse[list(rows), None]).tolist(), idx.tolist()
-        top = [()] * logits.shape[0]
-        for j, (i, p) in enumerate(zip(rows, params, strict=True)):
-            top[i] = tuple(zip(idx_l[j][: p.num_logprobs], vals_l[j][: p.num_logprobs], strict=True))
+    top = _alternatives(logits, rows, params, lse)  # of the raw logits, before anything below writes into them
     work = logits  # the logits the tokens are chosen from (written in place from here on)
     check: list[int] = []  # indices into masked_rows whose choice is checked against the mask after it
     words: np.ndarray[Any, Any] = np.empty((0, 0), np.int32)
@@ -387,7 +266,7 @@ def sample_rows(
         assert bitmask is not None and bitmask.shape[0] == len(masked_rows)
         words = bitmask.to("cpu", torch.int32).numpy()  # [masked, words]: the bit tests and the sparse choices
         param_of = dict(zip(rows, params, strict=True))
-        filtered = [r in param_of and _has_filters(param_of[r], vocab) for r in masked_rows]
+        filtered = [r in param_of and has_filters(param_of[r], logits.shape[-1]) for r in masked_rows]
         first = [j for j, f in enumerate(filtered) if f]
         check = [j for j, f in enumerate(filtered) if not f]
     controlled = [j for j, p in enumerate(params) if p.has_controls]
@@ -396,44 +275,82 @@ def sample_rows(
     if first:
         mask_rows_(work, [masked_rows[j] for j in first], bitmask[first])  # type: ignore[index]
     if controlled:  # the controls write into their rows of `work`, in place
-        with_history = [j for j in controlled if params[j].needs_history]
-        state = None
-        if with_history:
-            if history is None or len(slots) != len(rows):
-                raise InvalidArgumentError("sample_rows: penalties or min_tokens without the rows' history")
-            state = tuple(t.to(logits.device) if isinstance(t, torch.Tensor) else t
-                          for t in history.rows([slots[j] for j in with_history]))  # fmt: skip
-        apply_controls(work, [rows[j] for j in controlled], [params[j] for j in controlled], state)  # type: ignore[arg-type]
+        _control(work, rows, params, controlled, slots, history)
     chosen = first_max.to(logits.device)  # [b]; the first maximal logit
     if written:
         chosen[written] = work[written].argmax(dim=-1)
     random = [(i, p, pos) for i, p, pos in zip(rows, params, positions, strict=True) if p.temperature != 0.0]
-    noise = torch.empty(0)
-    if random:
-        index = torch.tensor([i for i, _, _ in random], device=logits.device)
-        probs = _filter_logits(work[index], [p for _, p, _ in random]).softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        if any(p.seed is None for _, p, _ in random):
-            noise.exponential_()  # the unseeded rows' draws, from this process's generator, in one call
-        for j, (_, p, pos) in enumerate(random):
-            if p.seed is not None:
-                noise[j].exponential_(generator=STREAMS.at(logits.device, p.seed, pos))
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
-        chosen[index] = (probs / noise).argmax(dim=-1)
+    noise = _draw(work, random, chosen) if random else torch.empty(0)
     if check:
-        # A masked row without filters chose from its unmasked logits: when the token is one its mask
-        # allows, it is the masked choice too (the first maximum among all tokens is the first among the
-        # allowed ones; the race's winner over all tokens wins over the allowed ones, with the same noise,
-        # as a row's normalisation does not change its argmax). The others choose again, masked.
-        outside = outside_masks(chosen, [masked_rows[j] for j in check], words[check])
-        redo = [j for j, out in zip(check, outside, strict=True) if out]
-        if redo:
-            drawn = {i: (k, p) for k, (i, p, _) in enumerate(random)}
-            for j in redo:
-                row = masked_rows[j]
-                chosen[row] = _choose_masked(work[row], words[j], drawn.get(row), noise)
+        _choose_again_masked(work, chosen, [masked_rows[j] for j in check], words[check], random, noise)
     chosen_logit = logits.gather(1, chosen[:, None]).view(-1)
     if raw is not None:
         chosen_logit[written] = raw.gather(1, chosen[written][:, None]).view(-1)
     chosen_lp = chosen_logit - lse.to(logits.device)
     return StepOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(), top_logprobs=top)
+
+
+def _alternatives(
+    logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams], lse: torch.Tensor
+) -> list[TopLogprobs] | None:
+    """Each row's top num_logprobs alternatives of the raw `logits` (every other row's empty); None when no
+    row asks for any."""
+    max_n = max([p.num_logprobs for p in params], default=0)
+    if not max_n:
+        return None
+    vals, idx = logits[list(rows)].topk(min(max_n, logits.shape[-1]), dim=-1)
+    vals_l, idx_l = (vals - lse[list(rows), None]).tolist(), idx.tolist()
+    top: list[TopLogprobs] = [()] * logits.shape[0]
+    for j, (i, p) in enumerate(zip(rows, params, strict=True)):
+        top[i] = tuple(zip(idx_l[j][: p.num_logprobs], vals_l[j][: p.num_logprobs], strict=True))
+    return top
+
+
+def _control(
+    work: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams], controlled: Sequence[int],
+    slots: Sequence[int], history: HistoryTables | None,
+) -> None:  # fmt: skip
+    """The controls of `controlled` (indices into `rows`) on `work`, in place, with the history of those that
+    need it (read at their `slots`)."""
+    with_history = [j for j in controlled if params[j].needs_history]
+    state = None
+    if with_history:
+        if history is None or len(slots) != len(rows):
+            raise InvalidArgumentError("sample_rows: penalties or min_tokens without the rows' history")
+        state = tuple(t.to(work.device) if isinstance(t, torch.Tensor) else t
+                      for t in history.rows([slots[j] for j in with_history]))  # fmt: skip
+    apply_controls(work, [rows[j] for j in controlled], [params[j] for j in controlled], state)  # type: ignore[arg-type]
+
+
+def _draw(work: torch.Tensor, random: Sequence[tuple[int, SamplingParams, int]], chosen: torch.Tensor) -> torch.Tensor:
+    """The sampled rows' tokens (`random`: row, params, position) written into `chosen`, from their filtered
+    logits in `work`; returns the draws' noise [len(random), vocab], which a masked row's second choice reuses."""
+    index = torch.tensor([i for i, _, _ in random], device=work.device)
+    probs = filter_logits(work[index], [p for _, p, _ in random]).softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    if any(p.seed is None for _, p, _ in random):
+        noise.exponential_()  # the unseeded rows' draws, from this process's generator, in one call
+    for j, (_, p, pos) in enumerate(random):
+        if p.seed is not None:
+            noise[j].exponential_(generator=STREAMS.at(work.device, p.seed, pos))
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+    chosen[index] = (probs / noise).argmax(dim=-1)
+    return noise
+
+
+def _choose_again_masked(
+    work: torch.Tensor, chosen: torch.Tensor, masked: Sequence[int], words: np.ndarray[Any, Any],
+    random: Sequence[tuple[int, SamplingParams, int]], noise: torch.Tensor,
+) -> None:  # fmt: skip
+    """The rows `masked` (their masks `words`, no filters) chose from their unmasked logits: when the token
+    is one its mask allows, it is the masked choice too (the first maximum among all tokens is the first
+    among the allowed ones; the race's winner over all tokens wins over the allowed ones, with the same
+    noise, as a row's normalisation does not change its argmax). The others choose again, masked."""
+    outside = outside_masks(chosen, masked, words)
+    redo = [j for j, out in enumerate(outside) if out]
+    if not redo:
+        return
+    drawn = {i: (k, p) for k, (i, p, _) in enumerate(random)}
+    for j in redo:
+        row = masked[j]
+        chosen[row] = choose_masked(work[row], words[j], drawn.get(row), noise)
