@@ -33,17 +33,17 @@ from gpu_worker.cache.interface import NoPrefixCache, PrefixCache
 from gpu_worker.engine import failures
 from gpu_worker.engine.allocator import Allocator
 from gpu_worker.engine.door import Door
-from gpu_worker.engine.grammar import GrammarCompiler, StepMasks
+from gpu_worker.engine.grammar import GrammarCompiler
 from gpu_worker.engine.observer import EngineObserver, finished_record, queued_record, served_slices
 from gpu_worker.engine.output import Ending, OutputProcessor
 from gpu_worker.engine.planning import PlanFn, Planned, Planning, ShareAccountant
-from gpu_worker.engine.prepare import PreparedStep, prepare_step
+from gpu_worker.engine.prepare import PreparedStep, prepare_step, step_sampling
 from gpu_worker.engine.records import EngineCounters, FirstToken, Occupancy, StepRecord
 from gpu_worker.engine.request import FinishReason, Request
 from gpu_worker.engine.settings import EngineSettings
 from gpu_worker.engine.speculation import observe_step, speculator_for, step_drafts
 from gpu_worker.engine.table import RequestTable
-from gpu_worker.runner.protocol import Runner, StepOutput, StepSampling
+from gpu_worker.runner.protocol import Runner, StepOutput
 from hybridserve.errors import (
     AbortedError,
     DeadlineExceededError,
@@ -304,7 +304,9 @@ class Engine:
             return None
         self._forwarded = True
         try:
-            output = self.runner.execute(batch, self._sampling(prepared), while_waiting=self._while_forwarding)
+            words = self.grammars.words if self.table.num_running_constrained else 0  # the compiler, once needed
+            sampling = step_sampling(prepared, self.table, words)
+            output = self.runner.execute(batch, sampling, while_waiting=self._while_forwarding)
         except Exception as exc:
             self._while_forwarding()  # if the step failed before it could
             self.prefix.discard(prepared.checkpoints)
@@ -312,31 +314,6 @@ class Engine:
             return AbortedError(f"model forward failed: {type(exc).__name__}: {exc}; send the request again")
         self.prefix.register(prepared.checkpoints)  # before apply frees finished requests' pages
         return output
-
-    def _sampling(self, prepared: PreparedStep) -> StepSampling:
-        """What the step samples: every yielding row, the params of those that need more than the argmax,
-        and the token masks of those a grammar constrains (built by the runner's call while the forward runs)."""
-        rows = prepared.yielding_rows
-        table = self.table
-        if not rows or not (table.num_running_sampled or table.num_running_constrained):  # no Python per row
-            return StepSampling(rows)
-        requests = prepared.yielding
-        special = [i for i, r in enumerate(requests) if not r.params.sampling.is_plain]
-        params = [requests[i].params.sampling for i in special]
-        histories: list[tuple[list[int], list[int]] | None] = []
-        if any(p.needs_history for p in params):
-            histories = [requests[i].history if p.needs_history else None for i, p in zip(special, params, strict=True)]
-        if not table.num_running_constrained:
-            return StepSampling(rows, special, params, histories=histories)
-        masked = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if not masked:
-            return StepSampling(rows, special, params, histories=histories)
-        constraints = [g for i in masked if (g := requests[i].grammar) is not None]
-        chunks = [prepared.rows[rows[i]].chunk for i in masked]
-        drafts = [c.token_ids[1:] if c.num_draft_tokens else () for c in chunks]  # a verify row: its newest, drafts
-        outputs = [requests[i].output_token_ids for i in masked]
-        masks = StepMasks(constraints, outputs, self.grammars.words, drafts if any(drafts) else ())
-        return StepSampling(rows, special, params, masked, masks, histories)
 
     def _apply(self, prepared: PreparedStep, sampled: StepOutput | None) -> list[Ending]:
         """Each sampled token to its request; returns the requests that ended (already freed)."""

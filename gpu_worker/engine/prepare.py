@@ -14,10 +14,11 @@ from typing import NamedTuple
 
 from gpu_worker.cache.interface import PendingCheckpoint
 from gpu_worker.engine.allocator import Allocator
+from gpu_worker.engine.grammar import StepMasks
 from gpu_worker.engine.request import Request
 from gpu_worker.engine.speculation import Speculator
 from gpu_worker.engine.table import RequestTable
-from gpu_worker.runner.protocol import Batch, SequenceChunk
+from gpu_worker.runner.protocol import Batch, SequenceChunk, StepSampling
 from scheduler_svc.core import Slice, StepPlan
 
 
@@ -230,3 +231,30 @@ def preempt(table: RequestTable, allocator: Allocator, request_id: str) -> Reque
         allocator.release(request)
         request.fold_for_recompute()
     return request
+
+
+def step_sampling(prepared: PreparedStep, table: RequestTable, words: int) -> StepSampling:
+    """What the step samples: every yielding row, the params of those that need more than the argmax, and
+    the token masks (`words` 32-bit words a row) of those a grammar constrains, which the runner's call
+    builds while the forward runs. A step where no running request samples or is constrained costs no
+    Python per row."""
+    rows = prepared.yielding_rows
+    if not rows or not (table.num_running_sampled or table.num_running_constrained):
+        return StepSampling(rows)
+    requests = prepared.yielding
+    special = [i for i, r in enumerate(requests) if not r.params.sampling.is_plain]
+    params = [requests[i].params.sampling for i in special]
+    histories: list[tuple[list[int], list[int]] | None] = []
+    if any(p.needs_history for p in params):
+        histories = [requests[i].history if p.needs_history else None for i, p in zip(special, params, strict=True)]
+    if not table.num_running_constrained:
+        return StepSampling(rows, special, params, histories=histories)
+    masked = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not masked:
+        return StepSampling(rows, special, params, histories=histories)
+    constraints = [g for i in masked if (g := requests[i].grammar) is not None]
+    chunks = [prepared.rows[rows[i]].chunk for i in masked]
+    drafts = [c.token_ids[1:] if c.num_draft_tokens else () for c in chunks]  # a verify row: its newest, drafts
+    outputs = [requests[i].output_token_ids for i in masked]
+    masks = StepMasks(constraints, outputs, words, drafts if any(drafts) else ())
+    return StepSampling(rows, special, params, masked, masks, histories)

@@ -27,7 +27,7 @@ last accepted token: the copy is one row per layer, a recompute is a whole forwa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -171,51 +171,79 @@ def verify_drafts(
     at its draft positions i (TokenMasks.fill), each the grammar's after the drafts ahead of it."""
     if not out.draft_logits:
         return sampled
-    seqs = batch.sequences
     index_of = {row: j for j, row in enumerate(sampling.rows)}
+    at = _stack_positions(out, batch, sampling, index_of, history, bitmask, before)
+    params = at.params
+    special = [i for i, p in enumerate(params) if not p.is_plain]
+    drawn = sample_rows(
+        torch.cat(at.logits),
+        special,
+        [params[i] for i in special],
+        [at.positions[i] for i in special],
+        at.masked,
+        bitmask[at.mask_rows] if at.masked and bitmask is not None else None,
+        slots=special if at.histories is not None else (),
+        history=at.histories,  # type: ignore[arg-type]
+    )  # every position's token, as a plain decode would draw it there (fmt: skip)
+    return _accept(sampled, batch, at.spans, drawn, index_of)
+
+
+@dataclass(slots=True)
+class _Positions:
+    """A step's drafted rows' positions, stacked: each position's logits, params and sampled position, the
+    rows' spans (batch row, first index into the stacked positions), the drafts' histories where a row's
+    controls read them, and the positions a grammar constrains with their rows of the step's bitmask."""
+
+    logits: list[torch.Tensor] = field(default_factory=list)
+    params: list[SamplingParams] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    histories: DraftHistories | None = None
+    masked: list[int] = field(default_factory=list)
+    mask_rows: list[int] = field(default_factory=list)
+
+
+def _stack_positions(
+    out: ForwardOutput, batch: Batch, sampling: StepSampling, index_of: dict[int, int], history: HistoryTables | None,
+    bitmask: torch.Tensor | None, before: Sequence[int],
+) -> _Positions:  # fmt: skip
+    """Every drafted row's positions, as verify_drafts samples them (one sampler call)."""
+    seqs = batch.sequences
     params_of = {sampling.rows[j]: p for j, p in zip(sampling.special, sampling.params, strict=True)}
     masked_of = {sampling.rows[j]: m for m, j in enumerate(sampling.masked)}
-    logits: list[torch.Tensor] = []
-    params: list[SamplingParams] = []
-    positions: list[int] = []
-    spans: list[tuple[int, int]] = []  # (batch row, first index into the stacked positions)
-    histories: DraftHistories | None = None
-    masked: list[int] = []  # stacked positions a grammar constrains, and their rows of `bitmask`
-    mask_rows: list[int] = []
+    at = _Positions()
     for row, row_logits in out.draft_logits:
         if row not in index_of:
             raise InvalidArgumentError(f"batch: drafted row {row} does not yield a token")
         seq, p = seqs[row], params_of.get(row, _GREEDY)
-        n = len(seq.token_ids)
+        n, first = len(seq.token_ids), len(at.positions)
         m = masked_of.get(row)
         if m is not None:
             if bitmask is None or len(before) <= m or before[m] < 0:
                 raise InvalidArgumentError(f"batch: drafted row {row} is constrained, and its drafts have no masks")
-            masked.extend(range(len(positions), len(positions) + n))
-            mask_rows.extend([*range(before[m], before[m] + n - 1), m])
+            at.masked.extend(range(first, first + n))
+            at.mask_rows.extend([*range(before[m], before[m] + n - 1), m])
         if p.needs_history:
             if history is None:
                 raise InvalidArgumentError(f"batch: drafted row {row} has penalties or min_tokens but no history")
-            histories = histories or DraftHistories(history)
+            at.histories = at.histories or DraftHistories(history)
             drafts = seq.token_ids[1:]
             for i in range(n):
-                histories.add(len(positions) + i, seq.state_slot, drafts[:i])
-        spans.append((row, len(positions)))
-        logits.append(row_logits)
-        params.extend([p] * n)
-        positions.extend(range(seq.start_pos + 1, seq.start_pos + 1 + n))
-    stacked = torch.cat(logits)
-    special = [i for i, p in enumerate(params) if not p.is_plain]
-    drawn = sample_rows(
-        stacked,
-        special,
-        [params[i] for i in special],
-        [positions[i] for i in special],
-        masked,
-        bitmask[mask_rows] if masked and bitmask is not None else None,
-        slots=special if histories is not None else (),
-        history=histories,  # type: ignore[arg-type]
-    )  # every position's token, as a plain decode would draw it there (fmt: skip)
+                at.histories.add(first + i, seq.state_slot, drafts[:i])
+        at.spans.append((row, first))
+        at.logits.append(row_logits)
+        at.params.extend([p] * n)
+        at.positions.extend(range(seq.start_pos + 1, seq.start_pos + 1 + n))
+    return at
+
+
+def _accept(
+    sampled: StepOutput, batch: Batch, spans: Sequence[tuple[int, int]], drawn: StepOutput, index_of: dict[int, int]
+) -> StepOutput:
+    """`sampled` with each drafted row's verification (`spans` into `drawn`, every stacked position's
+    token): its drafts accepted up to the first that differs from the token drawn there, and the token
+    drawn after the last accepted in place of the row's own."""
+    seqs = batch.sequences
     token_ids, logprobs = list(sampled.token_ids), list(sampled.logprobs)
     tops = list(sampled.top_logprobs) if sampled.top_logprobs is not None else None
     verified: list[Verified] = []
