@@ -89,7 +89,10 @@ class UpSettings:
     gateway_port: int = 8000  # the gateway's OpenAI HTTP API
     gateway_grpc_port: int = 50050  # the gateway's gRPC Generation API
     no_cache: bool = False  # do not start Redis and the cache service
-    start_timeout: float = 300.0  # seconds each service may take to start
+    start_timeout: float = 300.0  # seconds each service may take to start (to listen)
+    # seconds the worker may then take to warm up before the gateway admits it: as long as a model process's
+    # warm-up may last (gpu_worker.runner.model_process.WARM_UP_TIMEOUT_S), which a cold compile cache needs
+    ready_timeout: float = 1800.0
     stop_timeout: float = 40.0  # seconds after SIGTERM before SIGKILL (a worker drains for up to 30 s)
     tls: bool = False  # mTLS on every gRPC hop, from a throwaway CA
     api_key_file: Path | None = None  # API keys the gateway and worker require (default: none on loopback)
@@ -121,7 +124,10 @@ FLAGS = {
     "gateway_port": Flag("the gateway's OpenAI HTTP API; 0 picks a free port"),
     "gateway_grpc_port": Flag("the gateway's gRPC Generation API; 0 picks a free port"),
     "no_cache": Flag("do not start Redis and the cache service", switch=True),
-    "start_timeout": Flag("seconds each service may take to start"),
+    "start_timeout": Flag("seconds each service may take to start listening"),
+    "ready_timeout": Flag(
+        "seconds the worker may then take to warm up (compiling on a cold cache takes minutes) before up gives up"
+    ),
     "stop_timeout": Flag("seconds after SIGTERM before SIGKILL"),
     "tls": Flag("mTLS on every gRPC hop, with a throwaway CA and certificates made for this stack", switch=True),
     "api_key_file": Flag(
@@ -269,7 +275,7 @@ def start_services(
     worker = stack.worker(model.spec, [scheduler], cache, args.worker_port, flags, env("worker"))
     gateway = stack.gateway([worker.address], args.gateway_port, args.gateway_grpc_port,
                             ["--model", model.spec, *model.flags, *tls("gateway")], env("gateway"))  # fmt: skip
-    wait_gateway_ready(gateway.address, args.start_timeout, stack)  # the worker is ready: warm
+    wait_gateway_ready(gateway.address, args.ready_timeout, stack)  # the worker is ready: warm
     return [*gateway_endpoints(gateway), *backends, *worker_endpoints(worker)]
 
 
@@ -305,22 +311,35 @@ def worker_note(lines: Iterable[str]) -> str:
     return f"(Generation API; warmed up in {float(found[-1].group(1)):.1f} s)" if found else "(Generation API)"
 
 
+WARMING_NOTE_S = 60.0  # how often up says it is still waiting for the warm-up
+
+
 def wait_gateway_ready(address: str, timeout_s: float, stack: Stack) -> None:
     """Blocks until the gateway's /ready says a worker is in rotation, so the stack is announced
-    only once a request through the front door can be served."""
-    deadline = time.monotonic() + timeout_s
+    only once a request through the front door can be served. Every WARMING_NOTE_S it says it still
+    waits; a child that exits meanwhile ends the wait at once (ChildExited, with its last lines)."""
+    started = time.monotonic()
+    deadline, note_at = started + timeout_s, started + WARMING_NOTE_S
     url = f"http://{address}/ready"
     while time.monotonic() < deadline:
         if stack.should_stop():
             raise Interrupted()
+        exited = next((s for s in stack.servers() if not s.child.is_running()), None)
+        if exited is not None:
+            raise ChildExited(exited.child)
         try:
             with urllib.request.urlopen(url, timeout=1.0) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError):
             pass  # 503 until the gateway admits the worker, or not answering yet
+        if time.monotonic() >= note_at:
+            note_at += WARMING_NOTE_S
+            log.info("waiting for the worker's warm-up: %.0f s so far, up to --ready-timeout %.0f s (a cold compile"
+                     " cache takes minutes; later starts read it)", time.monotonic() - started, timeout_s)  # fmt: skip
         time.sleep(0.05)
-    raise UpError(f"the gateway at {address} admitted no worker within {timeout_s:.0f}s (see the worker's log)")
+    raise UpError(f"the gateway at {address} admitted no worker within {timeout_s:.0f}s of --ready-timeout"
+                  " (see the worker's log)")  # fmt: skip
 
 
 def cache_service_available() -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridserve.children import ChildExited
 from hybridserve.errors import InvalidArgumentError
 from hybridserve_cli import build_parser, up
 from hybridserve_cli.stack import Service, Stack
@@ -104,6 +105,29 @@ def test_up_flags_make_the_policy_and_bad_ones_exit_2(capsys):
     assert (policy.max_restarts, policy.window_s, policy.backoff_s) == (3, 5.0, 0.1)
     assert up.run(build_parser(only="up").parse_args(["up", "--max-restarts", "-1"])) == 2
     assert "--max-restarts -1" in capsys.readouterr().err
+
+
+def test_the_warm_up_wait_has_its_own_timeout_says_it_waits_and_ends_when_a_child_dies(
+    stack, tmp_path, monkeypatch, caplog
+):
+    """The gateway's /ready is waited for under --ready-timeout (a cold compile takes minutes, more than
+    --start-timeout gives a service to listen); up says it is still waiting, and a child that dies
+    meanwhile ends the wait at once instead of at the timeout. The server below never answers HTTP."""
+    caplog.set_level(logging.INFO, logger="hybridserve.up")
+    args = build_parser(only="up").parse_args(["up", "--ready-timeout", "45", "--start-timeout", "20"])
+    settings = up.settings_from_args(up.UpSettings, args)
+    assert (settings.ready_timeout, settings.start_timeout) == (45.0, 20.0)
+    assert up.UpSettings().ready_timeout >= 1800.0  # as long as a model process's warm-up may last
+    service = start_server(stack, tmp_path)
+    monkeypatch.setattr(up, "WARMING_NOTE_S", 0.5)
+    with pytest.raises(up.UpError, match="within 2s of --ready-timeout"):
+        up.wait_gateway_ready(service.address, 2.0, stack)
+    assert "waiting for the worker's warm-up" in caplog.text
+    stack.kill("svc")
+    started = time.monotonic()
+    with pytest.raises(ChildExited):
+        up.wait_gateway_ready(service.address, 60.0, stack)
+    assert time.monotonic() - started < 10.0
 
 
 def test_a_service_on_port_0_comes_back_at_the_port_it_announced(stack, tmp_path):
